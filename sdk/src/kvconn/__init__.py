@@ -1,0 +1,67 @@
+"""kvconn: an SDK for KV-cache connectors.
+
+Connector authors implement the hooks of :mod:`kvconn.hookspecs` on a
+:class:`KVConnector` subclass and declare it in the ``kvconn.connectors``
+entry-point group. Engines load connectors by name with :func:`load_connector`
+and drive them through a :class:`ConnectorHost`. Importing kvconn does not
+import torch.
+"""
+
+from __future__ import annotations
+
+from .block_state import BlockIds, KVConnectorBlockState
+from .connector import KVConnector, KVConnectorRole, NoConfig
+from .context import NULL_BLOCK_ID, ConnectorContext, KVCacheGroupSpec
+from .errors import (
+    BlockStateSerializationError,
+    ConnectorConfigError,
+    ConnectorError,
+    ConnectorLoadError,
+    ConnectorNotFoundError,
+    KVConnError,
+    WireError,
+)
+from .host import ConnectorHost, LoadPlan, StepUpdate
+from .markers import hookimpl, hookspec
+from .metadata import KVConnectorMetadata
+from .outputs import CachedRequestData, KVConnectorOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from .registry import ConnectorEntry, available_connectors, load_connector, load_connector_class
+from .request import ConnectorRequest
+from .version import API_VERSION
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "API_VERSION",
+    "NULL_BLOCK_ID",
+    "BlockIds",
+    "BlockStateSerializationError",
+    "CachedRequestData",
+    "ConnectorConfigError",
+    "ConnectorContext",
+    "ConnectorEntry",
+    "ConnectorError",
+    "ConnectorHost",
+    "ConnectorLoadError",
+    "ConnectorNotFoundError",
+    "ConnectorRequest",
+    "KVCacheGroupSpec",
+    "KVConnError",
+    "KVConnector",
+    "KVConnectorBlockState",
+    "KVConnectorMetadata",
+    "KVConnectorOutput",
+    "KVConnectorRole",
+    "LoadPlan",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "NoConfig",
+    "SchedulerOutput",
+    "StepUpdate",
+    "WireError",
+    "available_connectors",
+    "hookimpl",
+    "hookspec",
+    "load_connector",
+    "load_connector_class",
+]

@@ -1,0 +1,45 @@
+"""Static facts about the engine a connector instance serves."""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["NULL_BLOCK_ID", "ConnectorContext", "KVCacheGroupSpec"]
+
+
+class KVCacheGroupSpec(msgspec.Struct, frozen=True):
+    """One KV-cache group: layers that share a block table.
+
+    ``sliding_window`` is ``None`` for full attention; for sliding-window
+    attention it is the window in tokens, and table entries for blocks wholly
+    outside the window are the null block (id ``0``), which holds no data and
+    must never be saved or loaded.
+    """
+
+    layer_names: tuple[str, ...]
+    sliding_window: int | None = None
+
+
+NULL_BLOCK_ID = 0
+
+
+class ConnectorContext(msgspec.Struct, frozen=True, kw_only=True):
+    """What a connector knows about its engine when it is created.
+
+    Everything that changes what a block's bytes mean (model, dtype, layout,
+    block size, tensor-parallel rank, group) is here, so connectors that share
+    blocks across engines can namespace their keys with it.
+    """
+
+    model: str = "kvconn-reference"
+    dtype: str = "float16"
+    block_size: int = 16
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = (KVCacheGroupSpec(("layer.0", "layer.1")),)
+    kv_layout: str = "NHD"
+    tp_rank: int = 0
+    tp_size: int = 1
+    engine_id: str = "kvconn-engine"
+
+    def group_of_layer(self) -> dict[str, int]:
+        """Map each layer name to the index of its KV-cache group."""
+        return {layer: g for g, spec in enumerate(self.kv_cache_groups) for layer in spec.layer_names}

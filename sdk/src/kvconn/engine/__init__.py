@@ -1,0 +1,31 @@
+"""The reference engine: a small, faithful driver for connectors.
+
+A paged KV-cache manager with prefix caching and several KV-cache groups, a
+scheduler with chunked prefill, preemption, async external loads, delayed
+frees and failed-load recovery, and a worker holding real torch KV caches with
+a deterministic model, so a wrong load changes the generated tokens. torch is
+imported only when a worker is built.
+"""
+
+from __future__ import annotations
+
+from .block_pool import Block, BlockPool
+from .engine import Engine
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+from .scheduler import Scheduler, SchedulerConfig
+from .stats import EngineStats
+from .worker import ReferenceWorker
+
+__all__ = [
+    "Block",
+    "BlockPool",
+    "Engine",
+    "EngineStats",
+    "KVCacheManager",
+    "ReferenceWorker",
+    "Request",
+    "RequestStatus",
+    "Scheduler",
+    "SchedulerConfig",
+]

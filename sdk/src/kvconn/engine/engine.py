@@ -1,0 +1,148 @@
+"""``Engine``: scheduler and worker in one process, wired as a real engine is.
+
+Every ``SchedulerOutput`` goes through the wire encoder and decoder on its way
+to the worker (and every ``ModelRunnerOutput`` on its way back), so anything a
+connector puts in its metadata that would not survive a process boundary fails
+here too.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..connector import KVConnectorRole
+from ..context import ConnectorContext
+from ..host import ConnectorHost, OnError
+from ..metadata import KVConnectorMetadata
+from ..wire import (
+    decode_model_runner_output,
+    decode_scheduler_output,
+    encode_model_runner_output,
+    encode_scheduler_output,
+)
+from .request import Request
+from .scheduler import Scheduler, SchedulerConfig
+from .stats import EngineStats
+from .worker import ReferenceWorker
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """The reference engine.
+
+    Args:
+        connector: a connector name, ``"pkg.mod:Class"``, a list of them (several
+            connectors: every one saves, the first with a hit loads), or ``None``.
+        config: the connector's config (with several: ``{name: config}``).
+        on_error: the hosts' error policy (``"degrade"`` or ``"raise"``).
+        model, dtype: engine facts connectors may namespace keys with.
+        num_kv_heads, head_dim: KV-cache tensor shape of each layer.
+        **scheduler_options: fields of :class:`SchedulerConfig`.
+    """
+
+    def __init__(
+        self,
+        connector: str | Sequence[str] | None = None,
+        config: Mapping[str, Any] | None = None,
+        *,
+        on_error: OnError = "degrade",
+        model: str = "kvconn-reference",
+        dtype: str = "float16",
+        num_kv_heads: int = 2,
+        head_dim: int = 8,
+        tp_rank: int = 0,
+        **scheduler_options: Any,
+    ) -> None:
+        scheduler_config = SchedulerConfig(**scheduler_options)
+        self.context = ConnectorContext(
+            model=model,
+            dtype=dtype,
+            block_size=scheduler_config.block_size,
+            kv_cache_groups=scheduler_config.kv_cache_groups,
+            tp_rank=tp_rank,
+        )
+        self.scheduler_host: ConnectorHost | None = None
+        self.worker_host: ConnectorHost | None = None
+        if connector:
+            self.scheduler_host = ConnectorHost.from_names(
+                connector, role=KVConnectorRole.SCHEDULER, config=config, context=self.context, on_error=on_error
+            )
+            self.worker_host = ConnectorHost.from_names(
+                connector, role=KVConnectorRole.WORKER, config=config, context=self.context, on_error=on_error
+            )
+        self.scheduler = Scheduler(scheduler_config, host=self.scheduler_host, context=self.context)
+        self.worker = ReferenceWorker(
+            self.context,
+            num_blocks=scheduler_config.num_blocks,
+            host=self.worker_host,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+        )
+        self._metadata_types: dict[str, type[KVConnectorMetadata]] = {
+            name: getattr(c, "Metadata", KVConnectorMetadata)
+            for name, c in (self.worker_host.connectors.items() if self.worker_host else ())
+        }
+        self._ids = itertools.count()
+        self.wire_bytes = 0
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats
+
+    def add_request(self, prompt: Sequence[int], max_tokens: int = 16, request_id: str | None = None) -> Request:
+        request = Request(
+            request_id if request_id is not None else f"req-{next(self._ids)}",
+            prompt,
+            max_tokens,
+            self.scheduler.block_size,
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> None:
+        """One engine step: schedule, send, execute, send back, update."""
+        output = self.scheduler.schedule()
+        wire = encode_scheduler_output(output)
+        self.wire_bytes += len(wire)
+        worker_output = self.worker.execute_model(decode_scheduler_output(wire, self._metadata_types))
+        returned = decode_model_runner_output(encode_model_runner_output(worker_output))
+        self.scheduler.update_from_output(output, returned)
+
+    def run_until_done(self, *, max_steps: int = 100_000, drain_steps: int = 256) -> None:
+        """Step until every request finished, then until held blocks are released.
+
+        Raises ``RuntimeError`` if requests are still unfinished after
+        ``max_steps`` (a connector that never completes a load, say).
+        """
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                break
+            self.step()
+        else:
+            raise RuntimeError(
+                f"{self.scheduler.get_num_unfinished_requests()} requests unfinished after {max_steps} steps"
+            )
+        for _ in range(drain_steps):
+            if not self.scheduler.has_work():
+                break
+            self.step()
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 16) -> list[list[int]]:
+        """Run ``prompts`` to completion; each request's generated tokens, in order."""
+        requests = [self.add_request(prompt, max_tokens) for prompt in prompts]
+        self.run_until_done()
+        return [list(r.output_token_ids) for r in requests]
+
+    def close(self) -> None:
+        for host in (self.scheduler_host, self.worker_host):
+            if host is not None:
+                host.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,398 @@
+"""The reference scheduler: continuous batching over a paged KV cache.
+
+Each step it decides which requests run and how many tokens each computes
+(token budget, ``max_num_seqs``, chunked prefill, decode), preempting the
+lowest-priority running request when blocks run out. Connectors are consulted
+through a :class:`~kvconn.host.ConnectorHost`: for external prefix hits (sync
+or async loads), and every step with a :class:`~kvconn.KVConnectorBlockState`
+offering **every scheduled request**, so a request on its block-fill step (no
+new block) is offered too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+
+import msgspec
+
+from ..block_state import KVConnectorBlockState
+from ..context import ConnectorContext, KVCacheGroupSpec
+from ..host import NO_LOAD, ConnectorHost, LoadPlan
+from ..outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from .block_pool import Block
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+from .stats import EngineStats
+
+__all__ = ["Scheduler", "SchedulerConfig"]
+
+logger = logging.getLogger("kvconn.engine")
+
+
+class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Scheduler limits. ``kv_cache_groups`` defaults to one full-attention group."""
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 16384
+    enable_prefix_caching: bool = True
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = (KVCacheGroupSpec(("layer.0", "layer.1")),)
+
+    def __post_init__(self) -> None:
+        for field in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        if not self.kv_cache_groups:
+            raise ValueError("kv_cache_groups must hold at least one group")
+
+
+class Scheduler:
+    """Schedules requests step by step; see the module docstring.
+
+    Args:
+        config: limits (or pass its fields as keyword options).
+        host: scheduler-side connector host, or ``None`` for no connector.
+        context: engine facts; derived from ``config`` when omitted.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        *,
+        host: ConnectorHost | None = None,
+        context: ConnectorContext | None = None,
+        **options: object,
+    ) -> None:
+        self.config = config or msgspec.convert(options, SchedulerConfig)
+        self.context = context or ConnectorContext(
+            block_size=self.config.block_size, kv_cache_groups=self.config.kv_cache_groups
+        )
+        self.block_size = self.config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            self.config.kv_cache_groups,
+            num_blocks=self.config.num_blocks,
+            block_size=self.block_size,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+        )
+        self.host = host
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = EngineStats()
+        self._step = 0
+        self._finished_for_workers: set[str] = set()
+        self._tokens_on_worker: dict[str, int] = {}
+        # finished requests whose blocks are held, and why ("send", "recv")
+        self._held: dict[str, tuple[Request, set[str]]] = {}
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests or request.request_id in self._held:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens + request.max_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: {request.num_tokens} prompt tokens + max_tokens "
+                f"{request.max_tokens} exceed max_model_len {self.config.max_model_len}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        self.stats.prompt_tokens += request.num_prompt_tokens
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Abort (or finish) requests; unknown or already finished ids are ignored."""
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is not None:
+                self._finish(request, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_work(self) -> bool:
+        """Unfinished requests, or finished ones whose blocks are still held."""
+        return bool(self.requests or self._held)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # -------------------------------------------------------------------- step
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+
+        preemptions_before = self.stats.preemptions
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            self.kv_cache_manager.remove_skipped_blocks(request)
+            new_ids = self._allocate_or_preempt(request, num_new)
+            if new_ids is None:
+                continue
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            self._add_cached(cached, request, new_ids if any(new_ids) else None, resumed=False)
+
+        if self.stats.preemptions == preemptions_before:  # no room to spare for waiting requests
+            budget = self._schedule_waiting(budget, num_scheduled, new_reqs, cached)
+
+        output = SchedulerOutput(
+            step=self._step,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_for_workers,
+        )
+        self._finished_for_workers = set()
+        for req_id in num_scheduled:
+            self._tokens_on_worker[req_id] = self.requests[req_id].num_tokens
+        if self.host is not None:
+            # Every scheduled request is offered, with or without new blocks.
+            state = KVConnectorBlockState(set(num_scheduled), self.kv_cache_manager.get_block_ids)
+            output.kv_connector_metadata = self.host.build_connector_meta(output, state)
+        self._step += 1
+        return output
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[int], ...] | None:
+        """Grow the table, preempting from the back of ``running`` until it fits.
+
+        Returns ``None`` when ``request`` itself had to be preempted.
+        """
+        while True:
+            new_ids = self.kv_cache_manager.allocate_slots(
+                request, request.num_computed_tokens + num_new, num_computed_tokens=request.num_computed_tokens
+            )
+            if new_ids is not None:
+                return new_ids
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self.stats.preemptions += 1
+
+    def _schedule_waiting(
+        self,
+        budget: int,
+        num_scheduled: dict[str, int],
+        new_reqs: list[NewRequestData],
+        cached: CachedRequestData,
+    ) -> int:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.popleft()
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(request)
+                continue
+            scheduled = self._schedule_one_waiting(request, budget)
+            if scheduled is None:
+                self.waiting.appendleft(request)
+                break
+            if scheduled == 0:
+                skipped.append(request)
+                continue
+            budget -= scheduled
+            num_scheduled[request.request_id] = scheduled
+            resumed = request.request_id in self._tokens_on_worker
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            table = self.kv_cache_manager.get_block_ids(request.request_id)
+            if resumed:
+                self._add_cached(cached, request, table, resumed=True)
+            else:
+                new_reqs.append(
+                    NewRequestData(request.request_id, request.all_token_ids[:], table, request.num_computed_tokens)
+                )
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _schedule_one_waiting(self, request: Request, budget: int) -> int | None:
+        """Allocate for a waiting request; tokens to compute, 0 to skip it, None if no room."""
+        kv = self.kv_cache_manager
+        if kv.has_request(request.request_id):  # back from an async load: blocks are in place
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            ids = kv.allocate_slots(
+                request, request.num_computed_tokens + num_new, num_computed_tokens=request.num_computed_tokens
+            )
+            return None if ids is None else num_new
+
+        computed_blocks, num_local = kv.get_computed_blocks(request)
+        plan = self.host.get_num_new_matched_tokens(request, num_local) if self.host else NO_LOAD
+        if plan.num_tokens is None:
+            return 0  # the connector asks to be asked again
+        # Load whole blocks only, and always leave the last token to compute.
+        max_external = ((request.num_tokens - 1) // self.block_size) * self.block_size - num_local
+        plan = LoadPlan(max(0, min(plan.num_tokens, max_external)), plan.load_async, plan.connector)
+        allocated = self._allocate_waiting(request, computed_blocks, num_local, plan, budget)
+        if allocated is None:
+            return None
+        num_new = allocated
+        loading = self.host is not None and self.host.update_state_after_alloc(
+            request, kv.get_block_ids(request.request_id), plan
+        )
+        if plan.num_tokens and not loading:  # the loader failed: compute instead of loading
+            kv.free(request)
+            plan = NO_LOAD
+            allocated = self._allocate_waiting(request, computed_blocks, num_local, plan, budget)
+            if allocated is None:
+                return None
+            num_new = allocated
+        num_external = plan.num_tokens or 0
+        self.stats.prompt_tokens_cached += min(num_local, request.num_prompt_tokens)
+        if loading and plan.load_async:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            request.num_external_tokens = num_external
+            return 0
+        request.num_computed_tokens = num_local + num_external
+        self.stats.prompt_tokens_loaded += num_external
+        return num_new
+
+    def _allocate_waiting(
+        self, request: Request, computed_blocks: list[list[Block]], num_local: int, plan: LoadPlan, budget: int
+    ) -> int | None:
+        """Allocate the table of a request about to load and/or compute; tokens to compute."""
+        num_external = plan.num_tokens or 0
+        num_new = 0 if plan.load_async and num_external else min(request.num_tokens - num_local - num_external, budget)
+        ids = self.kv_cache_manager.allocate_slots(
+            request,
+            num_local + num_external + num_new,
+            num_computed_tokens=num_local + num_external,
+            computed_blocks=computed_blocks,
+        )
+        if ids is None:
+            return None
+        request.num_computed_tokens = num_local
+        return num_new
+
+    def _add_cached(
+        self, cached: CachedRequestData, request: Request, block_ids: tuple[list[int], ...] | None, *, resumed: bool
+    ) -> None:
+        cached.req_ids.append(request.request_id)
+        cached.resumed_from_preemption.append(resumed)
+        on_worker = self._tokens_on_worker.get(request.request_id, 0)
+        cached.new_token_ids.append([] if resumed else request.all_token_ids[on_worker:])
+        cached.new_block_ids.append(block_ids)
+        cached.num_computed_tokens.append(request.num_computed_tokens)
+        if resumed:
+            cached.all_token_ids[request.request_id] = request.all_token_ids[:]
+
+    # ------------------------------------------------------------------ update
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput) -> None:
+        """Apply a step's results: advance, sample, finish, free, recover from failed loads."""
+        update = self.host.update_connector_output(model_runner_output.kv_connector_output) if self.host else None
+        discarded: set[str] = set()
+        if update is not None:
+            for key in ("blocks_saved", "blocks_loaded", "bytes_saved", "bytes_loaded"):
+                setattr(self.stats, key, getattr(self.stats, key) + int(update.stats.get(key, 0)))
+            self.stats.degraded_events = self.host.degraded_events if self.host else 0
+            if update.invalid_block_ids:
+                discarded = self._recover_invalid_blocks(update.invalid_block_ids)
+
+        kv = self.kv_cache_manager
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status is not RequestStatus.RUNNING or req_id in discarded:
+                continue
+            start = request.num_computed_tokens
+            self.stats.prompt_tokens_computed += max(0, min(start + num_tokens, request.num_prompt_tokens) - start)
+            request.num_computed_tokens = start + num_tokens
+            kv.cache_blocks(request, request.num_computed_tokens)
+            sampled = model_runner_output.sampled_token_ids.get(req_id)
+            if sampled and request.num_computed_tokens >= request.num_tokens:
+                request.append_output_token(sampled[0])
+                self.stats.generated_tokens += 1
+                if len(request.output_token_ids) >= request.max_tokens:
+                    self._finish(request, RequestStatus.FINISHED_LENGTH)
+
+        if update is not None:
+            for req_id in update.finished_recving:
+                self._remote_load_done(req_id)
+            for req_id in update.finished_sending:
+                self._release(req_id, "send")
+        self.stats.steps += 1
+
+    def _recover_invalid_blocks(self, invalid: set[int]) -> set[str]:
+        """Roll requests back to their first failed block; returns those whose step is void."""
+        self.stats.failed_load_blocks += len(invalid)
+        discarded: set[str] = set()
+        for request in self.requests.values():
+            table = self.kv_cache_manager.get_block_ids(request.request_id)
+            first = min((i for group in table for i, b in enumerate(group) if b in invalid), default=None)
+            if first is None:
+                continue
+            valid_tokens = first * self.block_size
+            self.kv_cache_manager.invalidate_from(request, first)
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                request.num_external_tokens = max(
+                    0, min(request.num_external_tokens, valid_tokens - request.num_computed_tokens)
+                )
+            elif request.status is RequestStatus.RUNNING:
+                logger.info("request %s: load failed from block %d; recomputing", request.request_id, first)
+                request.num_computed_tokens = min(request.num_computed_tokens, valid_tokens)
+                discarded.add(request.request_id)
+        return discarded
+
+    def _remote_load_done(self, req_id: str) -> None:
+        request = self.requests.get(req_id)
+        if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self._release(req_id, "recv")
+            return
+        request.num_computed_tokens += request.num_external_tokens
+        self.stats.prompt_tokens_loaded += request.num_external_tokens
+        request.num_external_tokens = 0
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.WAITING
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        was_loading = request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        del self.requests[request.request_id]
+        self.stats.requests_finished += 1
+        if self._tokens_on_worker.pop(request.request_id, None) is not None:
+            self._finished_for_workers.add(request.request_id)
+        table = self.kv_cache_manager.get_block_ids(request.request_id)
+        delay = self.host.request_finished(request, table) if self.host else False
+        reasons = {"send"} if delay else set()
+        if was_loading:
+            reasons.add("recv")  # the worker may still be writing into its blocks
+        if reasons:
+            self._held[request.request_id] = (request, reasons)
+        else:
+            self.kv_cache_manager.free(request)
+
+    def _release(self, req_id: str, reason: str) -> None:
+        held = self._held.get(req_id)
+        if held is None:
+            return
+        request, reasons = held
+        reasons.discard(reason)
+        if not reasons:
+            del self._held[req_id]
+            self.kv_cache_manager.free(request)
+
+    @property
+    def held_requests(self) -> set[str]:
+        """Finished requests whose blocks are still held for a connector."""
+        return set(self._held)

@@ -1,0 +1,148 @@
+"""The reference worker: real torch KV caches, driven by ``SchedulerOutput``.
+
+Per step, exactly as a model runner does with a connector: bind metadata,
+``start_load_kv``; then per layer ``wait_for_layer_load``, write this step's
+KV through the block table, read the context for sampling, ``save_kv_layer``;
+then ``wait_for_save`` and ``get_finished``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..context import ConnectorContext
+from ..host import ConnectorHost
+from ..outputs import ModelRunnerOutput, SchedulerOutput
+from .model import ReferenceModel, prefix_hashes
+
+__all__ = ["ReferenceWorker"]
+
+
+@dataclass
+class _RequestState:
+    token_ids: list[int]
+    tables: list[list[int]]
+    hashes: list[int] = field(default_factory=list)
+
+
+class ReferenceWorker:
+    """Holds ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` KV caches per layer."""
+
+    def __init__(
+        self,
+        context: ConnectorContext,
+        *,
+        num_blocks: int,
+        host: ConnectorHost | None = None,
+        num_kv_heads: int = 2,
+        head_dim: int = 8,
+        vocab_size: int = 32_000,
+        device: str = "cpu",
+    ) -> None:
+        import torch
+
+        self.context = context
+        self.host = host
+        self.block_size = context.block_size
+        dtype = getattr(torch, context.dtype)
+        self.model = ReferenceModel(
+            num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab_size, dtype=dtype, device=device
+        )
+        self.layers = [
+            (name, g, spec.sliding_window)
+            for g, spec in enumerate(context.kv_cache_groups)
+            for name in spec.layer_names
+        ]
+        self.kv_caches: dict[str, Any] = {
+            name: torch.zeros((num_blocks, 2, self.block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+            for name, _, _ in self.layers
+        }
+        self._requests: dict[str, _RequestState] = {}
+        if host is not None:
+            host.register_kv_caches(self.kv_caches)
+
+    def _update_states(self, output: SchedulerOutput) -> None:
+        for req_id in output.finished_req_ids:
+            self._requests.pop(req_id, None)
+        for new in output.scheduled_new_reqs:
+            self._requests[new.req_id] = _RequestState(list(new.prompt_token_ids), [list(t) for t in new.block_ids])
+        cached = output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            if cached.resumed_from_preemption[i]:
+                tables = [list(t) for t in new_blocks] if new_blocks else []
+                self._requests[req_id] = _RequestState(list(cached.all_token_ids[req_id]), tables)
+                continue
+            state = self._requests[req_id]
+            state.token_ids.extend(cached.new_token_ids[i])
+            if new_blocks:
+                for table, added in zip(state.tables, new_blocks, strict=True):
+                    table.extend(added)
+
+    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        torch = self.model.torch
+        self._update_states(output)
+        host = self.host
+        if host is not None:
+            host.bind_connector_metadata(output.kv_connector_metadata)
+            host.start_load_kv()
+
+        bs = self.block_size
+        # Positions computed this step, per request, and where their KV goes.
+        positions: list[tuple[str, int, int]] = []
+        hashes: list[int] = []
+        starts = _computed_index(output)
+        for req_id, n in output.num_scheduled_tokens.items():
+            state, start = self._requests[req_id], starts[req_id]
+            hashes.extend(prefix_hashes(state.token_ids[: start + n], state.hashes)[start : start + n])
+            positions.append((req_id, start, n))
+        sampling = [
+            (req_id, start + n - 1)
+            for req_id, start, n in positions
+            if start + n == len(self._requests[req_id].token_ids)
+        ]
+        reads: dict[str, list[Any]] = {req_id: [] for req_id, _ in sampling}
+
+        for layer_index, (name, group, window) in enumerate(self.layers):
+            if host is not None:
+                host.wait_for_layer_load(name)
+            kv = self.kv_caches[name]
+            if hashes:
+                blocks, offsets = [], []
+                for req_id, start, n in positions:
+                    table = self._requests[req_id].tables[group]
+                    for p in range(start, start + n):
+                        blocks.append(table[p // bs])
+                        offsets.append(p % bs)
+                kv[torch.tensor(blocks), :, torch.tensor(offsets)] = self.model.kv_values(hashes, layer_index)
+            for req_id, last in sampling:
+                first = 0 if window is None else max(0, last - window + 1)
+                ids = self._requests[req_id].tables[group][first // bs : last // bs + 1]
+                context = kv[torch.tensor(ids)].transpose(1, 2).reshape(len(ids) * bs, -1)
+                lo = first % bs
+                reads[req_id].append(context[lo : lo + last - first + 1].float().sum())
+            if host is not None:
+                host.save_kv_layer(name, kv)
+
+        connector_output = {}
+        if host is not None:
+            host.wait_for_save()
+            connector_output = host.get_finished(set(output.finished_req_ids))
+        sampled = {req_id: [self.model.next_token(reads[req_id])] for req_id, _ in sampling}
+        return ModelRunnerOutput(
+            req_ids=list(output.num_scheduled_tokens),
+            sampled_token_ids=sampled,
+            kv_connector_output=connector_output,
+        )
+
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+
+def _computed_index(output: SchedulerOutput) -> dict[str, int]:
+    """``num_computed_tokens`` the scheduler sent, per scheduled request."""
+    cached = output.scheduled_cached_reqs
+    index = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    index.update((new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs)
+    return index

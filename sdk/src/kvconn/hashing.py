@@ -1,0 +1,57 @@
+"""Chained SHA-256 block hashes, shared by the prefix cache and the plugins.
+
+Block ``i``'s hash covers its parent's hash, its token ids and any extra keys
+(e.g. a LoRA or multimodal id), so it identifies the whole prefix up to and
+including the block: two requests share block ``i``'s KV exactly when they
+share its hash. Only full blocks are hashed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import msgspec
+
+__all__ = ["ROOT_HASH", "hash_block", "hash_blocks", "namespace_key"]
+
+#: The parent of a request's first block.
+ROOT_HASH = hashlib.sha256(b"kvconn-root").digest()
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: tuple[object, ...] = ()) -> bytes:
+    """The hash of one full block whose parent block hashed to ``parent``."""
+    return hashlib.sha256(_encode((parent, token_ids, extra_keys))).digest()
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    parent: bytes = ROOT_HASH,
+    start: int = 0,
+    extra_keys: tuple[object, ...] = (),
+) -> list[bytes]:
+    """Hashes of the full blocks of ``token_ids[start:]`` (``start`` block-aligned).
+
+    ``parent`` is the hash of the block before ``start``; pass the last known
+    hash to extend a request's chain incrementally.
+    """
+    hashes: list[bytes] = []
+    end = len(token_ids) - (len(token_ids) - start) % block_size
+    for pos in range(start, end, block_size):
+        parent = hash_block(parent, token_ids[pos : pos + block_size], extra_keys)
+        hashes.append(parent)
+    return hashes
+
+
+def namespace_key(*parts: object) -> str:
+    """A short, stable digest of what makes block bytes mean something.
+
+    Connectors that share blocks between engines prefix their keys with it
+    (model, dtype, layout, block size, TP rank, KV-cache group), so engines
+    that differ in any of these never read each other's blocks.
+    """
+    return hashlib.sha256(_encode([str(p) for p in parts])).hexdigest()[:16]

@@ -1,0 +1,193 @@
+"""The hooks a connector implements (pluggy project ``kvconn``).
+
+Names and arguments follow vLLM's KV-connector v1 API. An implementation may
+take any subset of a hook's arguments, in any order (pluggy matches them by
+name). A connector instance serves one role: the scheduler calls the
+scheduler-side hooks on its instance, each worker calls the worker-side hooks
+on its own. Methods of :class:`kvconn.KVConnector` subclasses named like these
+hooks are implementations without a decorator; other classes mark them with
+``@kvconn.hookimpl``.
+
+Hooks are called by :class:`kvconn.ConnectorHost`, one connector at a time and
+in the order the connectors were given, so that one connector's failure never
+stops another (see its error policy).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .markers import hookspec
+
+if TYPE_CHECKING:
+    from .block_state import BlockIds, KVConnectorBlockState
+    from .metadata import KVConnectorMetadata
+    from .outputs import KVConnectorOutput, SchedulerOutput
+    from .request import ConnectorRequest
+
+__all__ = ["SCHEDULER_HOOKS", "WORKER_HOOKS", "KVConnectorSpec"]
+
+
+class KVConnectorSpec:
+    """Hook specifications; ``self`` is the connector instance."""
+
+    # ---------------------------------------------------------------- scheduler
+
+    @hookspec
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool] | None:
+        """How many tokens beyond ``num_computed_tokens`` this connector can load.
+
+        Called for a waiting request before blocks are allocated, possibly on
+        several steps for the same request (when the allocation fails, or when
+        it returned ``None``). It must have **no side effects**: record nothing
+        that a later call would contradict; commit in ``update_state_after_alloc``.
+
+        Returns ``(num_tokens, load_async)``: ``num_tokens`` is ``0`` for no hit,
+        or ``None`` for "not known yet, ask again next step"; ``load_async``
+        says the load finishes in a later step (reported through
+        ``get_finished``). Return only whole blocks. ``None`` means ``(0, False)``.
+        """
+
+    @hookspec
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: BlockIds, num_external_tokens: int
+    ) -> None:
+        """Blocks were allocated for ``request``; commit the load planned above.
+
+        ``block_ids`` is the request's whole table after allocation. The
+        ``num_external_tokens`` to load start at ``request.num_computed_tokens``.
+        It is ``0`` for every connector except the one chosen to load (the first
+        that reported a hit). Do not keep ``block_ids`` beyond the step: tables
+        change (preemption replaces them); read them again from the block state.
+        """
+
+    @hookspec
+    def on_block_state(self, block_state: KVConnectorBlockState, scheduler_output: SchedulerOutput) -> None:
+        """Each step, before ``build_connector_meta``: the tables offered this step.
+
+        ``block_state`` offers every request scheduled this step, *including*
+        ones that got no new block (the block-fill step). It is scheduler-local:
+        read tables with ``get_block_ids`` now; do not keep the state.
+        """
+
+    @hookspec
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
+    ) -> KVConnectorMetadata:
+        """Build this step's metadata for the worker side.
+
+        Called once per step, after ``on_block_state``. Resolve the tables you
+        act on (``block_state.get_block_ids(req_id)``, ``None`` for requests not
+        offered) into plain lists in the returned Struct: metadata goes over the
+        wire and must hold no callable, tensor or block state. Return an
+        instance of the connector's ``Metadata`` class.
+        """
+
+    @hookspec
+    def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> bool | tuple[bool, Any] | None:
+        """``request`` finished or was aborted; its blocks are about to be freed.
+
+        Called exactly once per request that was added. Return ``True`` to delay
+        freeing ``block_ids`` until this connector's worker reports the request
+        in ``finished_sending`` (a save still reading them). A vLLM-style
+        ``(delay, kv_transfer_params)`` tuple is accepted too.
+        """
+
+    @hookspec
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """This connector's worker-side report for the step that just ran."""
+
+    # ------------------------------------------------------------------- worker
+
+    @hookspec
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Once, before the first step: the KV-cache tensor of each layer.
+
+        In the reference engine each is ``[num_blocks, 2, block_size,
+        num_kv_heads, head_dim]`` (layout ``NHD``). Allocate buffers here, not
+        per step.
+        """
+
+    @hookspec
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        """Start loading this step's blocks into the KV caches (before compute)."""
+
+    @hookspec
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until ``layer_name``'s loads have landed (before it is computed)."""
+
+    @hookspec
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, metadata: KVConnectorMetadata) -> None:
+        """``layer_name`` was computed this step; start saving what must be saved.
+
+        ``kv_layer`` is that layer's KV-cache tensor. Do not block: copies may
+        run in the background until ``wait_for_save`` or ``get_finished``.
+        """
+
+    @hookspec
+    def wait_for_save(self) -> None:
+        """End of the step: saves that must not outlive it are complete."""
+
+    @hookspec
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None] | None:
+        """Requests whose async transfers completed since the last call.
+
+        Returns ``(finished_sending, finished_recving)``. Report a request at
+        most once in each. ``finished_req_ids`` are requests the scheduler
+        finished since the last step.
+        """
+
+    @hookspec
+    def get_block_ids_with_load_errors(self) -> set[int] | None:
+        """Blocks whose load failed or was partial since the last call.
+
+        The engine recomputes them (and every later block of the same
+        request): report rather than leave wrong KV in place.
+        """
+
+    @hookspec
+    def get_kv_connector_stats(self) -> dict[str, float] | None:
+        """Counters since the last call (``blocks_saved``, ``bytes_loaded``, ...)."""
+
+    # -------------------------------------------------------------------- both
+
+    @hookspec
+    def get_num_tracked_requests(self) -> int | None:
+        """How many requests this instance still holds state for.
+
+        Used by conformance checks: once every request has ended it must be 0.
+        """
+
+    @hookspec
+    def shutdown(self) -> None:
+        """Release resources (connections, buffers). Called once, last."""
+
+
+SCHEDULER_HOOKS = frozenset(
+    {
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "on_block_state",
+        "build_connector_meta",
+        "request_finished",
+        "update_connector_output",
+        "get_num_tracked_requests",
+        "shutdown",
+    }
+)
+WORKER_HOOKS = frozenset(
+    {
+        "register_kv_caches",
+        "start_load_kv",
+        "wait_for_layer_load",
+        "save_kv_layer",
+        "wait_for_save",
+        "get_finished",
+        "get_block_ids_with_load_errors",
+        "get_kv_connector_stats",
+        "get_num_tracked_requests",
+        "shutdown",
+    }
+)

@@ -1,0 +1,411 @@
+"""``ConnectorHost``: one or several connectors behind one typed facade.
+
+Engines talk to connectors only through a host; nothing else touches
+``pm.hook``. The host calls each connector in turn, in the order they were
+given, so that it can
+
+* route results: the first connector that reports matched tokens loads the
+  request; every connector may save; metadata is a ``{name: metadata}`` dict and
+  each worker-side connector sees only its own;
+* contain failures: under ``on_error="degrade"`` (the default) a connector that
+  raises loses its work for that step and nothing else. Its loads in flight are
+  reported as failed so the engine recomputes them (never runs on wrong KV),
+  frees it was delaying are released, the error is logged once per
+  (connector, hook) with the plugin's name and counted. Under ``"raise"`` the
+  error surfaces as :class:`~kvconn.errors.ConnectorError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+import pluggy
+
+from .block_state import BlockIds, KVConnectorBlockState
+from .connector import KVConnectorRole
+from .context import NULL_BLOCK_ID, ConnectorContext
+from .errors import ConnectorError, ConnectorLoadError
+from .hookspecs import SCHEDULER_HOOKS, WORKER_HOOKS
+from .manager import KVConnPluginManager
+from .metadata import KVConnectorMetadata
+from .outputs import KVConnectorOutput, SchedulerOutput
+from .request import ConnectorRequest
+
+__all__ = ["ConnectorHost", "LoadPlan", "StepUpdate"]
+
+logger = logging.getLogger("kvconn.host")
+
+OnError = Literal["degrade", "raise"]
+_Impl = tuple[str, Callable[..., Any], tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """The host's answer to "can a connector load this request's prefix?".
+
+    ``num_tokens`` is ``None`` when a connector asked to be asked again later.
+    """
+
+    num_tokens: int | None = 0
+    load_async: bool = False
+    connector: str | None = None
+
+
+NO_LOAD = LoadPlan()
+
+
+@dataclass
+class StepUpdate:
+    """What the scheduler must apply after a step, merged over all connectors.
+
+    ``finished_sending``: requests whose delayed blocks may now be freed.
+    ``finished_recving``: async loads that ended (successfully or not: failed
+    blocks are in ``invalid_block_ids``, which the engine must recompute).
+    """
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    stats: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class _Load:
+    block_ids: list[int]
+    is_async: bool
+    sent: bool = False  # its metadata reached the workers
+
+
+class ConnectorHost:
+    """Runs connectors of one role for an engine.
+
+    Args:
+        connectors: ``{name: connector}`` or ``[(name, connector), ...]``, in
+            priority order (the first with a hit loads).
+        role: the side of the engine this host serves.
+        context: the engine facts (block size is used to map loads to blocks).
+        on_error: ``"degrade"`` (default) or ``"raise"``.
+    """
+
+    def __init__(
+        self,
+        connectors: Mapping[str, object] | Sequence[tuple[str, object]],
+        *,
+        role: KVConnectorRole | str,
+        context: ConnectorContext | None = None,
+        on_error: OnError = "degrade",
+    ) -> None:
+        if on_error not in ("degrade", "raise"):
+            raise ValueError(f"on_error must be 'degrade' or 'raise', not {on_error!r}")
+        items = list(connectors.items() if isinstance(connectors, Mapping) else connectors)
+        self.role = KVConnectorRole(role)
+        self.context = context or ConnectorContext()
+        self.on_error: OnError = on_error
+        self.connectors: dict[str, object] = {}
+        self._pm = KVConnPluginManager()
+        for name, connector in items:
+            self._register(name, connector)
+        hooks = SCHEDULER_HOOKS if self.role is KVConnectorRole.SCHEDULER else WORKER_HOOKS
+        order = {name: i for i, name in enumerate(self.connectors)}
+        self._impls: dict[str, list[_Impl]] = {
+            hook: sorted(
+                ((i.plugin_name, i.function, tuple(i.argnames)) for i in getattr(self._pm.hook, hook).get_hookimpls()),
+                key=lambda impl: order[impl[0]],
+            )
+            for hook in hooks
+        }
+        self.error_counts: Counter[tuple[str, str]] = Counter()
+        # scheduler side: loads in flight per connector, frees delayed per request
+        self._loads: dict[str, dict[str, _Load]] = {name: {} for name in self.connectors}
+        self._sending: dict[str, set[str]] = {}
+        self._failed_this_step: set[str] = set()
+        # worker side: this step's metadata per connector
+        self._metadata: dict[str, KVConnectorMetadata] = {}
+
+    @classmethod
+    def from_names(
+        cls,
+        names: str | Sequence[str],
+        *,
+        role: KVConnectorRole | str,
+        config: Mapping[str, Any] | None = None,
+        context: ConnectorContext | None = None,
+        on_error: OnError = "degrade",
+    ) -> ConnectorHost:
+        """Load connectors by name (or ``"pkg.mod:Class"``) and host them.
+
+        With one name, ``config`` is that connector's config; with several, it
+        maps each name to its config.
+        """
+        from .registry import load_connector
+
+        name_list = [names] if isinstance(names, str) else list(names)
+        configs: Mapping[str, Any] = {name_list[0]: config} if len(name_list) == 1 else (config or {})
+        unknown = set(configs) - set(name_list)
+        if unknown:
+            raise ValueError(f"config given for connectors that are not loaded: {sorted(unknown)}")
+        ctx = context or ConnectorContext()
+        loaded = [(n, load_connector(n, role=role, config=configs.get(n), context=ctx)) for n in name_list]
+        return cls(loaded, role=role, context=ctx, on_error=on_error)
+
+    def _register(self, name: str, connector: object) -> None:
+        if name in self.connectors:
+            raise ConnectorLoadError(f"connector {name!r} is given twice: each connector needs a distinct name")
+        try:
+            self._pm.register(connector, name=name)
+            self._pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise ConnectorLoadError(f"connector {name!r} has an invalid hook implementation: {exc}") from exc
+        self.connectors[name] = connector
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.connectors)
+
+    @property
+    def degraded_events(self) -> int:
+        """How many hook calls failed and were degraded."""
+        return sum(self.error_counts.values())
+
+    # ------------------------------------------------------------------ calling
+
+    def _fail(self, name: str, hook: str, exc: Exception) -> None:
+        if self.on_error == "raise":
+            raise ConnectorError(name, hook, exc) from exc
+        key = (name, hook)
+        if not self.error_counts[key]:
+            logger.warning(
+                "connector %r failed in %s; its work for this step is dropped (degraded): %s: %s",
+                name, hook, type(exc).__name__, exc, exc_info=exc,
+            )  # fmt: skip
+        self.error_counts[key] += 1
+        self._failed_this_step.add(name)
+
+    def _call(self, impl: _Impl, hook: str, kwargs: Mapping[str, Any]) -> tuple[bool, Any]:
+        name, function, argnames = impl
+        try:
+            return True, function(*[kwargs[a] for a in argnames])
+        except Exception as exc:
+            self._fail(name, hook, exc)
+            return False, None
+
+    def _broadcast(self, hook: str, **kwargs: Any) -> Iterable[tuple[str, Any]]:
+        """Call ``hook`` on every connector implementing it; yield the successes."""
+        for impl in self._impls[hook]:
+            if impl[0] in self._failed_this_step and self.role is KVConnectorRole.WORKER:
+                continue  # a worker-side connector that raised sits out the rest of the step
+            ok, result = self._call(impl, hook, kwargs)
+            if ok:
+                yield impl[0], result
+
+    # ------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> LoadPlan:
+        """Ask each connector in order; the first that reports tokens loads."""
+        for name, result in self._broadcast(
+            "get_num_new_matched_tokens", request=request, num_computed_tokens=num_computed_tokens
+        ):
+            num_tokens, load_async = result if result is not None else (0, False)
+            if num_tokens is None:
+                return LoadPlan(None, False, name)
+            if num_tokens > 0:
+                return LoadPlan(num_tokens, bool(load_async), name)
+        return NO_LOAD
+
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: BlockIds, plan: LoadPlan) -> bool:
+        """Tell every connector about the allocation; the planned loader gets its tokens.
+
+        Returns whether the planned load is still on (``False`` if the loader
+        failed here: the engine then computes those tokens itself).
+        """
+        num_external = plan.num_tokens or 0
+        loading = False
+        for name, _ in self._broadcast_per_connector(
+            "update_state_after_alloc",
+            lambda name: {
+                "request": request,
+                "block_ids": block_ids,
+                "num_external_tokens": num_external if name == plan.connector else 0,
+            },
+        ):
+            if name == plan.connector and num_external:
+                start = request.num_computed_tokens
+                self._loads[name][request.request_id] = _Load(
+                    self._blocks_in_range(block_ids, start, start + num_external), plan.load_async
+                )
+                loading = True
+        return loading
+
+    def _broadcast_per_connector(
+        self, hook: str, kwargs_for: Callable[[str], Mapping[str, Any]]
+    ) -> Iterable[tuple[str, Any]]:
+        for impl in self._impls[hook]:
+            ok, result = self._call(impl, hook, kwargs_for(impl[0]))
+            if ok:
+                yield impl[0], result
+
+    def _blocks_in_range(self, block_ids: BlockIds, start: int, end: int) -> list[int]:
+        size = self.context.block_size
+        first, last = start // size, -(-end // size)
+        return [b for table in block_ids for b in table[first:last] if b != NULL_BLOCK_ID]
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
+    ) -> dict[str, KVConnectorMetadata]:
+        """``on_block_state`` then ``build_connector_meta`` on every connector.
+
+        ``scheduler_output.kv_connector_block_state`` is set for the duration of
+        the call (legacy connectors read it there) and ``None`` afterwards.
+        A connector that fails, or returns something that is not its
+        ``Metadata``, sends no metadata this step and its loads are failed.
+        """
+        scheduler_output.kv_connector_block_state = block_state
+        self._failed_this_step.clear()
+        try:
+            args = {"block_state": block_state, "scheduler_output": scheduler_output}
+            for _ in self._broadcast("on_block_state", **args):
+                pass
+            metadata: dict[str, KVConnectorMetadata] = {}
+            for name, meta in self._broadcast("build_connector_meta", **args):
+                if name in self._failed_this_step:
+                    continue
+                expected = getattr(self.connectors[name], "Metadata", KVConnectorMetadata)
+                if not isinstance(meta, expected):
+                    self._fail(
+                        name,
+                        "build_connector_meta",
+                        TypeError(f"returned {type(meta).__name__}, not an instance of {expected.__name__}"),
+                    )
+                    continue
+                metadata[name] = meta
+                for load in self._loads[name].values():
+                    load.sent = True
+            return metadata
+        finally:
+            scheduler_output.kv_connector_block_state = None
+
+    def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> bool:
+        """Tell every connector; returns whether any delays freeing the blocks."""
+        delayed = {
+            name
+            for name, result in self._broadcast("request_finished", request=request, block_ids=block_ids)
+            if (result[0] if isinstance(result, tuple) else result)
+        }
+        if delayed:
+            self._sending[request.request_id] = delayed
+        return bool(delayed)
+
+    def update_connector_output(self, outputs: Mapping[str, KVConnectorOutput]) -> StepUpdate:
+        """Hand each connector its worker report and merge what the engine must do."""
+        update = StepUpdate()
+        empty = KVConnectorOutput()
+        for name in self.connectors:
+            out = outputs.get(name, empty)
+            for impl in self._impls["update_connector_output"]:
+                if impl[0] == name:
+                    self._call(impl, "update_connector_output", {"connector_output": out})
+            update.stats.update(out.stats)
+            self._settle_loads(name, out, update)
+            self._settle_sends(name, out, update)
+            update.invalid_block_ids |= out.invalid_block_ids
+        return update
+
+    def _settle_loads(self, name: str, out: KVConnectorOutput, update: StepUpdate) -> None:
+        """Sync loads end with their step, async ones when reported.
+
+        A load fails (its blocks are recomputed) when its metadata never went
+        out (``build_connector_meta`` failed) or the worker side raised.
+        """
+        loads = self._loads[name]
+        for req_id in out.finished_recving - loads.keys():
+            logger.warning("connector %r reported an unknown load as finished: %r (ignored)", name, req_id)
+        for req_id, load in list(loads.items()):
+            if out.failed or not load.sent:
+                update.invalid_block_ids.update(load.block_ids)
+            elif load.is_async and req_id not in out.finished_recving:
+                continue  # still loading
+            del loads[req_id]
+            if load.is_async:
+                update.finished_recving.add(req_id)
+
+    def _settle_sends(self, name: str, out: KVConnectorOutput, update: StepUpdate) -> None:
+        """Free delayed blocks once every connector that delayed them is done.
+
+        A worker side that raised is presumed to have lost its transfers: the
+        frees it was delaying are released rather than leaked.
+        """
+        for req_id in out.finished_sending:
+            if name not in self._sending.get(req_id, ()):
+                logger.warning("connector %r reported an unknown send as finished: %r (ignored)", name, req_id)
+        for req_id, waiting in list(self._sending.items()):
+            if out.failed or req_id in out.finished_sending:
+                waiting.discard(name)
+            if not waiting:
+                del self._sending[req_id]
+                update.finished_sending.add(req_id)
+
+    def pending_loads(self) -> dict[str, set[str]]:
+        """Requests with a load in flight, per connector."""
+        return {name: set(loads) for name, loads in self._loads.items()}
+
+    # --------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        for _ in self._broadcast("register_kv_caches", kv_caches=kv_caches):
+            pass
+
+    def bind_connector_metadata(self, metadata: Mapping[str, KVConnectorMetadata] | None) -> None:
+        """This step's metadata; a connector without an entry sits the step out."""
+        self._metadata = dict(metadata or {})
+
+    def _with_metadata(self, hook: str, **kwargs: Any) -> None:
+        for impl in self._impls[hook]:
+            name = impl[0]
+            if name in self._metadata and name not in self._failed_this_step:
+                self._call(impl, hook, {**kwargs, "metadata": self._metadata[name]})
+
+    def start_load_kv(self) -> None:
+        self._with_metadata("start_load_kv")
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        for _ in self._broadcast("wait_for_layer_load", layer_name=layer_name):
+            pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any) -> None:
+        self._with_metadata("save_kv_layer", layer_name=layer_name, kv_layer=kv_layer)
+
+    def wait_for_save(self) -> None:
+        for _ in self._broadcast("wait_for_save"):
+            pass
+
+    def get_finished(self, finished_req_ids: set[str]) -> dict[str, KVConnectorOutput]:
+        """Collect each connector's report for this step and end the step."""
+        outputs = {name: KVConnectorOutput() for name in self.connectors}
+        for name, result in self._broadcast("get_finished", finished_req_ids=finished_req_ids):
+            sending, recving = result if result is not None else (None, None)
+            outputs[name].finished_sending = set(sending or ())
+            outputs[name].finished_recving = set(recving or ())
+        for name, errors in self._broadcast("get_block_ids_with_load_errors"):
+            outputs[name].invalid_block_ids = set(errors or ())
+        for name, stats in self._broadcast("get_kv_connector_stats"):
+            outputs[name].stats = dict(stats or {})
+        for name in self._failed_this_step:
+            outputs[name] = msgspec.structs.replace(outputs[name], failed=True)
+        self._failed_this_step.clear()
+        self._metadata = {}
+        return outputs
+
+    # ---------------------------------------------------------------------- both
+
+    def num_tracked_requests(self) -> dict[str, int]:
+        """Per connector, how many requests it still tracks (if it says)."""
+        return {name: int(n) for name, n in self._broadcast("get_num_tracked_requests") if n is not None}
+
+    def shutdown(self) -> None:
+        for _ in self._broadcast("shutdown"):
+            pass

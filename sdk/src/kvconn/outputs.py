@@ -1,0 +1,89 @@
+"""What crosses between scheduler and workers each step (msgspec Structs).
+
+Shapes follow vLLM's v1 engine so connector authors recognise them.
+``SchedulerOutput.kv_connector_block_state`` is the one field that never goes
+on the wire: it is set only while connectors build metadata.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .block_state import BlockIds, KVConnectorBlockState
+from .metadata import KVConnectorMetadata
+
+__all__ = [
+    "CachedRequestData",
+    "KVConnectorOutput",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "SchedulerOutput",
+]
+
+
+class NewRequestData(msgspec.Struct):
+    """A request scheduled for the first time."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    block_ids: BlockIds
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct):
+    """Requests the workers already know, one entry per list position.
+
+    ``new_block_ids[i]`` is ``None`` on a step that allocated no block for the
+    request (the block-fill step is one), and the *whole* new table when it
+    was resumed from preemption. ``new_token_ids[i]`` are the tokens appended
+    to the request since it was last scheduled. ``all_token_ids`` holds every
+    token of the resumed requests.
+    """
+
+    req_ids: list[str] = msgspec.field(default_factory=list)
+    resumed_from_preemption: list[bool] = msgspec.field(default_factory=list)
+    new_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    new_block_ids: list[BlockIds | None] = msgspec.field(default_factory=list)
+    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+    all_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
+
+
+class SchedulerOutput(msgspec.Struct):
+    """One engine step, as decided by the scheduler."""
+
+    step: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = msgspec.field(default_factory=set)
+    #: Per connector name, that connector's metadata for this step.
+    kv_connector_metadata: dict[str, KVConnectorMetadata] | None = None
+    #: Set only while connectors build metadata (legacy access); never sent.
+    kv_connector_block_state: KVConnectorBlockState | None = None
+
+
+class KVConnectorOutput(msgspec.Struct):
+    """What one connector's worker side reports after a step.
+
+    ``failed`` is set by the host when the connector raised on the worker this
+    step: its loads in flight are then treated as failed and recomputed.
+    """
+
+    finished_sending: set[str] = msgspec.field(default_factory=set)
+    finished_recving: set[str] = msgspec.field(default_factory=set)
+    invalid_block_ids: set[int] = msgspec.field(default_factory=set)
+    failed: bool = False
+    stats: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class ModelRunnerOutput(msgspec.Struct):
+    """The workers' answer to one ``SchedulerOutput``.
+
+    ``sampled_token_ids[req_id]`` is empty for a request whose prompt is not
+    fully computed yet (a chunked-prefill step).
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: dict[str, list[int]]
+    kv_connector_output: dict[str, KVConnectorOutput] = msgspec.field(default_factory=dict)

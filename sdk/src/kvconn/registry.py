@@ -1,0 +1,207 @@
+"""Finding and loading connectors by name.
+
+Discovery reads entry-point metadata (group ``kvconn.connectors``) and imports
+nothing; a plugin is imported only when it is loaded. A plugin that fails to
+import is reported with its distribution and never affects the others.
+
+Two environment variables restrict discovery everywhere (engine, CLI, host):
+``KVCONN_PLUGINS`` (comma-separated allow-list) and
+``KVCONN_DISABLE_PLUGINS`` (comma-separated block-list).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+import msgspec
+
+from .connector import KVConnectorRole, NoConfig
+from .context import ConnectorContext
+from .errors import ConnectorConfigError, ConnectorLoadError, ConnectorNotFoundError
+from .manager import implemented_hooks
+from .version import check_api_version
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ConnectorEntry",
+    "available_connectors",
+    "build_config",
+    "load_connector",
+    "load_connector_class",
+]
+
+ENTRY_POINT_GROUP = "kvconn.connectors"
+
+
+@dataclass(frozen=True)
+class ConnectorEntry:
+    """An installed connector, as its entry point declares it (nothing imported)."""
+
+    name: str
+    target: str
+    distribution: str | None
+    version: str | None
+
+
+def _env_names(var: str) -> set[str] | None:
+    value = os.environ.get(var)
+    if value is None:
+        return None
+    return {n.strip() for n in value.split(",") if n.strip()}
+
+
+def _filtered_out(name: str) -> str | None:
+    """Why ``name`` is hidden by the environment, or ``None``."""
+    allowed = _env_names("KVCONN_PLUGINS")
+    if allowed is not None and name not in allowed:
+        return f"it is not in KVCONN_PLUGINS={os.environ['KVCONN_PLUGINS']!r}"
+    if name in (_env_names("KVCONN_DISABLE_PLUGINS") or ()):
+        return f"it is disabled by KVCONN_DISABLE_PLUGINS={os.environ['KVCONN_DISABLE_PLUGINS']!r}"
+    return None
+
+
+def available_connectors() -> dict[str, ConnectorEntry]:
+    """Installed connectors by name, sorted, after the environment's filters.
+
+    When two distributions declare the same name, the first found wins.
+    """
+    found: dict[str, ConnectorEntry] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in found or _filtered_out(ep.name):
+            continue
+        dist = ep.dist
+        found[ep.name] = ConnectorEntry(ep.name, ep.value, dist.name if dist else None, dist.version if dist else None)
+    return dict(sorted(found.items()))
+
+
+def _import_target(target: str, *, source: str) -> object:
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise ConnectorLoadError(f"{target!r} is not a connector path: use the form 'package.module:ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ConnectorLoadError(
+            f"{source} failed to import module {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ConnectorLoadError(f"{source}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def load_connector_class(name: str) -> type:
+    """The connector class for an installed ``name`` or a ``"pkg.mod:Class"`` path.
+
+    Raises :class:`ConnectorNotFoundError` for an unknown name (listing the
+    installed ones and the closest match) and :class:`ConnectorLoadError` when
+    the plugin does not import, is not a connector, or targets an incompatible
+    hook API.
+    """
+    if ":" in name:
+        source = f"connector path {name!r}"
+        obj = _import_target(name, source=source)
+    else:
+        installed = available_connectors()
+        entry = installed.get(name)
+        if entry is None:
+            raise ConnectorNotFoundError(_not_found_message(name, installed))
+        source = f"connector {name!r} (distribution {entry.distribution or '?'} {entry.version or ''})".replace(
+            " )", ")"
+        )
+        obj = _import_target(entry.target, source=source)
+    return _check_connector_class(obj, source)
+
+
+def _not_found_message(name: str, installed: Mapping[str, ConnectorEntry]) -> str:
+    hidden = _filtered_out(name)
+    if hidden:
+        return f"connector {name!r} is not available: {hidden}"
+    names = ", ".join(installed) or "none"
+    message = f"no connector named {name!r} is installed (installed: {names})"
+    close = difflib.get_close_matches(name, list(installed), n=1)
+    if close:
+        message += f"; did you mean {close[0]!r}?"
+    return message + ". Install its distribution, or pass 'package.module:ClassName'."
+
+
+def _check_connector_class(obj: object, source: str) -> type:
+    if not isinstance(obj, type):
+        raise ConnectorLoadError(f"{source} is {type(obj).__name__} {obj!r}, not a connector class")
+    if not implemented_hooks(obj):
+        raise ConnectorLoadError(
+            f"{source}: {obj.__qualname__} implements no kvconn hook; subclass kvconn.KVConnector "
+            "or mark methods with @kvconn.hookimpl"
+        )
+    declared = getattr(obj, "api_version", None)
+    if declared is None:
+        raise ConnectorLoadError(f"{source}: {obj.__qualname__} declares no api_version (e.g. api_version = '1.0')")
+    why = check_api_version(declared)
+    if why:
+        raise ConnectorLoadError(f"{source} cannot load: {why}")
+    return obj
+
+
+_MSGSPEC_PATH = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$")
+
+
+def build_config(cls: type, config: Mapping[str, Any] | msgspec.Struct | None, *, name: str) -> msgspec.Struct:
+    """Validate ``config`` into ``cls.Config``; errors name the field and the expected type."""
+    config_type: type[msgspec.Struct] = getattr(cls, "Config", NoConfig)
+    if isinstance(config, config_type):
+        return config
+    if config is not None and not isinstance(config, Mapping):
+        raise ConnectorConfigError(
+            f"config for connector {name!r} must be a mapping of field names to values, got {type(config).__name__}"
+        )
+    try:
+        return msgspec.convert(dict(config or {}), config_type, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConnectorConfigError(_config_message(name, config_type, str(exc))) from None
+
+
+def _config_message(name: str, config_type: type[msgspec.Struct], detail: str) -> str:
+    match = _MSGSPEC_PATH.match(detail)
+    what, path = (match["what"], match["path"]) if match else (detail, None)
+    fields = ", ".join(f.name for f in msgspec.structs.fields(config_type)) or "none"
+    if "unknown field" in what:
+        return f"invalid config for connector {name!r}: {what.replace('Object contains ', '')}; valid fields: {fields}"
+    where = f"field {path.lstrip('.')!r}" if path else "config"
+    what = what.replace("`", "")
+    return f"invalid config for connector {name!r}: {where}: {what[0].lower() + what[1:]}"
+
+
+def load_connector(
+    name: str,
+    *,
+    role: KVConnectorRole | str,
+    config: Mapping[str, Any] | msgspec.Struct | None = None,
+    context: ConnectorContext | None = None,
+) -> Any:
+    """Find, import, configure and instantiate a connector for one role.
+
+    ``name`` is an installed connector name or ``"package.module:ClassName"``.
+    """
+    role = KVConnectorRole(role)
+    cls = load_connector_class(name)
+    roles = getattr(cls, "roles", frozenset(KVConnectorRole))
+    if role not in roles:
+        raise ConnectorLoadError(
+            f"connector {name!r} does not serve the {role.value} role (roles: {sorted(r.value for r in roles)})"
+        )
+    cfg = build_config(cls, config, name=name)
+    try:
+        return cls(cfg, role=role, context=context or ConnectorContext())
+    except (ConnectorConfigError, ConnectorLoadError):
+        raise
+    except Exception as exc:
+        raise ConnectorLoadError(
+            f"connector {name!r} failed to start ({role.value}): {type(exc).__name__}: {exc}"
+        ) from exc
