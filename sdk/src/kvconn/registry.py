@@ -170,11 +170,12 @@ def build_config(cls: type, config: Mapping[str, Any] | msgspec.Struct | None, *
 def _config_message(name: str, config_type: type[msgspec.Struct], detail: str) -> str:
     match = _MSGSPEC_PATH.match(detail)
     what, path = (match["what"], match["path"]) if match else (detail, None)
-    fields = ", ".join(f.name for f in msgspec.structs.fields(config_type)) or "none"
+    # msgspec quotes names and types with backticks: quote names, leave types bare.
+    what = what.replace("`", "" if what.startswith("Expected") else "'")
     if "unknown field" in what:
+        fields = ", ".join(f.name for f in msgspec.structs.fields(config_type)) or "none"
         return f"invalid config for connector {name!r}: {what.replace('Object contains ', '')}; valid fields: {fields}"
     where = f"field {path.lstrip('.')!r}" if path else "config"
-    what = what.replace("`", "")
     return f"invalid config for connector {name!r}: {where}: {what[0].lower() + what[1:]}"
 
 

@@ -86,6 +86,8 @@ class Scheduler:
         self._step = 0
         self._finished_for_workers: set[str] = set()
         self._tokens_on_worker: dict[str, int] = {}
+        # sync loads of the step in flight: request -> (first loaded token, tokens loaded)
+        self._sync_loads: dict[str, tuple[int, int]] = {}
         # finished requests whose blocks are held, and why ("send", "recv")
         self._held: dict[str, tuple[Request, set[str]]] = {}
 
@@ -261,7 +263,8 @@ class Scheduler:
             request.num_external_tokens = num_external
             return 0
         request.num_computed_tokens = num_local + num_external
-        self.stats.prompt_tokens_loaded += num_external
+        if num_external:
+            self._sync_loads[request.request_id] = (num_local, num_external)
         return num_new
 
     def _allocate_waiting(
@@ -305,6 +308,9 @@ class Scheduler:
             self.stats.degraded_events = self.host.degraded_events if self.host else 0
             if update.invalid_block_ids:
                 discarded = self._recover_invalid_blocks(update.invalid_block_ids)
+        for _, loaded in self._sync_loads.values():  # what survived recovery counts as loaded
+            self.stats.prompt_tokens_loaded += loaded
+        self._sync_loads.clear()
 
         kv = self.kv_cache_manager
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -348,6 +354,9 @@ class Scheduler:
                 logger.info("request %s: load failed from block %d; recomputing", request.request_id, first)
                 request.num_computed_tokens = min(request.num_computed_tokens, valid_tokens)
                 discarded.add(request.request_id)
+                if request.request_id in self._sync_loads:
+                    start, loaded = self._sync_loads[request.request_id]
+                    self._sync_loads[request.request_id] = (start, max(0, min(loaded, valid_tokens - start)))
         return discarded
 
     def _remote_load_done(self, req_id: str) -> None:

@@ -1,0 +1,141 @@
+"""A small in-process save/load connector used to exercise the engine's load paths.
+
+Scheduler side: saves every full block on the step that fills it (keyed by the
+block hash), reports prefix hits, loads sync or async. Worker side: copies
+blocks to and from a dict shared by all instances. ``fail_loads`` makes the
+worker write garbage into every block it loads and report it as failed, to
+exercise recovery.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvconn import (
+    NULL_BLOCK_ID,
+    BlockIds,
+    ConnectorRequest,
+    KVConnector,
+    KVConnectorBlockState,
+    KVConnectorMetadata,
+    SchedulerOutput,
+)
+
+STORE: dict[tuple[str, int, bytes], Any] = {}
+
+
+class MemoryConfig(msgspec.Struct, forbid_unknown_fields=True):
+    load_async: bool = False
+    fail_loads: bool = False
+
+
+class Transfer(msgspec.Struct, array_like=True):
+    req_id: str
+    block_hash: bytes
+    group: int
+    block_id: int
+
+
+class MemoryMetadata(KVConnectorMetadata):
+    saves: list[Transfer] = msgspec.field(default_factory=list)
+    loads: list[Transfer] = msgspec.field(default_factory=list)
+
+
+class MemoryConnector(KVConnector):
+    Config = MemoryConfig
+    Metadata = MemoryMetadata
+    saves = loads = True
+    config: MemoryConfig
+
+    def __init__(self, config: MemoryConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self._saved: set[bytes] = set()
+        self._pending_loads: list[Transfer] = []
+        self._hashes: dict[str, list[bytes]] = {}
+        self._loading: set[str] = set()
+        self._done_loading: set[str] = set()
+        self._failed: set[int] = set()
+        self.kv_caches: dict[str, Any] = {}
+
+    # scheduler side
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        bs = self.context.block_size
+        hits = 0
+        for h in request.block_hashes[num_computed_tokens // bs :]:
+            if h not in self._saved:
+                break
+            hits += 1
+        return hits * bs, self.config.load_async
+
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: BlockIds, num_external_tokens: int
+    ) -> None:
+        self._hashes[request.request_id] = list(request.block_hashes)
+        bs = self.context.block_size
+        first = request.num_computed_tokens // bs
+        for group, table in enumerate(block_ids):
+            for i in range(first, first + num_external_tokens // bs):
+                if table[i] != NULL_BLOCK_ID:
+                    self._pending_loads.append(Transfer(request.request_id, request.block_hashes[i], group, table[i]))
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
+    ) -> MemoryMetadata:
+        meta = MemoryMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        bs = self.context.block_size
+        cached = scheduler_output.scheduled_cached_reqs
+        computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        computed.update((r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs)
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            table = block_state.get_block_ids(req_id)
+            hashes = self._hashes.get(req_id)
+            if table is None or hashes is None:
+                continue
+            start, end = computed[req_id], computed[req_id] + n
+            for i in range(start // bs, end // bs):  # blocks this step fills
+                if i < len(hashes) and hashes[i] not in self._saved:
+                    self._saved.add(hashes[i])
+                    meta.saves.extend(
+                        Transfer(req_id, hashes[i], g, t[i]) for g, t in enumerate(table) if t[i] != NULL_BLOCK_ID
+                    )
+        return meta
+
+    def request_finished(self, request: ConnectorRequest) -> bool:
+        self._hashes.pop(request.request_id, None)
+        return False
+
+    def get_num_tracked_requests(self) -> int:
+        return len(self._hashes) if self.role.value == "scheduler" else len(self._loading)
+
+    # worker side
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.kv_caches = kv_caches
+        self._group_of = self.context.group_of_layer()
+
+    def start_load_kv(self, metadata: MemoryMetadata) -> None:
+        for t in metadata.loads:
+            for layer, kv in self.kv_caches.items():
+                if self._group_of[layer] == t.group:
+                    if self.config.fail_loads:
+                        kv[t.block_id].fill_(7.0)
+                        self._failed.add(t.block_id)
+                    else:
+                        kv[t.block_id].copy_(STORE[(layer, t.group, t.block_hash)])
+            if self.config.load_async:
+                self._loading.add(t.req_id)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, metadata: MemoryMetadata) -> None:
+        for t in metadata.saves:
+            if self._group_of[layer_name] == t.group:
+                STORE[(layer_name, t.group, t.block_hash)] = kv_layer[t.block_id].clone()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str]]:
+        done, self._loading = self._loading, set()
+        return None, done
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed

@@ -1,0 +1,191 @@
+"""ConnectorHost: routing across several connectors, and the error policy."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+import kvconn
+from kvconn import (
+    ConnectorError,
+    ConnectorHost,
+    ConnectorLoadError,
+    KVConnector,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    LoadPlan,
+)
+from kvconn.engine import Engine, Request
+from kvconn.testing import create_requests
+
+from . import memory_connector
+
+
+class Named(KVConnectorMetadata):
+    name: str
+
+
+class Recorder(KVConnector):
+    Metadata = Named
+
+    def __init__(self, *args: Any, hits: int = 0, fail_in: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hits, self.fail_in = hits, fail_in
+        self.allocs: list[int] = []
+        self.seen: list[str] = []
+
+    def _maybe_fail(self, hook: str) -> None:
+        if hook == self.fail_in:
+            raise RuntimeError(f"boom in {hook}")
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self._maybe_fail("get_num_new_matched_tokens")
+        return self.hits, False
+
+    def update_state_after_alloc(self, num_external_tokens: int) -> None:
+        self.allocs.append(num_external_tokens)
+
+    def build_connector_meta(self) -> Named:
+        self._maybe_fail("build_connector_meta")
+        return Named(name=str(id(self)))
+
+    def start_load_kv(self, metadata: Named) -> None:
+        self.seen.append(metadata.name)
+
+
+def scheduler_host(**connectors: Recorder) -> ConnectorHost:
+    return ConnectorHost(connectors, role="scheduler")
+
+
+def sched(**kwargs: Any) -> Recorder:
+    return Recorder(role="scheduler", **kwargs)
+
+
+def test_first_connector_with_a_hit_loads_and_the_others_get_zero() -> None:
+    a, b, c = sched(hits=0), sched(hits=32), sched(hits=48)
+    host = scheduler_host(a=a, b=b, c=c)
+    (request,) = create_requests(1, 64)
+    plan = host.get_num_new_matched_tokens(request, 0)
+    assert plan == LoadPlan(32, False, "b")
+    assert host.update_state_after_alloc(request, ([1, 2, 3, 4],), plan)
+    assert (a.allocs, b.allocs, c.allocs) == ([0], [32], [0])
+    assert host.pending_loads() == {"a": set(), "b": {"r0"}, "c": set()}
+
+
+def test_metadata_is_routed_per_connector_name() -> None:
+    engine = Engine([f"{__name__}:Recorder", "dummy"], num_blocks=32)
+    engine.generate([[1, 2, 3] * 10], max_tokens=3)
+    worker = engine.worker_host
+    assert worker is not None
+    recorder = worker.connectors[f"{__name__}:Recorder"]
+    assert isinstance(recorder, Recorder)
+    scheduler_side = engine.scheduler_host.connectors[f"{__name__}:Recorder"]  # type: ignore[union-attr]
+    assert recorder.seen and set(recorder.seen) == {str(id(scheduler_side))}
+
+
+def test_degrade_drops_the_failing_connectors_work_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
+    good, bad = sched(), sched(fail_in="build_connector_meta")
+    host = scheduler_host(good=good, bad=bad)
+    from kvconn.testing import create_scheduler
+
+    scheduler = create_scheduler(None)
+    scheduler.host = host
+    for request in create_requests(2, 20, max_tokens=4):
+        scheduler.add_request(request)
+    with caplog.at_level(logging.WARNING, logger="kvconn.host"):
+        outputs = [scheduler.schedule() for _ in range(3)]
+    assert all(set(o.kv_connector_metadata or {}) == {"good"} for o in outputs)
+    assert host.error_counts == {("bad", "build_connector_meta"): 3}
+    warnings = [r for r in caplog.records if "'bad'" in r.getMessage()]
+    assert len(warnings) == 1 and "build_connector_meta" in warnings[0].getMessage()
+
+
+def test_raise_policy_surfaces_the_connector_name() -> None:
+    host = ConnectorHost({"bad": sched(fail_in="get_num_new_matched_tokens")}, role="scheduler", on_error="raise")
+    (request,) = create_requests(1, 20)
+    with pytest.raises(ConnectorError, match="connector 'bad' failed in get_num_new_matched_tokens") as err:
+        host.get_num_new_matched_tokens(request, 0)
+    assert err.value.connector == "bad" and isinstance(err.value.__cause__, RuntimeError)
+
+
+def test_a_degraded_lookup_means_recompute_not_a_crash() -> None:
+    host = scheduler_host(bad=sched(hits=16, fail_in="get_num_new_matched_tokens"))
+    (request,) = create_requests(1, 40)
+    assert host.get_num_new_matched_tokens(request, 0) == LoadPlan(0, False, None)
+
+
+def test_failed_worker_side_fails_its_loads_and_releases_its_delayed_frees() -> None:
+    host = scheduler_host(a=sched(hits=16))
+    request = Request("r", list(range(40)), 4, 16)
+    plan = host.get_num_new_matched_tokens(request, 0)
+    host.update_state_after_alloc(request, ([5, 6, 7],), plan)
+    host.build_connector_meta(
+        kvconn.SchedulerOutput(0, [], kvconn.CachedRequestData(), {}, 0), kvconn.KVConnectorBlockState(set(), dict)
+    )
+    host._sending["done"] = {"a"}
+    update = host.update_connector_output({"a": KVConnectorOutput(failed=True)})
+    assert update.invalid_block_ids == {5}
+    assert update.finished_sending == {"done"}
+
+
+class Marked:
+    """A connector that is not a KVConnector subclass: hooks need the marker."""
+
+    api_version = "1.0"
+
+    def __init__(self, config: Any, *, role: Any, context: Any) -> None:
+        self.calls = 0
+
+    @kvconn.hookimpl
+    def wait_for_save(self) -> None:
+        self.calls += 1
+
+    def save_kv_layer(self) -> None:  # unmarked: not a hook implementation
+        raise AssertionError("unmarked methods of plain classes are not hooks")
+
+
+def test_plain_classes_implement_hooks_with_the_marker() -> None:
+    host = ConnectorHost.from_names(f"{__name__}:Marked", role="worker")
+    host.wait_for_save()
+    host.bind_connector_metadata({})
+    host.save_kv_layer("layer.0", None)
+    assert host.connectors[f"{__name__}:Marked"].calls == 1  # type: ignore[attr-defined]
+
+
+class Typo(KVConnector):
+    @kvconn.hookimpl
+    def wait_for_layer_load(self, layer: str) -> None:  # the spec's argument is layer_name
+        pass
+
+
+def test_hook_arguments_are_validated_against_the_specs() -> None:
+    with pytest.raises(ConnectorLoadError, match="invalid hook implementation"):
+        ConnectorHost({"typo": Typo(role="worker")}, role="worker")
+
+
+class FlakyMemory(memory_connector.MemoryConnector):
+    down = False
+
+    def build_connector_meta(self, scheduler_output: Any, block_state: Any) -> Any:
+        if FlakyMemory.down:
+            raise RuntimeError("store unreachable")
+        return super().build_connector_meta(scheduler_output, block_state)
+
+
+def test_engine_recomputes_when_a_connectors_metadata_fails() -> None:
+    memory_connector.STORE.clear()
+    prompt = list(range(100, 180))
+    with Engine(enable_prefix_caching=False) as plain:
+        expected = [plain.generate([prompt], max_tokens=6)[0] for _ in range(2)]
+    with Engine(f"{__name__}:FlakyMemory", enable_prefix_caching=False) as engine:
+        first = engine.generate([prompt], max_tokens=6)[0]
+        FlakyMemory.down = True
+        try:
+            second = engine.generate([prompt], max_tokens=6)[0]
+        finally:
+            FlakyMemory.down = False
+    assert [first, second] == expected
+    assert engine.stats.failed_load_blocks > 0 and engine.stats.degraded_events > 0
+    memory_connector.STORE.clear()
