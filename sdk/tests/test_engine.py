@@ -10,8 +10,7 @@ import pytest
 
 from kvconn import KVCacheGroupSpec
 from kvconn.engine import Engine
-
-from . import memory_connector
+from kvconn.testing import memory_connector
 
 MEMORY = f"{memory_connector.__name__}:MemoryConnector"
 SWA_GROUPS = (KVCacheGroupSpec(("layer.0",)), KVCacheGroupSpec(("layer.1",), sliding_window=32))
@@ -115,7 +114,7 @@ def test_failed_loads_are_recomputed_and_never_cached(load_async: bool) -> None:
     options: dict[str, Any] = {"num_blocks": 16}
     with Engine(**options) as plain:
         expected = [plain.generate([p], max_tokens=12)[0] for p in sequence]
-    with Engine(MEMORY, {"load_async": load_async, "fail_loads": True}, **options) as engine:
+    with Engine(MEMORY, {"load_async": load_async, "fail_from_block": 0}, **options) as engine:
         outputs = [engine.generate([p], max_tokens=12)[0] for p in sequence]
     assert engine.stats.failed_load_blocks > 0  # shared_b's prefix was loaded, as garbage, and reported
     assert engine.stats.prompt_tokens_loaded == 0

@@ -18,9 +18,7 @@ from kvconn import (
     LoadPlan,
 )
 from kvconn.engine import Engine, Request
-from kvconn.testing import create_requests
-
-from . import memory_connector
+from kvconn.testing import create_requests, memory_connector
 
 
 class Named(KVConnectorMetadata):

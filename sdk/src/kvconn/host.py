@@ -124,8 +124,10 @@ class ConnectorHost:
         self._loads: dict[str, dict[str, _Load]] = {name: {} for name in self.connectors}
         self._sending: dict[str, set[str]] = {}
         self._failed_this_step: set[str] = set()
-        # worker side: this step's metadata per connector
+        # worker side: this step's metadata per connector; connectors whose
+        # register_kv_caches failed hold no caches and sit out every step
         self._metadata: dict[str, KVConnectorMetadata] = {}
+        self._disabled: set[str] = set()
 
     @classmethod
     def from_names(
@@ -349,6 +351,10 @@ class ConnectorHost:
                 del self._sending[req_id]
                 update.finished_sending.add(req_id)
 
+    def abandon_send(self, req_id: str) -> None:
+        """Stop waiting for connectors to finish sending ``req_id`` (it was aborted)."""
+        self._sending.pop(req_id, None)
+
     def pending_loads(self) -> dict[str, set[str]]:
         """Requests with a load in flight, per connector."""
         return {name: set(loads) for name, loads in self._loads.items()}
@@ -356,8 +362,10 @@ class ConnectorHost:
     # --------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """A connector that fails here is disabled: every step reports it failed (loads recompute)."""
         for _ in self._broadcast("register_kv_caches", kv_caches=kv_caches):
             pass
+        self._disabled = set(self._failed_this_step)
 
     def bind_connector_metadata(self, metadata: Mapping[str, KVConnectorMetadata] | None) -> None:
         """This step's metadata; a connector without an entry sits the step out."""
@@ -396,7 +404,7 @@ class ConnectorHost:
             outputs[name].stats = dict(stats or {})
         for name in self._failed_this_step:
             outputs[name] = msgspec.structs.replace(outputs[name], failed=True)
-        self._failed_this_step.clear()
+        self._failed_this_step = set(self._disabled)
         self._metadata = {}
         return outputs
 

@@ -90,7 +90,10 @@ class Engine:
 
     @property
     def stats(self) -> EngineStats:
-        return self.scheduler.stats
+        """The scheduler's counters, with degraded events of both hosts."""
+        stats = self.scheduler.stats
+        stats.degraded_events = sum(h.degraded_events for h in (self.scheduler_host, self.worker_host) if h)
+        return stats
 
     def add_request(self, prompt: Sequence[int], max_tokens: int = 16, request_id: str | None = None) -> Request:
         request = Request(

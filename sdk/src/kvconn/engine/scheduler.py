@@ -106,11 +106,21 @@ class Scheduler:
         self.stats.prompt_tokens += request.num_prompt_tokens
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        """Abort (or finish) requests; unknown or already finished ids are ignored."""
+        """Abort (or finish) requests; unknown ids are ignored.
+
+        Aborting a finished request whose free a connector is still delaying
+        gives up on that send and frees its blocks (a send that never finishes
+        must not leak them). A hold for an async load in flight stays: the
+        worker may still be writing into those blocks.
+        """
         for req_id in req_ids:
             request = self.requests.get(req_id)
             if request is not None:
                 self._finish(request, status)
+            elif req_id in self._held:
+                if self.host is not None:
+                    self.host.abandon_send(req_id)
+                self._release(req_id, "send")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -305,7 +315,6 @@ class Scheduler:
         if update is not None:
             for key in ("blocks_saved", "blocks_loaded", "bytes_saved", "bytes_loaded"):
                 setattr(self.stats, key, getattr(self.stats, key) + int(update.stats.get(key, 0)))
-            self.stats.degraded_events = self.host.degraded_events if self.host else 0
             if update.invalid_block_ids:
                 discarded = self._recover_invalid_blocks(update.invalid_block_ids)
         for _, loaded in self._sync_loads.values():  # what survived recovery counts as loaded

@@ -1,10 +1,13 @@
-"""A small in-process save/load connector used to exercise the engine's load paths.
+"""``MemoryConnector``: an in-process save/load connector for engine tests.
 
-Scheduler side: saves every full block on the step that fills it (keyed by the
-block hash), reports prefix hits, loads sync or async. Worker side: copies
-blocks to and from a dict shared by all instances. ``fail_loads`` makes the
-worker write garbage into every block it loads and report it as failed, to
-exercise recovery.
+Load it as ``"kvconn.testing.memory_connector:MemoryConnector"``. Scheduler
+side: saves every full block on the step that fills it (keyed by block hash),
+reports prefix hits, loads sync or async. Worker side: copies blocks to and
+from :data:`STORE`, a dict shared by every instance in the process.
+
+Fault injection for recovery tests: ``fail_from_block`` makes the worker write
+garbage into the loaded blocks from that index of each load on, and report
+them failed; ``fail_hook`` makes the named hook raise.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from kvconn import (
+from .. import (
     NULL_BLOCK_ID,
     BlockIds,
     ConnectorRequest,
@@ -22,13 +25,24 @@ from kvconn import (
     KVConnectorMetadata,
     SchedulerOutput,
 )
+from ..manager import HOOK_NAMES
 
+__all__ = ["STORE", "MemoryConfig", "MemoryConnector", "MemoryMetadata", "Transfer"]
+
+#: Saved blocks by (layer, group, block hash), shared by every instance.
 STORE: dict[tuple[str, int, bytes], Any] = {}
 
 
 class MemoryConfig(msgspec.Struct, forbid_unknown_fields=True):
     load_async: bool = False
-    fail_loads: bool = False
+    #: Loads fail from this block of each request's loaded range on (``None``: never).
+    fail_from_block: int | None = None
+    #: A hook that raises on every call (``""``: none).
+    fail_hook: str = ""
+
+    def __post_init__(self) -> None:
+        if self.fail_hook and self.fail_hook not in HOOK_NAMES:
+            raise ValueError(f"fail_hook {self.fail_hook!r} is not a hook; hooks: {', '.join(sorted(HOOK_NAMES))}")
 
 
 class Transfer(msgspec.Struct, array_like=True):
@@ -36,6 +50,7 @@ class Transfer(msgspec.Struct, array_like=True):
     block_hash: bytes
     group: int
     block_id: int
+    index: int  # position of the block in its load (0 for saves)
 
 
 class MemoryMetadata(KVConnectorMetadata):
@@ -58,6 +73,11 @@ class MemoryConnector(KVConnector):
         self._done_loading: set[str] = set()
         self._failed: set[int] = set()
         self.kv_caches: dict[str, Any] = {}
+        if self.config.fail_hook:
+            setattr(self, self.config.fail_hook, self._injected_failure)
+
+    def _injected_failure(self) -> None:
+        raise RuntimeError(f"injected failure in {self.config.fail_hook}")
 
     # scheduler side
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
@@ -78,7 +98,9 @@ class MemoryConnector(KVConnector):
         for group, table in enumerate(block_ids):
             for i in range(first, first + num_external_tokens // bs):
                 if table[i] != NULL_BLOCK_ID:
-                    self._pending_loads.append(Transfer(request.request_id, request.block_hashes[i], group, table[i]))
+                    self._pending_loads.append(
+                        Transfer(request.request_id, request.block_hashes[i], group, table[i], i - first)
+                    )
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
@@ -99,7 +121,7 @@ class MemoryConnector(KVConnector):
                 if i < len(hashes) and hashes[i] not in self._saved:
                     self._saved.add(hashes[i])
                     meta.saves.extend(
-                        Transfer(req_id, hashes[i], g, t[i]) for g, t in enumerate(table) if t[i] != NULL_BLOCK_ID
+                        Transfer(req_id, hashes[i], g, t[i], 0) for g, t in enumerate(table) if t[i] != NULL_BLOCK_ID
                     )
         return meta
 
@@ -119,7 +141,7 @@ class MemoryConnector(KVConnector):
         for t in metadata.loads:
             for layer, kv in self.kv_caches.items():
                 if self._group_of[layer] == t.group:
-                    if self.config.fail_loads:
+                    if self.config.fail_from_block is not None and t.index >= self.config.fail_from_block:
                         kv[t.block_id].fill_(7.0)
                         self._failed.add(t.block_id)
                     else:

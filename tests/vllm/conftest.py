@@ -1,0 +1,41 @@
+"""The vLLM test tier: kvconn plugins under vLLM's real scheduler, on the CPU.
+
+Run it with the vLLM venv (``make test-vllm``). The main test run leaves this
+directory out (``--ignore=tests/vllm``). Without vLLM the tier skips, except
+under ``CI=true``, where a missing vLLM is an error: CI must run it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvconn.adapters.vllm.harness import prepare_environment, vllm_import_error
+
+prepare_environment()  # before anything imports vLLM: offline, persistent VLLM_CACHE_ROOT
+VLLM_ERROR = vllm_import_error()
+if VLLM_ERROR and os.environ.get("CI") == "true":
+    raise RuntimeError(
+        f"CI=true but vLLM cannot be imported ({VLLM_ERROR}): run this tier with the vLLM venv "
+        "(make test-vllm, which runs scripts/install-vllm-venv.sh)"
+    )
+
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if VLLM_ERROR:
+        skip = pytest.mark.skip(reason=f"vLLM is not installed in this environment: {VLLM_ERROR}")
+        for item in items:
+            if HERE in Path(item.path).parents:
+                item.add_marker(skip)
+
+
+@pytest.fixture
+def test_connectors(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Make ``kvconn_test_connectors`` importable; yields its module name."""
+    monkeypatch.syspath_prepend(str(HERE))
+    yield "kvconn_test_connectors"

@@ -1,0 +1,199 @@
+"""kvconn plugins loaded into vLLM's real scheduler through ``kvconn.adapters.vllm``."""
+
+from __future__ import annotations
+
+import pickle
+from importlib.metadata import entry_points
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvconn.adapters.vllm import harness
+from kvconn.adapters.vllm.harness import VllmLoop, make_request, make_scheduler
+
+PROMPT_47 = list(range(1000, 1047))
+
+
+def dummy_meta(output: Any) -> Any:
+    """The dummy's metadata out of vLLM's ``SchedulerOutput``, decoded as a worker does."""
+    from kvconn_dummy import DummyMetadata
+
+    return msgspec.msgpack.decode(output.kv_connector_metadata.connectors["dummy"], type=DummyMetadata)
+
+
+def scheduler_connector(scheduler: Any) -> Any:
+    return scheduler.connector.host.connectors
+
+
+def test_vllm_loads_dummy_by_module_path() -> None:
+    from kvconn.adapters.vllm import KVConnVllmConnector
+
+    scheduler = make_scheduler("dummy")
+    adapter = scheduler.connector
+    assert type(adapter) is KVConnVllmConnector
+    assert adapter.host.names == ["dummy"]
+    assert adapter.context.block_size == 16
+    assert adapter.context.dtype == "float16"
+    assert adapter.context.kv_cache_groups[0].layer_names == harness.LAYERS
+
+
+def test_general_plugin_registers_short_name_idempotently() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.plugins import load_general_plugins
+
+    assert "kvconn" in {ep.name for ep in entry_points(group="vllm.general_plugins")}
+    load_general_plugins()
+    from kvconn.adapters.vllm import register
+
+    register()  # a second call must not raise "already registered"
+    assert "kvconn" in KVConnectorFactory._registry
+    scheduler = make_scheduler("dummy", short_name=True)
+    assert scheduler.connector.host.names == ["dummy"]
+
+
+def test_missing_connector_name_is_a_clear_error() -> None:
+    from kvconn import ConnectorConfigError
+
+    with pytest.raises(ConnectorConfigError, match="kvconn_connector"):
+        make_scheduler([])
+
+
+def test_block_fill_step_reaches_plugin_with_live_table() -> None:
+    scheduler = make_scheduler("dummy")
+    scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=4))
+    loop = VllmLoop(scheduler)
+    loop.step()
+    output, _ = loop.step()  # token 48 fills block 3: nothing is allocated
+    assert output.scheduled_cached_reqs.new_block_ids == [None]
+    live = scheduler.kv_cache_manager.get_block_ids("r0")
+    assert len(live[0]) == 3
+    assert dummy_meta(output).block_ids_by_req == {"r0": live}
+    assert output.kv_connector_block_state is None  # vLLM dropped it after build_connector_meta
+
+
+def test_metadata_survives_pickling_as_vllm_sends_it() -> None:
+    from kvconn.adapters.vllm import KVConnVllmMetadata
+
+    scheduler = make_scheduler("dummy")
+    scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=2))
+    output = scheduler.schedule()
+    back = pickle.loads(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
+    assert isinstance(back.kv_connector_metadata, KVConnVllmMetadata)
+    assert dummy_meta(back) == dummy_meta(output)
+    assert dummy_meta(back).block_ids_by_req["r0"] == scheduler.kv_cache_manager.get_block_ids("r0")
+
+
+def test_worker_side_dummy_gets_its_metadata_every_step() -> None:
+    scheduler = make_scheduler("dummy")
+    scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=3))
+    loop = VllmLoop(scheduler)
+    loop.run()
+    worker_dummy = loop.worker.host.connectors["dummy"]
+    loads = [detail for hook, detail in worker_dummy.calls if hook == "start_load_kv"]
+    assert loads == [sorted(o.num_scheduled_tokens) for o in loop.outputs]
+    assert loads[:3] == [["r0"]] * 3 and loads[3:] == [[]]  # the last step only tells workers r0 finished
+    saves = {detail for hook, detail in worker_dummy.calls if hook == "save_kv_layer"}
+    assert saves == set(harness.LAYERS)
+
+
+def test_finish_and_abort_reach_the_plugin() -> None:
+    from vllm.v1.request import RequestStatus
+
+    scheduler = make_scheduler("dummy")
+    loop = VllmLoop(scheduler)
+    scheduler.add_request(make_request("done", list(range(20)), max_tokens=2))
+    scheduler.add_request(make_request("aborted", list(range(100, 140)), max_tokens=50))
+    loop.step()
+    loop.step()
+    scheduler.finish_requests("aborted", RequestStatus.FINISHED_ABORTED)
+    loop.run()
+    dummy = scheduler_connector(scheduler)["dummy"]
+    finished = [detail for hook, detail in dummy.calls if hook == "request_finished"]
+    assert sorted(finished) == ["aborted", "done"]
+    assert dummy.get_num_tracked_requests() == 0
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 127
+
+
+def test_delayed_free_waits_for_the_workers_report(test_connectors: str) -> None:
+    scheduler = make_scheduler(f"{test_connectors}:HandoffConnector", {"send_steps": 2})
+    loop = VllmLoop(scheduler)
+    scheduler.add_request(make_request("r0", list(range(40)), max_tokens=1))
+    loop.step()  # prefill + the one token: finished, free delayed
+    assert "r0" in scheduler.requests and scheduler.requests["r0"].is_finished()
+    loop.step()  # the worker learns r0 finished; sends for 2 steps
+    assert "r0" in scheduler.requests
+    loop.step()
+    assert "r0" not in scheduler.requests
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 127
+
+
+def test_two_connectors_free_only_when_both_are_done(test_connectors: str) -> None:
+    fast, slow = f"{test_connectors}:HandoffConnector", f"{test_connectors}:SlowHandoffConnector"
+    scheduler = make_scheduler([fast, slow], {fast: {"send_steps": 1}, slow: {"send_steps": 3}})
+    loop = VllmLoop(scheduler)
+    scheduler.add_request(make_request("r0", list(range(40)), max_tokens=1))
+    loop.step()
+    held_steps = 0
+    while "r0" in scheduler.requests:
+        loop.step()
+        held_steps += 1
+    assert held_steps == 3  # the slow connector's 3 steps, not the fast one's 1
+    host = scheduler.connector.host
+    reports = {name: [o.finished_sending for o in host.connectors[name].outputs] for name in (fast, slow)}
+    assert reports[fast].count({"r0"}) == 1 and reports[slow].count({"r0"}) == 1
+    assert reports[fast].index({"r0"}) < reports[slow].index({"r0"})
+
+
+def test_failed_sync_load_is_recomputed_not_used(test_connectors: str) -> None:
+    name = f"{test_connectors}:HandoffConnector"
+    scheduler = make_scheduler(name, {"delay_free": False, "hit_tokens": 32, "fail_load": True}, on_error="degrade")
+    loop = VllmLoop(scheduler)
+    scheduler.add_request(make_request("hit0", list(range(40)), max_tokens=2))
+    output, _ = loop.step()
+    assert output.has_sync_kv_loads
+    loaded = scheduler.connector.host.connectors[name]
+    assert loaded.outputs[-1].failed  # the worker side raised; the host heard of it
+    # vLLM rolled the request back to the failed blocks and recomputes them.
+    request = scheduler.requests["hit0"]
+    assert request.num_computed_tokens == 0
+    output, _ = loop.step()
+    assert output.num_scheduled_tokens["hit0"] == 40
+    loop.run()
+    assert "hit0" not in scheduler.requests
+
+
+@pytest.fixture
+def old_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM before the lazy block-state fix: ``kv_connector_block_state`` stays ``None``."""
+    import vllm.v1.core.sched.scheduler as vllm_scheduler
+
+    monkeypatch.setattr(vllm_scheduler, "KVConnectorBlockState", lambda **kwargs: None)
+
+
+@pytest.mark.usefixtures("old_vllm")
+def test_fallback_tracks_live_tables_through_block_fill_and_preemption() -> None:
+    # 11 usable blocks; requests growing to 5 blocks each: someone is preempted and resumed.
+    scheduler = make_scheduler("dummy", num_blocks=12)
+    for i in range(4):
+        scheduler.add_request(make_request(f"r{i}", list(range(100 * i, 100 * i + 40)), max_tokens=40))
+    loop = VllmLoop(scheduler)
+    seen = {"block_fill": 0, "resumed": 0}
+    admitted: set[str] = set()
+
+    def check(output: Any) -> None:
+        assert output.kv_connector_block_state is None
+        tables = dummy_meta(output).block_ids_by_req
+        live = {r: scheduler.kv_cache_manager.get_block_ids(r) for r in output.num_scheduled_tokens}
+        assert tables == live  # every scheduled request offered, with its current table
+        cached = output.scheduled_cached_reqs
+        seen["block_fill"] += sum(b is None for b in cached.new_block_ids)
+        # vLLM's v2 model runner (the default in 0.33) resends a resumed request as a new one.
+        new_ids = {r.req_id for r in output.scheduled_new_reqs}
+        seen["resumed"] += len(cached.resumed_req_ids) + len(new_ids & admitted)
+        admitted.update(new_ids)
+
+    loop.run(inspect=check)
+    assert scheduler.connector._tracker is not None  # the fallback really ran
+    assert seen["block_fill"] > 0 and seen["resumed"] > 0
+    assert len(scheduler.connector._tracker) == 0  # finished requests were dropped
