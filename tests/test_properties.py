@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from typing import Any
+from typing import Any, ClassVar
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,9 +36,9 @@ CONNECTORS = installed(*CONNECTOR_CONFIGS)
 class Spy(KVConnector):
     """Checks the block state every step and counts request_finished calls."""
 
-    scheduler: Any = None
-    finished: Counter[str] = Counter()
-    violations: list[str] = []
+    scheduler: ClassVar[Any] = None
+    finished: ClassVar[Counter[str]] = Counter()
+    violations: ClassVar[list[str]] = []
 
     def on_block_state(self, block_state: KVConnectorBlockState, scheduler_output: SchedulerOutput) -> None:
         scheduled = set(scheduler_output.num_scheduled_tokens)

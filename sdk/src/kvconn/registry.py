@@ -127,9 +127,8 @@ def _not_found_message(name: str, installed: Mapping[str, ConnectorEntry]) -> st
     names = ", ".join(installed) or "none"
     message = f"no connector named {name!r} is installed (installed: {names})"
     close = difflib.get_close_matches(name, list(installed), n=1)
-    if close:
-        message += f"; did you mean {close[0]!r}?"
-    return message + ". Install its distribution, or pass 'package.module:ClassName'."
+    message += f"; did you mean {close[0]!r}? " if close else ". "
+    return message + "Install its distribution, or pass 'package.module:ClassName'."
 
 
 def _check_connector_class(obj: object, source: str) -> type:

@@ -1,0 +1,166 @@
+"""The bad-input catalogue: one row per case, each a clear error of the documented type.
+
+Rows with a CLI form are also run through the real ``kvconn`` executable: a
+one-line message naming the problem, the documented exit code, no traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvconn import (
+    ConnectorConfigError,
+    ConnectorLoadError,
+    ConnectorNotFoundError,
+    KVConnectorMetadata,
+    WireError,
+    load_connector,
+)
+from kvconn.outputs import CachedRequestData, SchedulerOutput
+from kvconn.wire import decode_model_runner_output, decode_scheduler_output, encode_scheduler_output
+
+KVCONN = shutil.which("kvconn", path=str(Path(sys.executable).parent))
+
+
+class Meta(KVConnectorMetadata):
+    ids: list[int] = msgspec.field(default_factory=list)
+
+
+class OtherMeta(KVConnectorMetadata):
+    name: str
+
+
+def wire_bytes(metadata: dict[str, KVConnectorMetadata] | None = None) -> bytes:
+    return encode_scheduler_output(
+        SchedulerOutput(1, [], CachedRequestData(), {}, 0, kv_connector_metadata=metadata or {"a": Meta(ids=[1])})
+    )
+
+
+class Case(NamedTuple):
+    call: Callable[[], Any]
+    error: type[Exception]
+    message: str
+    cli: list[str] | None = None  # the same mistake through the CLI (exit code 1 unless a usage error)
+
+
+MEMORY = "kvconn.testing.memory_connector:MemoryConnector"
+OFFLOAD_BAD = {"num_blocks": -3}
+
+CATALOGUE: dict[str, Case] = {
+    "config: wrong type": Case(
+        lambda: load_connector(MEMORY, role="worker", config={"load_async": "sometimes"}),
+        ConnectorConfigError,
+        "field 'load_async': expected bool, got str",
+        ["validate", "--module", MEMORY, "--config", '{"load_async": "sometimes"}'],
+    ),
+    "config: unknown key": Case(
+        lambda: load_connector("dummy", role="worker", config={"colour": "red"}),
+        ConnectorConfigError,
+        "unknown field 'colour'; valid fields: record_calls",
+        ["validate", "dummy", "--config", '{"colour": "red"}'],
+    ),
+    "config: not a mapping": Case(
+        lambda: load_connector("dummy", role="worker", config=[1, 2]),  # type: ignore[arg-type]
+        ConnectorConfigError,
+        "must be a mapping",
+    ),
+    "config: invalid value": Case(
+        lambda: load_connector(MEMORY, role="worker", config={"fail_hook": "no_such_hook"}),
+        ConnectorConfigError,
+        "fail_hook 'no_such_hook' is not a hook",
+    ),
+    "unknown connector name": Case(
+        lambda: load_connector("dumy", role="worker"),
+        ConnectorNotFoundError,
+        "did you mean 'dummy'?",
+        ["validate", "dumy"],
+    ),
+    "module path: no such module": Case(
+        lambda: load_connector("no_such_pkg.mod:Thing", role="worker"),
+        ConnectorLoadError,
+        "failed to import module 'no_such_pkg.mod'",
+        ["validate", "--module", "no_such_pkg.mod:Thing"],
+    ),
+    "module path: not a connector": Case(
+        lambda: load_connector("kvconn.wire:encode_scheduler_output", role="worker"),
+        ConnectorLoadError,
+        "not a connector class",
+        ["validate", "--module", "kvconn.wire:encode_scheduler_output"],
+    ),
+    "module path: malformed": Case(
+        lambda: load_connector("kvconn:", role="worker"),
+        ConnectorLoadError,
+        "use the form 'package.module:ClassName'",
+    ),
+    "wire: truncated": Case(
+        lambda: decode_scheduler_output(wire_bytes()[:-7], {"a": Meta}),
+        WireError,
+        "scheduler output could not be decoded",
+    ),
+    "wire: corrupt": Case(
+        lambda: decode_scheduler_output(b"\xc1" * 32, {"a": Meta}),
+        WireError,
+        "could not be decoded",
+    ),
+    "wire: metadata from another connector": Case(
+        lambda: decode_scheduler_output(wire_bytes({"a": OtherMeta(name="x")}), {"a": Meta}),
+        WireError,
+        "metadata of connector 'a' could not be decoded as Meta",
+    ),
+    "wire: metadata for a connector the worker does not run": Case(
+        lambda: decode_scheduler_output(wire_bytes(), {"b": Meta}),
+        WireError,
+        "carries metadata for connector 'a', which this worker does not run",
+    ),
+    "wire: model runner output": Case(
+        lambda: decode_model_runner_output(b"\x92\x01"), WireError, "model runner output could not be decoded"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CATALOGUE.values(), ids=CATALOGUE.keys())
+def test_bad_input_gets_a_clear_error_of_the_documented_type(case: Case) -> None:
+    with pytest.raises(case.error) as err:
+        case.call()
+    assert case.message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+CLI_CASES = {name: case for name, case in CATALOGUE.items() if case.cli}
+
+
+@pytest.mark.skipif(KVCONN is None, reason="the kvconn CLI (kvconn-cli) is not installed")
+@pytest.mark.parametrize("case", CLI_CASES.values(), ids=CLI_CASES.keys())
+def test_bad_input_in_the_cli_is_one_clear_line_without_traceback(case: Case) -> None:
+    assert case.cli is not None and KVCONN is not None
+    result = subprocess.run([KVCONN, *case.cli], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert case.message in result.stdout + result.stderr
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=512))
+def test_the_wire_decoder_never_fails_with_anything_but_a_wire_error(data: bytes) -> None:
+    with contextlib.suppress(WireError):
+        decode_scheduler_output(data, {"a": Meta})
+
+
+@settings(max_examples=200, deadline=None)
+@given(cut=st.integers(0, 10_000), flip=st.integers(0, 255))
+def test_mutated_real_messages_decode_or_fail_cleanly(cut: int, flip: int) -> None:
+    data = bytearray(wire_bytes())
+    data[cut % len(data)] ^= flip
+    with contextlib.suppress(WireError):
+        decode_scheduler_output(bytes(data), {"a": Meta})
