@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -196,22 +196,38 @@ class ConnectorHost:
             self._fail(name, hook, exc)
             return False, None
 
-    def _broadcast(self, hook: str, **kwargs: Any) -> Iterable[tuple[str, Any]]:
-        """Call ``hook`` on every connector implementing it; yield the successes."""
+    def _broadcast(
+        self, hook: str, kwargs: Mapping[str, Any] | Callable[[str], Mapping[str, Any] | None]
+    ) -> Iterator[tuple[str, Any]]:
+        """Call ``hook`` on every connector implementing it, in order; yield the successes.
+
+        ``kwargs`` may depend on the connector's name (``None``: skip it).
+        """
         for impl in self._impls[hook]:
-            if impl[0] in self._failed_this_step and self.role is KVConnectorRole.WORKER:
+            name = impl[0]
+            if self.role is KVConnectorRole.WORKER and name in self._failed_this_step:
                 continue  # a worker-side connector that raised sits out the rest of the step
-            ok, result = self._call(impl, hook, kwargs)
+            args = kwargs(name) if callable(kwargs) else kwargs
+            if args is None:
+                continue
+            ok, result = self._call(impl, hook, args)
             if ok:
-                yield impl[0], result
+                yield name, result
+
+    def _notify(self, hook: str, **kwargs: Any) -> None:
+        """Call ``hook`` on every connector for its side effects."""
+        self._notify_each(hook, kwargs)
+
+    def _notify_each(self, hook: str, kwargs: Mapping[str, Any] | Callable[[str], Mapping[str, Any] | None]) -> None:
+        for _ in self._broadcast(hook, kwargs):
+            pass
 
     # ------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> LoadPlan:
         """Ask each connector in order; the first that reports tokens loads."""
-        for name, result in self._broadcast(
-            "get_num_new_matched_tokens", request=request, num_computed_tokens=num_computed_tokens
-        ):
+        args = {"request": request, "num_computed_tokens": num_computed_tokens}
+        for name, result in self._broadcast("get_num_new_matched_tokens", args):
             num_tokens, load_async = result if result is not None else (0, False)
             if num_tokens is None:
                 return LoadPlan(None, False, name)
@@ -227,7 +243,7 @@ class ConnectorHost:
         """
         num_external = plan.num_tokens or 0
         loading = False
-        for name, _ in self._broadcast_per_connector(
+        for name, _ in self._broadcast(
             "update_state_after_alloc",
             lambda name: {
                 "request": request,
@@ -242,14 +258,6 @@ class ConnectorHost:
                 )
                 loading = True
         return loading
-
-    def _broadcast_per_connector(
-        self, hook: str, kwargs_for: Callable[[str], Mapping[str, Any]]
-    ) -> Iterable[tuple[str, Any]]:
-        for impl in self._impls[hook]:
-            ok, result = self._call(impl, hook, kwargs_for(impl[0]))
-            if ok:
-                yield impl[0], result
 
     def _blocks_in_range(self, block_ids: BlockIds, start: int, end: int) -> list[int]:
         size = self.context.block_size
@@ -270,10 +278,9 @@ class ConnectorHost:
         self._failed_this_step.clear()
         try:
             args = {"block_state": block_state, "scheduler_output": scheduler_output}
-            for _ in self._broadcast("on_block_state", **args):
-                pass
+            self._notify("on_block_state", **args)
             metadata: dict[str, KVConnectorMetadata] = {}
-            for name, meta in self._broadcast("build_connector_meta", **args):
+            for name, meta in self._broadcast("build_connector_meta", args):
                 if name in self._failed_this_step:
                     continue
                 expected = getattr(self.connectors[name], "Metadata", KVConnectorMetadata)
@@ -295,7 +302,7 @@ class ConnectorHost:
         """Tell every connector; returns whether any delays freeing the blocks."""
         delayed = {
             name
-            for name, result in self._broadcast("request_finished", request=request, block_ids=block_ids)
+            for name, result in self._broadcast("request_finished", {"request": request, "block_ids": block_ids})
             if (result[0] if isinstance(result, tuple) else result)
         }
         if delayed:
@@ -306,11 +313,9 @@ class ConnectorHost:
         """Hand each connector its worker report and merge what the engine must do."""
         update = StepUpdate()
         empty = KVConnectorOutput()
+        self._notify_each("update_connector_output", lambda name: {"connector_output": outputs.get(name, empty)})
         for name in self.connectors:
             out = outputs.get(name, empty)
-            for impl in self._impls["update_connector_output"]:
-                if impl[0] == name:
-                    self._call(impl, "update_connector_output", {"connector_output": out})
             update.stats.update(out.stats)
             self._settle_loads(name, out, update)
             self._settle_sends(name, out, update)
@@ -363,8 +368,7 @@ class ConnectorHost:
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """A connector that fails here is disabled: every step reports it failed (loads recompute)."""
-        for _ in self._broadcast("register_kv_caches", kv_caches=kv_caches):
-            pass
+        self._notify("register_kv_caches", kv_caches=kv_caches)
         self._disabled = set(self._failed_this_step)
 
     def bind_connector_metadata(self, metadata: Mapping[str, KVConnectorMetadata] | None) -> None:
@@ -372,35 +376,32 @@ class ConnectorHost:
         self._metadata = dict(metadata or {})
 
     def _with_metadata(self, hook: str, **kwargs: Any) -> None:
-        for impl in self._impls[hook]:
-            name = impl[0]
-            if name in self._metadata and name not in self._failed_this_step:
-                self._call(impl, hook, {**kwargs, "metadata": self._metadata[name]})
+        self._notify_each(
+            hook, lambda name: {**kwargs, "metadata": self._metadata[name]} if name in self._metadata else None
+        )
 
     def start_load_kv(self) -> None:
         self._with_metadata("start_load_kv")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        for _ in self._broadcast("wait_for_layer_load", layer_name=layer_name):
-            pass
+        self._notify("wait_for_layer_load", layer_name=layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any) -> None:
         self._with_metadata("save_kv_layer", layer_name=layer_name, kv_layer=kv_layer)
 
     def wait_for_save(self) -> None:
-        for _ in self._broadcast("wait_for_save"):
-            pass
+        self._notify("wait_for_save")
 
     def get_finished(self, finished_req_ids: set[str]) -> dict[str, KVConnectorOutput]:
         """Collect each connector's report for this step and end the step."""
         outputs = {name: KVConnectorOutput() for name in self.connectors}
-        for name, result in self._broadcast("get_finished", finished_req_ids=finished_req_ids):
+        for name, result in self._broadcast("get_finished", {"finished_req_ids": finished_req_ids}):
             sending, recving = result if result is not None else (None, None)
             outputs[name].finished_sending = set(sending or ())
             outputs[name].finished_recving = set(recving or ())
-        for name, errors in self._broadcast("get_block_ids_with_load_errors"):
+        for name, errors in self._broadcast("get_block_ids_with_load_errors", {}):
             outputs[name].invalid_block_ids = set(errors or ())
-        for name, stats in self._broadcast("get_kv_connector_stats"):
+        for name, stats in self._broadcast("get_kv_connector_stats", {}):
             outputs[name].stats = dict(stats or {})
         for name in self._failed_this_step:
             outputs[name] = msgspec.structs.replace(outputs[name], failed=True)
@@ -412,8 +413,7 @@ class ConnectorHost:
 
     def num_tracked_requests(self) -> dict[str, int]:
         """Per connector, how many requests it still tracks (if it says)."""
-        return {name: int(n) for name, n in self._broadcast("get_num_tracked_requests") if n is not None}
+        return {name: int(n) for name, n in self._broadcast("get_num_tracked_requests", {}) if n is not None}
 
     def shutdown(self) -> None:
-        for _ in self._broadcast("shutdown"):
-            pass
+        self._notify("shutdown")
