@@ -7,7 +7,11 @@ EXISTING := $(wildcard $(addsuffix /pyproject.toml,$(DISTS)))
 PACKAGES := $(notdir $(patsubst %/__init__.py,%,$(wildcard sdk/src/*/__init__.py cli/src/*/__init__.py plugins/*/src/*/__init__.py)))
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck pytest bench clean
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kvconn-installed
+
+.PHONY: install demo test lint typecheck pytest test-vllm bench clean
 
 install: $(STAMP)
 
@@ -33,7 +37,16 @@ typecheck: install
 pytest: install
 	$(PY) -m pytest
 
-test: lint typecheck pytest
+# vLLM's real scheduler, in its own venv (2.2 GB) so the main one stays light.
+$(VLLM_STAMP): scripts/install-vllm-venv.sh $(EXISTING)
+	scripts/install-vllm-venv.sh $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check pytest $(foreach d,$(dir $(EXISTING)),-e $(d))
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest tests/vllm
+
+test: lint typecheck pytest test-vllm
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

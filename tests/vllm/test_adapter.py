@@ -89,7 +89,7 @@ def test_worker_side_dummy_gets_its_metadata_every_step() -> None:
     scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=3))
     loop = VllmLoop(scheduler)
     loop.run()
-    worker_dummy = loop.worker.host.connectors["dummy"]
+    worker_dummy: Any = loop.worker.host.connectors["dummy"]
     loads = [detail for hook, detail in worker_dummy.calls if hook == "start_load_kv"]
     assert loads == [sorted(o.num_scheduled_tokens) for o in loop.outputs]
     assert loads[:3] == [["r0"]] * 3 and loads[3:] == [[]]  # the last step only tells workers r0 finished
@@ -197,3 +197,62 @@ def test_fallback_tracks_live_tables_through_block_fill_and_preemption() -> None
     assert scheduler.connector._tracker is not None  # the fallback really ran
     assert seen["block_fill"] > 0 and seen["resumed"] > 0
     assert len(scheduler.connector._tracker) == 0  # finished requests were dropped
+
+
+@pytest.mark.parametrize("plugin", ["offload", "mooncake"])
+def test_second_request_loads_the_shared_prefix_from_the_plugin(plugin: str) -> None:
+    """A finishes and its full blocks are saved; vLLM's own cache is emptied; B's prefix comes from the plugin."""
+    scheduler = make_scheduler(plugin, num_blocks=64)
+    loop = VllmLoop(scheduler)
+    prefix = list(range(5000, 5064))  # 4 full blocks
+    scheduler.add_request(make_request("a", [*prefix, 1, 2, 3], max_tokens=2))
+    loop.run()
+    expected = {pos: loop.token_value(prefix, pos) for pos in range(64)}
+    assert scheduler.reset_prefix_cache()  # no local hit left: only the plugin can supply B's prefix
+    for kv in loop.kv_caches.values():
+        kv.zero_()
+
+    scheduler.add_request(make_request("b", [*prefix, 7, 8, 9, 10], max_tokens=2))
+    loop.step()
+    b = scheduler.requests["b"]
+    assert b.num_computed_tokens >= 64  # 64 matched tokens came from the plugin (sync or async)
+    table = scheduler.kv_cache_manager.get_block_ids("b")[0]
+    loop.run()
+    for layer, kv in loop.kv_caches.items():
+        got = {pos: float(kv[table[pos // 16], 0, pos % 16, 0]) for pos in range(64)}
+        assert got == expected, f"{plugin}: layer {layer} did not get A's KV back"
+    assert scheduler.connector.host.degraded_events == 0
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+
+
+def test_conformance_checks_run_with_vllm_as_the_driver() -> None:
+    from kvconn.adapters.vllm.driver import load_driver
+    from kvconn.testing.conformance.driver import available_drivers, register_driver
+    from kvconn.testing.conformance.runner import run_conformance
+
+    if "vllm" not in available_drivers():
+        register_driver("vllm", load_driver())
+    report = run_conformance("dummy", driver="vllm", select="KV013")
+    assert report.load_error is None
+    assert [(r.id, r.status) for r in report.results] == [("KV013", "passed")]
+    report = run_conformance("dummy", driver="vllm", select="KV02[01]")
+    assert [(r.id, r.status) for r in report.results] == [("KV020", "passed"), ("KV021", "passed")]
+
+
+def test_report_collector_counts_finished_transfers_over_all_workers() -> None:
+    from kvconn import KVConnectorOutput
+    from kvconn.adapters.vllm.reports import ReportCollector, WorkerReport, encode_report
+
+    collector = ReportCollector(["a", "b"], world_size=2)
+
+    def report(sending: set[str], invalid: frozenset[int] = frozenset()) -> bytes:
+        out = KVConnectorOutput(finished_sending=sending, invalid_block_ids=set(invalid), stats={"blocks_saved": 1})
+        return encode_report(WorkerReport({"a": out}))
+
+    merged, _ = collector.collect([report({"r0"}, frozenset({7}))])  # rank 0 only
+    assert merged["a"].finished_sending == set() and merged["a"].invalid_block_ids == {7}
+    assert collector.pending() == 1
+    merged, _ = collector.collect([report({"r0"}), report(set())])  # rank 1 catches up
+    assert merged["a"].finished_sending == {"r0"} and merged["b"] == KVConnectorOutput()
+    assert merged["a"].stats == {"blocks_saved": 2}
+    assert collector.pending() == 0

@@ -1,0 +1,340 @@
+"""``KVConnVllmConnector``: kvconn connectors behind vLLM's ``KVConnectorBase_V1``.
+
+One instance serves one vLLM role and owns a :class:`kvconn.ConnectorHost` of
+that role, built from ``kv_transfer_config.kv_connector_extra_config``::
+
+    {"kvconn_connector": "offload" | ["offload", "mooncake"],
+     "kvconn_config": {...},            # one connector: its config; several: {name: config}
+     "kvconn_on_error": "degrade"}      # or "raise"
+
+Every call vLLM makes is forwarded to the host, with vLLM's types translated
+at this boundary (:mod:`.translate`). What crosses processes is plain data:
+
+* scheduler -> workers: :class:`KVConnVllmMetadata` (pickled by vLLM's
+  ``MessageQueue``): each connector's metadata as msgpack bytes
+  (:func:`kvconn.wire.encode_metadata`) and the blocks of the loads in flight;
+* workers -> scheduler: :class:`KVConnVllmWorkerMetadata` (vLLM's
+  ``kv_connector_worker_meta``): one :class:`~.reports.WorkerReport` per worker.
+
+Load failures always reach vLLM as ``invalid_block_ids`` *in the step that
+ran on them*, because vLLM handles invalid blocks before it calls
+``update_connector_output``: the scheduler lists each connector's loads in the
+metadata, and a worker whose connector raised, or got no metadata, reports
+that connector's load blocks itself. vLLM then recomputes or fails the
+request according to ``kv_load_failure_policy`` (use ``"recompute"``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from ...block_state import KVConnectorBlockState
+from ...connector import KVConnectorRole as KVConnRole
+from ...errors import ConnectorConfigError, KVConnError, WireError
+from ...host import NO_LOAD, ConnectorHost, LoadPlan
+from ...metadata import KVConnectorMetadata as KVConnMetadata
+from ...outputs import KVConnectorOutput
+from ...wire import encode_metadata
+from .reports import ReportCollector, WorkerReport, encode_report
+from .tables import TableTracker
+from .translate import (
+    VllmRequestView,
+    block_ids_in_range,
+    check_kv_caches,
+    context_from_vllm,
+    to_block_ids,
+    translate_scheduler_output,
+)
+
+__all__ = ["KVConnVllmConnector", "KVConnVllmMetadata", "KVConnVllmStats", "KVConnVllmWorkerMetadata"]
+
+logger = logging.getLogger("kvconn.adapters.vllm")
+
+#: ``(block ids, is_async)`` of one load.
+LoadSpec = tuple[list[int], bool]
+
+# vLLM versions without worker metadata only see get_finished's merged sets.
+_HAS_WORKER_META = hasattr(KVConnectorBase_V1, "build_connector_worker_meta")
+
+
+@dataclass
+class KVConnVllmMetadata(KVConnectorMetadata):
+    """What the scheduler sends the workers each step (plain data only).
+
+    ``connectors``: each connector's metadata, msgpack-encoded.
+    ``loads``: per connector, ``req_id -> (blocks, is_async)`` of its loads in flight.
+    ``failed_loads``: loads vLLM planned that no connector will do (the loader
+    failed while committing them): reported invalid by the workers.
+    ``dropped``: connectors whose metadata failed this step: their loads fail.
+    """
+
+    connectors: dict[str, bytes] = field(default_factory=dict)
+    loads: dict[str, dict[str, LoadSpec]] = field(default_factory=dict)
+    failed_loads: dict[str, LoadSpec] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KVConnVllmWorkerMetadata(KVConnectorWorkerMetadata):
+    """The workers' per-connector reports of one step (see :mod:`.reports`)."""
+
+    reports: list[bytes] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnVllmWorkerMetadata) -> KVConnVllmWorkerMetadata:
+        return KVConnVllmWorkerMetadata(self.reports + other.reports)
+
+
+@dataclass
+class KVConnVllmStats(KVConnectorStats):
+    """Worker counters as ``{"<connector>.<counter>": value}``, summed over workers."""
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnVllmStats:
+        data: dict[str, Any] = dict(self.data)
+        for key, value in other.data.items():
+            data[key] = data.get(key, 0) + value
+        return KVConnVllmStats(data=data)
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+def _host_options(extra: dict[str, Any]) -> tuple[str | list[str], Any, Any]:
+    names = extra.get("kvconn_connector")
+    if not names or not isinstance(names, (str, list)) or not all(isinstance(n, str) for n in names):
+        raise ConnectorConfigError(
+            "kv_connector_extra_config must name the kvconn connector(s) to run, e.g. "
+            '{"kvconn_connector": "offload"} or {"kvconn_connector": ["offload", "mooncake"]}; '
+            f"got kvconn_connector={names!r} (see `kvconn list` for the installed ones)"
+        )
+    on_error = extra.get("kvconn_on_error", "degrade")
+    return names, extra.get("kvconn_config"), on_error
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, ImportError, RuntimeError):
+        return 0  # no distributed state (single process, tests)
+
+
+class KVConnVllmConnector(KVConnectorBase_V1):
+    """Hosts kvconn connectors for one vLLM role; see the module docstring."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        names, config, on_error = _host_options(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
+        is_worker = role == KVConnectorRole.WORKER
+        self.context = context_from_vllm(vllm_config, kv_cache_config, tp_rank=_tp_rank() if is_worker else 0)
+        self.host = ConnectorHost.from_names(
+            names,
+            role=KVConnRole.WORKER if is_worker else KVConnRole.SCHEDULER,
+            config=config,
+            context=self.context,
+            on_error=on_error,
+        )
+        self._block_size = self.context.block_size
+        # scheduler side
+        self._step = 0
+        self._plans: dict[str, tuple[LoadPlan, int]] = {}
+        self._loads: dict[str, dict[str, LoadSpec]] = {name: {} for name in self.host.names}
+        self._failed_loads: dict[str, LoadSpec] = {}
+        self._tracker: TableTracker | None = None
+        self._collector = ReportCollector(self.host.names, int(vllm_config.parallel_config.world_size))
+        # worker side
+        self._metadata_types = {
+            name: getattr(c, "Metadata", KVConnMetadata) for name, c in self.host.connectors.items()
+        }
+        self._bound: KVConnVllmMetadata = KVConnVllmMetadata()
+        self._undecoded: set[str] = set()
+        self._report: WorkerReport | None = None
+        self._invalid: set[int] = set()
+        self._stats: dict[str, float] = {}
+
+    # ------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        plan = self.host.get_num_new_matched_tokens(VllmRequestView(request), num_computed_tokens)
+        if plan.num_tokens is None:
+            return None, False
+        self._plans[request.request_id] = (plan, num_computed_tokens)
+        return plan.num_tokens, plan.load_async and plan.num_tokens > 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Commit the planned load; vLLM's external tokens follow the block-aligned local hit."""
+        block_ids = to_block_ids(blocks.get_block_ids())
+        plan, local_hit = self._plans.pop(request.request_id, (NO_LOAD, request.num_computed_tokens))
+        if num_external_tokens:
+            plan = LoadPlan(num_external_tokens, plan.load_async, plan.connector)
+        else:
+            plan, local_hit = NO_LOAD, request.num_computed_tokens
+        view = VllmRequestView(request, num_computed_tokens=local_hit)
+        loading = self.host.update_state_after_alloc(view, block_ids, plan)
+        if num_external_tokens:
+            blocks_to_load = block_ids_in_range(block_ids, local_hit, local_hit + num_external_tokens, self._block_size)
+            load: LoadSpec = (blocks_to_load, plan.load_async)
+            if loading and plan.connector is not None:
+                self._loads[plan.connector][request.request_id] = load
+            else:
+                self._failed_loads[request.request_id] = load
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnVllmMetadata:
+        self._step += 1
+        output = translate_scheduler_output(scheduler_output, self._step)
+        metadata = self.host.build_connector_meta(output, self._block_state(scheduler_output, output))
+        encoded: dict[str, bytes] = {}
+        for name, meta in metadata.items():
+            try:
+                encoded[name] = encode_metadata(name, meta)
+            except KVConnError as exc:  # its workers get no metadata and fail its loads
+                logger.warning("kvconn connector %r: metadata dropped this step: %s", name, exc)
+        loads = {name: dict(reqs) for name, reqs in self._loads.items() if reqs}
+        for reqs in self._loads.values():  # sync loads complete within the step they are sent
+            for req_id in [r for r, (_, is_async) in reqs.items() if not is_async]:
+                del reqs[req_id]
+        failed, self._failed_loads = self._failed_loads, {}
+        conns = self.host.connectors
+        dropped = [n for n, c in conns.items() if n not in encoded and hasattr(c, "build_connector_meta")]
+        return KVConnVllmMetadata(connectors=encoded, loads=loads, failed_loads=failed, dropped=dropped)
+
+    def _block_state(self, scheduler_output: Any, output: Any) -> KVConnectorBlockState:
+        """vLLM's lazy block state, or (vLLM without it) tables tracked from the outputs."""
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if state is not None and self._tracker is None:
+            return KVConnectorBlockState(
+                set(state.req_ids), state.resolve_block_ids, dict(getattr(state, "boundary_state_offloads", {}) or {})
+            )
+        if self._tracker is None:
+            if self._step > 1:
+                logger.error("vLLM stopped sending kv_connector_block_state mid-run; tracking tables from now on")
+            else:
+                logger.info("this vLLM sends no kv_connector_block_state: tables are tracked from scheduler outputs")
+            self._tracker = TableTracker()
+        self._tracker.update(output)
+        return self._tracker.block_state(output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._plans.pop(request.request_id, None)
+        return self.host.request_finished(VllmRequestView(request), (list(block_ids),)), None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Hand each connector its report, then make vLLM act on the host's merged decision.
+
+        vLLM reads ``finished_sending`` / ``finished_recving`` from this same
+        object right after this call, so they are replaced in place by what
+        the host decided (e.g. a free delayed by two connectors waits for both).
+        """
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(worker_meta, KVConnVllmWorkerMetadata):
+            outputs, failed_recving = self._collector.collect(worker_meta.reports)
+        else:
+            outputs, failed_recving = self._attribute(connector_output), set()
+        update = self.host.update_connector_output(outputs)
+        for reqs in self._loads.values():
+            for req_id in update.finished_recving:
+                reqs.pop(req_id, None)
+        connector_output.finished_sending = update.finished_sending or None
+        connector_output.finished_recving = (update.finished_recving | failed_recving) or None
+
+    def _attribute(self, connector_output: Any) -> dict[str, KVConnectorOutput]:
+        """Without worker reports: vLLM's merged sets go to every connector."""
+        out = KVConnectorOutput(
+            finished_sending=set(connector_output.finished_sending or ()),
+            finished_recving=set(connector_output.finished_recving or ()),
+            invalid_block_ids=set(connector_output.invalid_block_ids or ()),
+        )
+        return {name: msgspec.structs.replace(out) for name in self.host.names}
+
+    # --------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.host.register_kv_caches(check_kv_caches(kv_caches, self.context))
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._bound = connector_metadata if isinstance(connector_metadata, KVConnVllmMetadata) else KVConnVllmMetadata()
+        decoded: dict[str, KVConnMetadata] = {}
+        for name, blob in self._bound.connectors.items():
+            try:
+                decoded[name] = msgspec.msgpack.decode(blob, type=self._metadata_types[name])
+            except (KeyError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                err = WireError(f"metadata of connector {name!r} could not be decoded on this worker: {exc!r}")
+                logger.warning("%s; it sits this step out", err)
+        self.host.bind_connector_metadata(decoded)
+        self._undecoded = set(self._bound.connectors) - set(decoded)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.host.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.host.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        self.host.save_kv_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        self.host.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Collect the step's reports; the merged sets go to vLLM only without worker metadata."""
+        outputs = self.host.get_finished(set(finished_req_ids))
+        bound = self._bound
+        for name, loads in bound.loads.items():
+            out = outputs.setdefault(name, KVConnectorOutput())
+            if out.failed or name in bound.dropped or name in self._undecoded:
+                out.failed = True  # the host recomputes its loads; vLLM learns it from the blocks below
+                out.invalid_block_ids |= {b for blocks, _ in loads.values() for b in blocks}
+        failed_async = {r for r, (_, is_async) in bound.failed_loads.items() if is_async}
+        self._invalid = {b for out in outputs.values() for b in out.invalid_block_ids}
+        self._invalid |= {b for blocks, _ in bound.failed_loads.values() for b in blocks}
+        for name, out in outputs.items():
+            for key, value in out.stats.items():
+                self._stats[f"{name}.{key}"] = self._stats.get(f"{name}.{key}", 0) + value
+        self._report = WorkerReport(outputs, failed_async)
+        self._bound = KVConnVllmMetadata()
+        if _HAS_WORKER_META:
+            return None, None
+        sending = {r for out in outputs.values() for r in out.finished_sending}
+        recving = {r for out in outputs.values() for r in out.finished_recving} | failed_async
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def get_kv_connector_stats(self) -> KVConnVllmStats | None:
+        if not self._stats:
+            return None
+        stats, self._stats = KVConnVllmStats(data=self._stats), {}
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnVllmStats | None:
+        return KVConnVllmStats(data=dict(data)) if data is not None else None
+
+    def build_connector_worker_meta(self) -> KVConnVllmWorkerMetadata | None:
+        report, self._report = self._report, None
+        return KVConnVllmWorkerMetadata([encode_report(report)]) if report is not None else None
+
+    # ---------------------------------------------------------------------- both
+
+    def shutdown(self) -> None:
+        self.host.shutdown()

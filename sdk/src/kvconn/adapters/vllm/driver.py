@@ -1,0 +1,175 @@
+"""The ``vllm`` conformance driver: scenarios played through vLLM's real scheduler.
+
+``run_conformance(name, driver="vllm")`` (and ``kvconn validate NAME --engine
+vllm``) builds, per scenario, vLLM's v1 ``Scheduler`` on the CPU with the
+connector loaded through :class:`KVConnVllmConnector`, plus a worker-side
+adapter on fake KV caches (:class:`~.harness.VllmLoop`). Observation happens
+at the adapter's ``ConnectorHost``, exactly where the reference driver
+observes, so every scheduler-side check reads the same :class:`StepRecord`.
+
+Importing this module does not import vLLM; :func:`load_driver` does, and
+raises a one-line error when vLLM is missing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import msgspec
+
+from ...block_state import BlockIds, KVConnectorBlockState
+from ...errors import ConnectorLoadError
+from ...metadata import KVConnectorMetadata
+from ...outputs import SchedulerOutput
+from ...testing.conformance.driver import DriverFactory, DriverSpec, StepRecord
+from .reports import decode_report
+
+__all__ = ["VllmDriver", "load_driver"]
+
+
+def load_driver() -> DriverFactory:
+    """The driver factory; :class:`ConnectorLoadError` when vLLM cannot be imported."""
+    from .harness import prepare_environment, vllm_import_error
+
+    prepare_environment()
+    error = vllm_import_error()
+    if error is not None:
+        raise ConnectorLoadError(
+            f"vLLM is not installed in this environment: {error} "
+            "(install it with scripts/install-vllm-venv.sh and run kvconn from that venv)"
+        )
+    return VllmDriver
+
+
+class VllmDriver:
+    """A :class:`~kvconn.testing.conformance.SchedulerDriver` over vLLM's scheduler."""
+
+    def __init__(self, spec: DriverSpec) -> None:
+        from .harness import VllmLoop, make_scheduler
+
+        groups = spec.kv_cache_groups
+        if len(groups) != 1 or groups[0].sliding_window is not None:
+            raise ValueError(
+                "the vllm driver runs one full-attention KV-cache group: kvconn's vLLM adapter does not "
+                "support vLLM's hybrid KV cache manager (several groups, sliding windows)"
+            )
+        self.block_size, self.num_blocks = spec.block_size, spec.num_blocks
+        self.name = spec.connector
+        self.scheduler = make_scheduler(
+            spec.connector,
+            spec.config,
+            block_size=spec.block_size,
+            num_blocks=spec.num_blocks,
+            max_num_seqs=spec.max_num_seqs,
+            max_num_batched_tokens=spec.max_num_batched_tokens,
+            max_model_len=2048,
+            enable_prefix_caching=spec.enable_prefix_caching,
+        )
+        self.loop = VllmLoop(self.scheduler)
+        self.adapter = self.scheduler.connector
+        self.metadata_type: type[KVConnectorMetadata] = getattr(
+            self.adapter.host.connectors[self.name], "Metadata", KVConnectorMetadata
+        )
+        self._finished_calls: Counter[str] = Counter()
+        self._withhold: frozenset[str] = frozenset()
+        self._built: tuple[SchedulerOutput, KVConnectorMetadata | None, frozenset[str], list[str]] | None = None
+        self._observe()
+
+    def _observe(self) -> None:
+        """Wrap the scheduler-side host (instance attributes shadow its methods)."""
+        host = self.adapter.host
+        build, finished = host.build_connector_meta, host.request_finished
+
+        def build_connector_meta(
+            output: SchedulerOutput, block_state: KVConnectorBlockState
+        ) -> dict[str, KVConnectorMetadata]:
+            offered = frozenset(block_state.req_ids - self._withhold)
+            resolved: list[str] = []
+
+            def counting(req_id: str) -> BlockIds:
+                resolved.append(req_id)
+                return block_state.resolve_block_ids(req_id)
+
+            metadata = build(output, KVConnectorBlockState(set(offered), counting))
+            self._built = (output, metadata.get(self.name), offered, resolved)
+            return metadata
+
+        def request_finished(request: Any, block_ids: BlockIds) -> bool:
+            self._finished_calls[request.request_id] += 1
+            return finished(request, block_ids)
+
+        host.build_connector_meta = build_connector_meta
+        host.request_finished = request_finished
+
+    # ---------------------------------------------------------------- protocol
+
+    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> None:
+        from .harness import make_request
+
+        self.scheduler.add_request(make_request(req_id, prompt, max_tokens, self.block_size))
+
+    def abort(self, req_id: str) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def step(self, *, withhold: Collection[str] = ()) -> StepRecord:
+        self._withhold, self._built = frozenset(withhold), None
+        preemptions = {r: req.num_preemptions for r, req in self.scheduler.requests.items()}
+        tables: dict[str, BlockIds] = {}
+        self.loop.step(inspect=lambda _: tables.update(self._tables()))
+        assert self._built is not None, "vLLM did not call build_connector_meta"
+        output, metadata, offered, resolved = self._built
+        sent = self.loop.outputs[-1].kv_connector_metadata
+        encoded = sent.connectors.get(self.name) if metadata is not None else None
+        decoded = msgspec.msgpack.decode(encoded, type=self.metadata_type) if encoded is not None else None
+        worker_meta = self.loop.last_kv_output.kv_connector_worker_meta
+        reports = [decode_report(blob).outputs.get(self.name) for blob in worker_meta.reports] if worker_meta else []
+        requests = self.scheduler.requests
+        return StepRecord(
+            output=output,
+            metadata=metadata,
+            decoded=decoded,
+            encoded=encoded,
+            tables=tables,
+            offered=offered,
+            resolved=resolved,
+            connector_output=reports[0] if reports else None,
+            preempted={r for r, n in preemptions.items() if r in requests and requests[r].num_preemptions > n},
+        )
+
+    def _tables(self) -> dict[str, BlockIds]:
+        manager = self.scheduler.kv_cache_manager
+        tables = {r: manager.get_block_ids(r) for r in self.scheduler.requests}
+        return {r: tuple(list(t) for t in table) for r, table in tables.items() if any(table)}
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.has_unfinished_requests())
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.has_requests())
+
+    def finished_calls(self) -> dict[str, int]:
+        return dict(self._finished_calls)
+
+    def num_tracked_requests(self) -> dict[str, int]:
+        tracked: dict[str, int] = {}
+        for role, host in (("scheduler", self.adapter.host), ("worker", self.loop.worker.host)):
+            counts = host.num_tracked_requests()
+            if self.name in counts:
+                tracked[role] = counts[self.name]
+        return tracked
+
+    def assert_empty(self) -> None:
+        scheduler = self.scheduler
+        assert not scheduler.requests, f"requests still held by vLLM: {sorted(scheduler.requests)}"
+        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        assert free == self.num_blocks - 1, f"{self.num_blocks - 1 - free} blocks not returned to vLLM's pool"
+        loads = {name: reqs for name, reqs in self.adapter.host.pending_loads().items() if reqs}
+        assert not loads, f"loads still in flight: {loads}"
+
+    def close(self) -> None:
+        self.adapter.shutdown()
+        self.loop.worker.shutdown()

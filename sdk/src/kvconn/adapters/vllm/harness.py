@@ -1,0 +1,338 @@
+"""vLLM's real v1 ``Scheduler`` on the CPU, with kvconn connectors, and nothing else.
+
+No GPU, no model weights, no hub: ``ModelConfig`` points at a directory
+holding a tiny OPT ``config.json``. Used by the vLLM test tier and by the
+``vllm`` conformance driver. :class:`VllmLoop` runs a real worker-side
+:class:`KVConnVllmConnector` on fake KV tensors next to the scheduler, passing
+each step's ``SchedulerOutput`` through ``pickle`` as vLLM's ``MessageQueue``
+does.
+
+Environment: the first ``VllmConfig`` built with an empty ``VLLM_CACHE_ROOT``
+inspects the model class in a subprocess (~10 s); later builds take ~0.2 s.
+:func:`prepare_environment` points ``VLLM_CACHE_ROOT`` (unless set) at a
+persistent folder, ``$XDG_CACHE_HOME/kvconn/vllm`` by default, and sets
+``HF_HUB_OFFLINE``. It must run before vLLM is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import CONNECTOR_CLASS
+
+__all__ = [
+    "EOS_TOKEN_ID",
+    "VllmLoop",
+    "fake_kv_caches",
+    "make_model_runner_output",
+    "make_request",
+    "make_scheduler",
+    "prepare_environment",
+    "vllm_import_error",
+]
+
+EOS_TOKEN_ID = 50256  # OPT's end-of-sequence token: sampling it ends a request
+NUM_KV_HEADS, HEAD_SIZE = 2, 32
+LAYERS = ("model.decoder.layers.0.self_attn.attn", "model.decoder.layers.1.self_attn.attn")
+
+_TINY_OPT = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "activation_function": "relu",
+    "hidden_size": 64,
+    "ffn_dim": 128,
+    "word_embed_proj_dim": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": NUM_KV_HEADS,
+    "max_position_embeddings": 2048,
+    "vocab_size": 50272,
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+    "pad_token_id": 1,
+    "do_layer_norm_before": True,
+    "enable_bias": True,
+    "torch_dtype": "float16",
+}
+
+
+def vllm_import_error() -> str | None:
+    """Why vLLM's scheduler cannot be imported here, or ``None`` when it can."""
+    try:
+        import vllm.v1.core.sched.scheduler  # noqa: F401
+    except Exception as exc:  # vLLM raises more than ImportError when half installed
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def prepare_environment(workdir: str | os.PathLike[str] | None = None) -> Path:
+    """Offline env, a persistent ``VLLM_CACHE_ROOT`` and the tiny model; the model dir."""
+    root = (
+        Path(workdir) if workdir else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvconn" / "vllm"
+    )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm-cache"))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    model_dir = root / "tiny-opt"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    config = model_dir / "config.json"
+    if not config.exists():
+        config.write_text(json.dumps(_TINY_OPT))
+    return model_dir
+
+
+_none_hash_ready = False
+
+
+def _init_hashing() -> None:
+    global _none_hash_ready
+    if not _none_hash_ready:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import init_none_hash
+
+        init_none_hash(sha256)
+        _none_hash_ready = True
+
+
+def kvconn_transfer_config(
+    connector: str | Sequence[str], config: Any = None, *, on_error: str = "raise", short_name: bool = False
+) -> dict[str, Any]:
+    """``KVTransferConfig`` fields that load kvconn ``connector`` through the adapter."""
+    names = connector if isinstance(connector, str) else list(connector)
+    extra: dict[str, Any] = {"kvconn_connector": names, "kvconn_on_error": on_error}
+    if config is not None:
+        extra["kvconn_config"] = config
+    fields: dict[str, Any] = {"kv_connector": CONNECTOR_CLASS, "kv_connector_extra_config": extra}
+    if short_name:
+        fields["kv_connector"] = "kvconn"
+    else:
+        fields["kv_connector_module_path"] = "kvconn.adapters.vllm"
+    return fields
+
+
+def make_scheduler(
+    connector: str | Sequence[str],
+    config: Any = None,
+    *,
+    on_error: str = "raise",
+    short_name: bool = False,
+    block_size: int = 16,
+    num_blocks: int = 128,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 1024,
+    kv_load_failure_policy: str = "recompute",
+    enable_prefix_caching: bool = True,
+    workdir: str | os.PathLike[str] | None = None,
+) -> Any:
+    """vLLM's ``Scheduler`` with kvconn ``connector`` on its scheduler side (``scheduler.connector``)."""
+    model_dir = prepare_environment(workdir)
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model_config = ModelConfig(
+        model=str(model_dir),
+        tokenizer=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="float16",
+        seed=42,
+        max_model_len=max_model_len,
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=model_config.is_encoder_decoder,
+        ),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
+        kv_transfer_config=KVTransferConfig(
+            kv_role="kv_both",
+            kv_load_failure_policy=kv_load_failure_policy,
+            **kvconn_transfer_config(connector, config, on_error=on_error, short_name=short_name),
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    import torch
+
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                list(LAYERS),
+                FullAttentionSpec(
+                    block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float16
+                ),
+            )
+        ],
+    )
+    _init_hashing()
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        log_stats=True,
+    )
+
+
+def make_request(req_id: str, prompt_token_ids: Sequence[int], max_tokens: int = 16, block_size: int = 16) -> Any:
+    """A vLLM ``Request`` with SHA-256 block hashing (so prefix caching works)."""
+    _init_hashing()
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=max_tokens)
+    params.update_from_generation_config({}, EOS_TOKEN_ID)
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
+
+
+def make_model_runner_output(
+    scheduler_output: Any,
+    scheduler: Any,
+    *,
+    sampled_token: int = 0,
+    eos_req_ids: Iterable[str] = (),
+    kv_connector_output: Any = None,
+) -> Any:
+    """A model runner's answer without a model: requests done with their prompt sample one token.
+
+    ``schedule()`` has already advanced ``num_computed_tokens``, so a request
+    is mid-prefill iff it is still below ``num_tokens``.
+    """
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    eos = set(eos_req_ids)
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        request = scheduler.requests.get(req_id)
+        partial = request is not None and request.num_computed_tokens < request.num_tokens
+        sampled.append([] if partial else [EOS_TOKEN_ID if req_id in eos else sampled_token])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=kv_connector_output,
+    )
+
+
+def fake_kv_caches(num_blocks: int, block_size: int = 16) -> dict[str, Any]:
+    """Per-layer tensors shaped as vLLM 0.33 registers them: ``[blocks, heads, block_size, 2 * head]``."""
+    import torch
+
+    return {
+        name: torch.zeros((num_blocks, NUM_KV_HEADS, block_size, 2 * HEAD_SIZE), dtype=torch.float16) for name in LAYERS
+    }
+
+
+class VllmLoop:
+    """vLLM's scheduler plus a real worker-side adapter instance on fake KV caches.
+
+    Each :meth:`step` does what vLLM's engine core and model runner do around
+    a connector: ``schedule()``, pickle the output (the multiprocess
+    executor's ``MessageQueue``), bind the metadata, ``start_load_kv``, per
+    layer ``wait_for_layer_load`` / write / ``save_kv_layer``, ``wait_for_save``,
+    ``get_finished``, errors, stats, worker metadata, then
+    ``update_from_output``. The "model" writes, for each computed token, a
+    value derived from the token ids up to it, so a block's bytes depend on
+    its whole prefix and a load can be checked against a save.
+    """
+
+    def __init__(self, scheduler: Any) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from .connector import KVConnVllmConnector
+
+        self.scheduler = scheduler
+        self.block_size = scheduler.block_size
+        num_blocks = scheduler.kv_cache_config.num_blocks
+        self.worker = KVConnVllmConnector(scheduler.vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
+        self.kv_caches = fake_kv_caches(num_blocks, self.block_size)
+        self.worker.register_kv_caches(self.kv_caches)
+        self.outputs: list[Any] = []
+        self.last_kv_output: Any = None
+
+    def token_value(self, token_ids: Sequence[int], position: int) -> float:
+        """What the fake model writes for the token at ``position`` (depends on the prefix)."""
+        return float(hash(tuple(token_ids[: position + 1])) % 997)
+
+    def _compute(self, output: Any) -> None:
+        for req_id, n in output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            table = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            start = request.num_computed_tokens - n
+            tokens = list(request.all_token_ids)
+            for pos in range(start, start + n):
+                value = self.token_value(tokens, pos)
+                for kv in self.kv_caches.values():
+                    kv[table[pos // self.block_size], :, pos % self.block_size, :] = value
+
+    def step(self, *, eos_req_ids: Iterable[str] = (), inspect: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
+        """One engine step; returns ``(scheduler_output, engine_core_outputs)``.
+
+        ``inspect(output)`` runs right after ``schedule()``, while the
+        scheduler's tables are exactly those the connectors were offered.
+        """
+        output = self.scheduler.schedule()
+        if inspect is not None:
+            inspect(output)
+        sent = pickle.loads(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
+        kv_output = self.last_kv_output = self.run_worker(sent, compute=lambda: self._compute(output))
+        self.outputs.append(output)
+        runner_output = make_model_runner_output(
+            output, self.scheduler, eos_req_ids=eos_req_ids, kv_connector_output=kv_output
+        )
+        return output, self.scheduler.update_from_output(output, runner_output)
+
+    def run_worker(self, output: Any, compute: Any = None) -> Any:
+        """The worker side of one step, as vLLM's ``KVConnectorModelRunnerMixin`` drives it."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        worker = self.worker
+        worker.bind_connector_metadata(output.kv_connector_metadata)
+        worker.start_load_kv(None)
+        for layer in self.kv_caches:
+            worker.wait_for_layer_load(layer)
+        if compute is not None and output.total_num_scheduled_tokens:
+            compute()
+        for layer, kv in self.kv_caches.items():
+            worker.save_kv_layer(layer, kv, None)
+        worker.wait_for_save()
+        results = worker.get_transfer_results(output.finished_req_ids)
+        kv_output = KVConnectorOutput(
+            finished_sending=results.finished_sending or None,
+            finished_recving=results.finished_recving or None,
+            invalid_block_ids=worker.get_block_ids_with_load_errors(),
+            kv_connector_stats=worker.get_kv_connector_stats(),
+            kv_connector_worker_meta=worker.build_connector_worker_meta(),
+        )
+        worker.clear_connector_metadata()
+        return kv_output
+
+    def run(self, *, max_steps: int = 1000, inspect: Callable[[Any], None] | None = None) -> None:
+        """Step until the scheduler has nothing left (requests or held blocks)."""
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                return
+            self.step(inspect=inspect)
+        raise AssertionError(f"vLLM scheduler still has requests after {max_steps} steps")

@@ -1,0 +1,192 @@
+"""vLLM objects -> kvconn objects, at the adapter boundary and nowhere else.
+
+Nothing here imports vLLM: the functions read vLLM objects by attribute, so
+they are testable without vLLM and keep the adapter's import cheap.
+
+What plugins see of vLLM:
+
+* a request as :class:`VllmRequestView` (:class:`kvconn.ConnectorRequest`):
+  vLLM's own ``block_hashes`` (bytes, one per full block at the cache block
+  size). vLLM hashes with its configured algorithm (SHA-256 over pickled
+  ``(parent, tokens, extra_keys)`` by default), not :mod:`kvconn.hashing`:
+  keys are stable within one engine and across engines with the same vLLM
+  hashing settings, but do not match blocks saved by the reference engine.
+* a ``kvconn.SchedulerOutput`` built from vLLM's (:func:`translate_scheduler_output`);
+* vLLM's own KV-cache tensors, checked (:func:`check_kv_caches`), with
+  ``ConnectorContext.kv_layout == "vllm-BHNC"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ...block_state import BlockIds
+from ...context import NULL_BLOCK_ID, ConnectorContext, KVCacheGroupSpec
+from ...outputs import CachedRequestData, NewRequestData, SchedulerOutput
+
+__all__ = [
+    "VllmRequestView",
+    "block_ids_in_range",
+    "context_from_vllm",
+    "VLLM_KV_LAYOUT",
+    "check_kv_caches",
+    "to_block_ids",
+    "translate_scheduler_output",
+]
+
+
+#: ``ConnectorContext.kv_layout`` under vLLM 0.33: ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``.
+VLLM_KV_LAYOUT = "vllm-BHNC"
+
+
+class VllmRequestView:
+    """A vLLM ``Request`` as a :class:`kvconn.ConnectorRequest` (read-through, live).
+
+    ``num_computed_tokens`` can be pinned: when vLLM calls
+    ``update_state_after_alloc`` it has not yet set the request's count, and
+    kvconn's contract says external tokens start at ``num_computed_tokens``.
+    """
+
+    __slots__ = ("_num_computed_tokens", "_request")
+
+    def __init__(self, request: Any, num_computed_tokens: int | None = None) -> None:
+        self._request = request
+        self._num_computed_tokens = num_computed_tokens
+
+    @property
+    def request_id(self) -> str:
+        return str(self._request.request_id)
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        return self._request.prompt_token_ids or []
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        return self._request.all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self._request.num_tokens)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        if self._num_computed_tokens is not None:
+            return self._num_computed_tokens
+        return int(self._request.num_computed_tokens)
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]:
+        return self._request.block_hashes
+
+    def __repr__(self) -> str:
+        return f"VllmRequestView({self.request_id!r}, num_computed_tokens={self.num_computed_tokens})"
+
+
+def to_block_ids(tables: Sequence[Sequence[int]]) -> BlockIds:
+    """A fresh ``tuple[list[int], ...]`` (plugins may keep or mutate it safely)."""
+    return tuple([int(b) for b in table] for table in tables)
+
+
+def block_ids_in_range(block_ids: BlockIds, start: int, end: int, block_size: int) -> list[int]:
+    """Ids of the (non-null) blocks holding tokens ``[start, end)``, over all groups."""
+    first, last = start // block_size, -(-end // block_size)
+    return [b for table in block_ids for b in table[first:last] if b != NULL_BLOCK_ID]
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def context_from_vllm(
+    vllm_config: Any, kv_cache_config: Any, *, tp_rank: int = 0, kv_layout: str = VLLM_KV_LAYOUT
+) -> ConnectorContext:
+    """The :class:`kvconn.ConnectorContext` of a vLLM engine.
+
+    Model, KV dtype (``cache_dtype`` when it is not ``"auto"``), block size,
+    KV-cache groups (layer names; sliding window in tokens for sliding-window
+    specs), TP rank/size and engine id.
+    """
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    cache_dtype = str(getattr(cache_config, "cache_dtype", "auto"))
+    groups = tuple(
+        KVCacheGroupSpec(tuple(group.layer_names), getattr(group.kv_cache_spec, "sliding_window", None))
+        for group in getattr(kv_cache_config, "kv_cache_groups", ()) or ()
+    )
+    optional: dict[str, Any] = {"kv_cache_groups": groups} if groups else {}
+    engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None)
+    if engine_id:
+        optional["engine_id"] = str(engine_id)
+    return ConnectorContext(
+        model=str(model_config.model),
+        dtype=cache_dtype if cache_dtype != "auto" else _dtype_name(model_config.dtype),
+        block_size=int(cache_config.block_size),
+        kv_layout=kv_layout,
+        tp_rank=tp_rank,
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        **optional,
+    )
+
+
+def _resumed_flags(cached: Any) -> list[bool]:
+    """vLLM >= 0.11 has ``resumed_req_ids`` (a set); older ones a per-position list."""
+    resumed = getattr(cached, "resumed_req_ids", None)
+    if resumed is not None:
+        return [req_id in resumed for req_id in cached.req_ids]
+    return [bool(f) for f in getattr(cached, "resumed_from_preemption", [False] * len(cached.req_ids))]
+
+
+def translate_scheduler_output(output: Any, step: int) -> SchedulerOutput:
+    """kvconn's ``SchedulerOutput`` for one vLLM ``SchedulerOutput``.
+
+    ``new_token_ids`` are vLLM's when it sends them (pipeline parallelism),
+    else empty lists: vLLM's workers keep sampled tokens themselves.
+    """
+    cached = output.scheduled_cached_reqs
+    n = len(cached.req_ids)
+    new_token_ids = [list(t) for t in cached.new_token_ids] if len(cached.new_token_ids) == n else [[]] * n
+    return SchedulerOutput(
+        step=step,
+        scheduled_new_reqs=[
+            NewRequestData(r.req_id, list(r.prompt_token_ids or []), to_block_ids(r.block_ids), r.num_computed_tokens)
+            for r in output.scheduled_new_reqs
+        ],
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=list(cached.req_ids),
+            resumed_from_preemption=_resumed_flags(cached),
+            new_token_ids=new_token_ids,
+            new_block_ids=[None if b is None else to_block_ids(b) for b in cached.new_block_ids],
+            num_computed_tokens=list(cached.num_computed_tokens),
+            all_token_ids={k: list(v) for k, v in (getattr(cached, "all_token_ids", None) or {}).items()},
+        ),
+        num_scheduled_tokens=dict(output.num_scheduled_tokens),
+        total_num_scheduled_tokens=int(output.total_num_scheduled_tokens),
+        finished_req_ids=set(output.finished_req_ids),
+    )
+
+
+def check_kv_caches(kv_caches: Mapping[str, Any], context: ConnectorContext) -> dict[str, Any]:
+    """vLLM's per-layer KV caches, checked, for the plugins (same tensors, no copy).
+
+    vLLM 0.33 hands ``register_kv_caches`` one tensor per attention layer of
+    shape ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (K and V
+    concatenated on the last axis), which ``ConnectorContext.kv_layout``
+    reports as ``"vllm-BHNC"``. Block ids index axis 0, as in kvconn's
+    reference layout ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
+    (``"NHD"``), and each block is one contiguous slab, so plugins that move
+    whole blocks (offload, mooncake) work unchanged; a plugin that reads
+    token positions must look at ``kv_layout``. No view in the reference
+    layout is offered: it cannot be contiguous over vLLM's memory. Other
+    shapes (MLA, state-space layers) are refused with a clear error.
+    """
+    for name, kv in kv_caches.items():
+        if kv.dim() != 4 or kv.shape[2] != context.block_size or kv.shape[3] % 2:
+            raise ValueError(
+                f"kvconn's vLLM adapter supports attention KV caches of shape "
+                f"[num_blocks, num_kv_heads, block_size={context.block_size}, 2 * head_size]; layer {name!r} "
+                f"has shape {list(kv.shape)} (MLA and state-space layers are not supported): "
+                f"remove kv_transfer_config or use a model with standard attention"
+            )
+    return dict(kv_caches)
