@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml $(EXISTING) scripts/install-system-deps.sh
 	# Pinned: the CPU build from local disk; plain `torch` would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --group dev $(foreach d,$(dir $(EXISTING)),-e $(d))
+	# The real Mooncake client for the store tests (CPU wheel; libibverbs1/librdmacm1 come from install-system-deps.sh).
+	$(PIP) install -q -e 'plugins/mooncake[store]'
 	touch $(STAMP)
 
 demo: install

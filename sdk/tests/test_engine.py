@@ -132,3 +132,4 @@ def test_external_loads_into_two_kv_cache_groups() -> None:
         )
         assert outputs == expected
         assert engine.stats.prompt_tokens_loaded > 0
+

@@ -187,3 +187,19 @@ def test_engine_recomputes_when_a_connectors_metadata_fails() -> None:
     assert [first, second] == expected
     assert engine.stats.failed_load_blocks > 0 and engine.stats.degraded_events > 0
     memory_connector.STORE.clear()
+
+
+class SchedulerOnly(KVConnector):
+    roles = frozenset({kvconn.KVConnectorRole.SCHEDULER})
+    Metadata = Named
+
+    def build_connector_meta(self) -> Named:
+        return Named(name="only")
+
+
+def test_connectors_are_hosted_only_for_the_roles_they_serve() -> None:
+    with Engine([f"{__name__}:SchedulerOnly", "dummy"], num_blocks=32) as engine:
+        assert engine.generate([[5, 6, 7] * 10], max_tokens=2)
+        assert engine.scheduler_host is not None and engine.worker_host is not None
+        assert engine.scheduler_host.names == [f"{__name__}:SchedulerOnly", "dummy"]
+        assert engine.worker_host.names == ["dummy"]

@@ -225,18 +225,30 @@ def test_second_request_loads_the_shared_prefix_from_the_plugin(plugin: str) -> 
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 63
 
 
-def test_conformance_checks_run_with_vllm_as_the_driver() -> None:
-    from kvconn.adapters.vllm.driver import load_driver
-    from kvconn.testing.conformance.driver import available_drivers, register_driver
-    from kvconn.testing.conformance.runner import run_conformance
+@pytest.mark.parametrize("connector", ["dummy", "offload"])
+def test_shipped_plugins_pass_the_scheduler_side_checks_with_vllm_as_the_driver(connector: str) -> None:
+    from kvconn.testing.conformance import run_conformance
 
-    if "vllm" not in available_drivers():
-        register_driver("vllm", load_driver())
-    report = run_conformance("dummy", driver="vllm", select="KV013")
+    report = run_conformance(connector, driver="vllm", select="KV01*")
     assert report.load_error is None
-    assert [(r.id, r.status) for r in report.results] == [("KV013", "passed")]
-    report = run_conformance("dummy", driver="vllm", select="KV02[01]")
-    assert [(r.id, r.status) for r in report.results] == [("KV020", "passed"), ("KV021", "passed")]
+    assert report.failed == 0 and report.passed >= 4, report.results
+    report = run_conformance(connector, driver="vllm", select="KV0[23]*")
+    assert report.failed == 0 and report.passed >= 5, report.results
+
+
+def test_the_vllm_driver_catches_a_connector_that_only_reads_new_blocks() -> None:
+    import sys
+    from pathlib import Path
+
+    from kvconn.testing.conformance import run_conformance
+
+    fixtures = Path(__file__).parents[2] / "sdk" / "tests" / "conformance" / "fixtures"
+    sys.path.insert(0, str(fixtures))
+    try:
+        report = run_conformance("kvconn_conformance_fixtures.broken:NewBlocksOnly", driver="vllm", select="KV011")
+    finally:
+        sys.path.remove(str(fixtures))
+    assert [(r.id, r.status) for r in report.results] == [("KV011", "failed")]
 
 
 def test_report_collector_counts_finished_transfers_over_all_workers() -> None:

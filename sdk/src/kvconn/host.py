@@ -142,9 +142,10 @@ class ConnectorHost:
         """Load connectors by name (or ``"pkg.mod:Class"``) and host them.
 
         With one name, ``config`` is that connector's config; with several, it
-        maps each name to its config.
+        maps each name to its config. Connectors that do not serve ``role``
+        (a scheduler-only connector on a worker) are left out.
         """
-        from .registry import load_connector
+        from .registry import load_connector, load_connector_class
 
         name_list = [names] if isinstance(names, str) else list(names)
         configs: Mapping[str, Any] = {name_list[0]: config} if len(name_list) == 1 else (config or {})
@@ -152,7 +153,9 @@ class ConnectorHost:
         if unknown:
             raise ValueError(f"config given for connectors that are not loaded: {sorted(unknown)}")
         ctx = context or ConnectorContext()
-        loaded = [(n, load_connector(n, role=role, config=configs.get(n), context=ctx)) for n in name_list]
+        role = KVConnectorRole(role)
+        serving = [n for n in name_list if role in getattr(load_connector_class(n), "roles", frozenset(KVConnectorRole))]
+        loaded = [(n, load_connector(n, role=role, config=configs.get(n), context=ctx)) for n in serving]
         return cls(loaded, role=role, context=ctx, on_error=on_error)
 
     def _register(self, name: str, connector: object) -> None:

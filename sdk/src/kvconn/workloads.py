@@ -74,7 +74,7 @@ def shared_prefix(
     num_requests: int,
     seed: int = 0,
     *,
-    num_system_prompts: int = 4,
+    num_system_prompts: int = 8,
     system_tokens: tuple[int, int] = (384, 1024),
     user_tokens: tuple[int, int] = (16, 160),
     max_tokens: int = 16,

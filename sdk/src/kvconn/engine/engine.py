@@ -81,9 +81,10 @@ class Engine:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
         )
+        # Decode every connector's metadata, even one with no worker side (its workers ignore it).
         self._metadata_types: dict[str, type[KVConnectorMetadata]] = {
             name: getattr(c, "Metadata", KVConnectorMetadata)
-            for name, c in (self.worker_host.connectors.items() if self.worker_host else ())
+            for name, c in (self.scheduler_host.connectors.items() if self.scheduler_host else ())
         }
         self._ids = itertools.count()
         self.wire_bytes = 0

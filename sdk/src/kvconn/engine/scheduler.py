@@ -214,6 +214,8 @@ class Scheduler:
                 skipped.append(request)
                 continue
             scheduled = self._schedule_one_waiting(request, budget)
+            if scheduled is None and not self.running and self._free_loaded_waiting():
+                scheduled = self._schedule_one_waiting(request, budget)
             if scheduled is None:
                 self.waiting.appendleft(request)
                 break
@@ -234,6 +236,22 @@ class Scheduler:
                 )
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _free_loaded_waiting(self) -> bool:
+        """Preempt waiting requests that hold blocks from a finished async load.
+
+        With nothing running, they may hold the whole pool while none of them
+        fits: without this the engine would stop making progress.
+        """
+        freed = False
+        for request in self.waiting:
+            if request.status is RequestStatus.WAITING and self.kv_cache_manager.has_request(request.request_id):
+                self.kv_cache_manager.free(request)
+                request.num_computed_tokens = 0
+                request.num_preemptions += 1
+                self.stats.preemptions += 1
+                freed = True
+        return freed
 
     def _schedule_one_waiting(self, request: Request, budget: int) -> int | None:
         """Allocate for a waiting request; tokens to compute, 0 to skip it, None if no room."""
@@ -317,8 +335,9 @@ class Scheduler:
                 setattr(self.stats, key, getattr(self.stats, key) + int(update.stats.get(key, 0)))
             if update.invalid_block_ids:
                 discarded = self._recover_invalid_blocks(update.invalid_block_ids)
-        for _, loaded in self._sync_loads.values():  # what survived recovery counts as loaded
-            self.stats.prompt_tokens_loaded += loaded
+        for req_id, (start, loaded) in self._sync_loads.items():  # what survived recovery counts as loaded
+            if req_id in self.requests:
+                self._count_loaded(self.requests[req_id], start, loaded)
         self._sync_loads.clear()
 
         kv = self.kv_cache_manager
@@ -373,11 +392,15 @@ class Scheduler:
         if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
             self._release(req_id, "recv")
             return
+        self._count_loaded(request, request.num_computed_tokens, request.num_external_tokens)
         request.num_computed_tokens += request.num_external_tokens
-        self.stats.prompt_tokens_loaded += request.num_external_tokens
         request.num_external_tokens = 0
         self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.WAITING
+
+    def _count_loaded(self, request: Request, start: int, num_tokens: int) -> None:
+        """Count the prompt positions among ``num_tokens`` loaded from ``start``."""
+        self.stats.prompt_tokens_loaded += max(0, min(start + num_tokens, request.num_prompt_tokens) - start)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         was_loading = request.status is RequestStatus.WAITING_FOR_REMOTE_KVS

@@ -11,8 +11,9 @@ __all__ = ["EngineStats"]
 class EngineStats:
     """What a run cost and what the connectors bought.
 
-    ``prompt_tokens_computed`` counts prompt positions the model computed
-    (recomputation after preemption or a failed load counts again);
+    ``prompt_tokens_computed`` counts prompt positions the model computed and
+    ``prompt_tokens_loaded`` those a connector loaded (after a preemption
+    either counts again);
     ``prompt_tokens_cached`` came from the local prefix cache and
     ``prompt_tokens_loaded`` from a connector. Block and byte counters are
     summed from the connectors' ``get_kv_connector_stats``.

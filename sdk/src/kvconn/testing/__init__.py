@@ -1,11 +1,17 @@
 """Test kit for connector authors and engines.
 
 Mirrors the utilities vLLM connector authors know (``create_scheduler``,
-``create_requests``, ``make_model_runner_output``, ``assert_scheduler_empty``).
+``create_requests``, ``make_model_runner_output``, ``assert_scheduler_empty``),
+and holds the conformance suite (:mod:`kvconn.testing.conformance`).
+``ConnectorConformance`` (the pytest base class) is importable from here too;
+it is loaded on first access, so that this package does not need pytest.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from .conformance import CheckResult, ConformanceFailure, ConnectorReport, list_checks, run_conformance
 from .utils import (
     assert_scheduler_empty,
     create_requests,
@@ -15,9 +21,23 @@ from .utils import (
 )
 
 __all__ = [
+    "CheckResult",
+    "ConformanceFailure",
+    "ConnectorConformance",
+    "ConnectorReport",
     "assert_scheduler_empty",
     "create_requests",
     "create_scheduler",
+    "list_checks",
     "make_model_runner_output",
+    "run_conformance",
     "run_to_completion",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ConnectorConformance":
+        from .pytest_plugin import ConnectorConformance
+
+        return ConnectorConformance
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,16 +1,32 @@
-"""pytest plugin (entry point ``pytest11``): fixtures for connector tests."""
+"""pytest plugin (entry point ``pytest11``): fixtures for connector tests, and
+``ConnectorConformance``, the one-line way to run the conformance suite::
+
+    from kvconn.testing import ConnectorConformance
+
+    class TestMine(ConnectorConformance):
+        connector = "mine"            # or "pkg.module:Class"
+        config = {"capacity": 64}     # optional
+
+Every check becomes one test, ``test_conformance[KV011-block-fill]``: a failing
+check fails with what was observed and how to fix it; a check that does not
+apply to the connector is skipped with the reason.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
 
 import pytest
 
 from ..engine import Engine
 from ..engine.request import Request
 from ..engine.scheduler import Scheduler
+from .conformance import Check, Session, list_checks
+from .conformance.runner import open_session
 from .utils import create_requests, create_scheduler
+
+__all__ = ["ConnectorConformance"]
 
 
 @pytest.fixture
@@ -26,7 +42,7 @@ def kvconn_request_factory() -> Callable[..., list[Request]]:
 
 
 @pytest.fixture
-def kvconn_engine_factory() -> Any:
+def kvconn_engine_factory() -> Iterator[Callable[..., Engine]]:
     """Build reference engines; each is closed at teardown."""
     engines: list[Engine] = []
 
@@ -38,3 +54,37 @@ def kvconn_engine_factory() -> Any:
     yield make
     for engine in engines:
         engine.close()
+
+
+_CHECKS = list_checks()
+# One session per test class: the connector loads once and scenarios run once.
+_SESSIONS: dict[type, Session | str] = {}
+
+
+class ConnectorConformance:
+    """Subclass with ``connector = "name"`` to get every conformance check as a test.
+
+    ``config`` is the connector's config (its defaults when ``None``);
+    ``driver`` names the scheduler driver (``"reference"``).
+    """
+
+    connector: ClassVar[str]
+    config: ClassVar[Mapping[str, Any] | None] = None
+    driver: ClassVar[str] = "reference"
+
+    @pytest.mark.parametrize("kvconn_check", _CHECKS, ids=[f"{c.id}-{c.name}" for c in _CHECKS])
+    def test_conformance(self, kvconn_check: Check) -> None:
+        cls = type(self)
+        name = getattr(cls, "connector", None)
+        if not isinstance(name, str) or not name:
+            pytest.fail(f'{cls.__name__} must set connector = "name" (or "pkg.module:Class")', pytrace=False)
+        if cls not in _SESSIONS:
+            _SESSIONS[cls] = open_session(name, cls.config, cls.driver)
+        session = _SESSIONS[cls]
+        if isinstance(session, str):
+            pytest.fail(f"connector {name!r} did not load: {session}", pytrace=False)
+        result = session.run(kvconn_check)
+        if result.status == "skipped":
+            pytest.skip(result.message)
+        if result.status == "failed":
+            pytest.fail(f"{result.id} {result.name}: {result.message}", pytrace=False)

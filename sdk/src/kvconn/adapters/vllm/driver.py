@@ -23,7 +23,7 @@ from ...block_state import BlockIds, KVConnectorBlockState
 from ...errors import ConnectorLoadError
 from ...metadata import KVConnectorMetadata
 from ...outputs import SchedulerOutput
-from ...testing.conformance.driver import DriverFactory, DriverSpec, StepRecord
+from ...testing.conformance.driver import DriverFactory, DriverSpec, ScenarioUnsupported, StepRecord
 from .reports import decode_report
 
 __all__ = ["VllmDriver", "load_driver"]
@@ -51,7 +51,7 @@ class VllmDriver:
 
         groups = spec.kv_cache_groups
         if len(groups) != 1 or groups[0].sliding_window is not None:
-            raise ValueError(
+            raise ScenarioUnsupported(
                 "the vllm driver runs one full-attention KV-cache group: kvconn's vLLM adapter does not "
                 "support vLLM's hybrid KV cache manager (several groups, sliding windows)"
             )

@@ -1,0 +1,111 @@
+"""The shared helpers of the benchmark scripts: timing, medians, a table, targets and ``--json``.
+
+Every script measures the things it compares side by side in one process
+(ratios survive a noisy, shared machine better than absolute times), prints
+a table and its targets, and with ``--json FILE`` writes the same figures
+with the machine they came from. ``--quick`` runs tiny sizes: the smoke tests
+use it; it measures nothing worth recording.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Bench", "machine", "median_time", "parse_args"]
+
+
+def parse_args(description: str | None, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``--quick`` (tiny sizes) and ``--json FILE``; the first docstring line is the description."""
+    parser = argparse.ArgumentParser(description=(description or "").strip().splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (a smoke run)")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON to FILE")
+    return parser.parse_args(argv)
+
+
+def median_time(fn: Callable[[], object], *, repeat: int = 7, min_time: float = 0.01) -> float:
+    """Median seconds per call of ``fn`` over ``repeat`` rounds, each looping long enough to time."""
+    number = 1
+    while True:  # calibrate: enough calls per round to last min_time
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_time or number >= 1 << 20:
+            break
+        number *= 2 if elapsed <= 0 else max(2, min(10, int(min_time / elapsed) + 1))
+    rounds = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        rounds.append((time.perf_counter() - start) / number)
+    return statistics.median(rounds)
+
+
+def machine() -> dict[str, Any]:
+    """Where the figures came from."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "loadavg_1min": round(load[0], 2),
+    }
+
+
+@dataclass
+class Bench:
+    """A benchmark's table and targets; :meth:`finish` prints them and writes ``--json``."""
+
+    name: str
+    columns: list[str]
+    rows: list[list[Any]] = field(default_factory=list)
+    targets: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def row(self, *values: Any) -> None:
+        self.rows.append(list(values))
+
+    def target(self, what: str, ok: bool, measured: str) -> None:
+        self.targets.append({"target": what, "met": ok, "measured": measured})
+
+    def finish(self, args: argparse.Namespace) -> int:
+        """Print the table and targets; a missed target is reported, not an error (exit 0)."""
+        cells = [[_fmt(v) for v in row] for row in self.rows]
+        widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(self.columns)]
+        print(f"{self.name}{'  (--quick: smoke sizes, not a measurement)' if args.quick else ''}")
+        print("  ".join(c.rjust(w) for c, w in zip(self.columns, widths, strict=True)))
+        for row in cells:
+            print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+        for t in self.targets:
+            print(f"{'MET ' if t['met'] else 'MISSED'} {t['target']}: {t['measured']}")
+        for note in self.notes:
+            print(f"note: {note}")
+        if args.json is not None:
+            doc = {
+                "benchmark": self.name,
+                "quick": args.quick,
+                "machine": machine(),
+                "columns": self.columns,
+                "rows": self.rows,
+                "targets": self.targets,
+                "notes": self.notes,
+            }
+            args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        return 0
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)

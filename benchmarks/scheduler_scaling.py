@@ -1,0 +1,104 @@
+"""Scheduler scaling: reference scheduler step cost as running requests and context lengths grow.
+
+A decode step schedules one token per running request. Its cost must grow
+with the number of scheduled requests, not with the total number of blocks
+the running requests hold: at a fixed number of requests, 16x longer contexts
+(16x the blocks) should cost about the same per step.
+
+One step here is ``Scheduler.schedule()`` + ``update_from_output()`` with a
+model runner output made without a model (no worker, no connector), averaged
+over 32 steps so that the steps which allocate a block are counted.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+
+from benchlib import Bench, parse_args
+
+from kvconn.engine import Scheduler
+from kvconn.testing import create_scheduler, make_model_runner_output
+from kvconn.testing.utils import create_requests
+
+__all__ = ["decode_scheduler", "decode_step_seconds", "main"]
+
+BLOCK_SIZE = 16
+
+
+def decode_scheduler(num_running: int, context_len: int, *, seed: int = 0) -> Scheduler:
+    """A scheduler with ``num_running`` requests in decode, each about ``context_len`` tokens long.
+
+    Prompts vary by up to one block so block-allocating steps are spread out.
+    """
+    rng = random.Random(seed)
+    blocks = num_running * (context_len // BLOCK_SIZE + 8)
+    scheduler = create_scheduler(
+        block_size=BLOCK_SIZE,
+        num_blocks=blocks + 1,
+        max_num_batched_tokens=num_running * (context_len + BLOCK_SIZE),
+        max_num_seqs=num_running,
+        max_model_len=context_len + 4 * BLOCK_SIZE + 256,
+    )
+    for i in range(num_running):
+        request = create_requests(1, context_len - rng.randrange(BLOCK_SIZE), max_tokens=200, seed=i, prefix=f"r{i}-")[
+            0
+        ]
+        scheduler.add_request(request)
+    output = scheduler.schedule()  # prefill everything in one step
+    scheduler.update_from_output(output, make_model_runner_output(output, scheduler=scheduler))
+    return scheduler
+
+
+def decode_step_seconds(scheduler: Scheduler, steps: int = 32) -> float:
+    """Mean seconds of one decode step (schedule + update) over ``steps`` steps."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, make_model_runner_output(output))
+    return (time.perf_counter() - start) / steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(__doc__, argv)
+    base_running, base_context = (16, 256) if args.quick else (256, 1024)
+    running_sizes = (16, 32) if args.quick else (64, 256, 1024)
+    context_sizes = (256, 1024) if args.quick else (1024, 4096, 16384)
+    repeat = 1 if args.quick else 3
+    bench = Bench(
+        "scheduler scaling (decode step: schedule + update_from_output)",
+        ["running", "context", "total blocks", "step us", "us/request"],
+    )
+    per_request: dict[tuple[int, int], float] = {}
+    grid = [(r, base_context) for r in running_sizes] + [(base_running, c) for c in context_sizes]
+    for running, context in dict.fromkeys(grid):
+        times = []
+        for _ in range(repeat):
+            scheduler = decode_scheduler(running, context)
+            times.append(decode_step_seconds(scheduler, 8 if args.quick else 32))
+        step = min(times)
+        kv = scheduler.kv_cache_manager
+        held = sum(len(table) for r in scheduler.requests for table in kv.get_block_ids(r))
+        per_request[(running, context)] = step / running
+        bench.row(running, context, held, step * 1e6, step / running * 1e6)
+    short, long_ = context_sizes[0], context_sizes[-1]
+    growth = per_request[(base_running, long_)] / per_request[(base_running, short)]
+    bench.target(
+        f"step cost independent of blocks held ({long_ // short}x context at {base_running} requests)",
+        growth < 1.5,
+        f"{growth:.2f}x the per-request cost",
+    )
+    small, large = running_sizes[0], running_sizes[-1]
+    scale = per_request[(large, base_context)] / per_request[(small, base_context)]
+    bench.target(
+        f"step cost grows with scheduled requests ({large // small}x requests: per-request cost stays flat)",
+        scale < 1.5,
+        f"{scale:.2f}x the per-request cost",
+    )
+    bench.notes.append("minimum over repeats of the mean step time over 32 decode steps")
+    return bench.finish(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

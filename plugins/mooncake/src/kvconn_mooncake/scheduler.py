@@ -1,0 +1,210 @@
+"""Scheduler side: what to load on a prefix hit, and which blocks to save when.
+
+Saving: a block is saved on the step that *fills* it, which is often a step
+that allocates no block; its table comes from ``block_state.get_block_ids``,
+which offers every scheduled request. Each request keeps a cursor,
+``saved_upto``: blocks before it are saved (or were not computed here). Each
+step the cursor first drops back to the first block the step (re)computes, so
+blocks recomputed after a failed load are saved again, then moves to the last
+full block after the step. A request that loads on a step saves nothing on
+that step (what it computes may rest on a load that fails); its blocks are
+saved on its next step, or, if it finishes on that step, on the following one
+while its blocks are held (``request_finished`` delays the free).
+
+Loading: ``batch_is_exist`` on the chained-hash keys of the blocks after the
+local hit; the hit is the longest run of blocks present in every full-attention
+group, shortened until every sliding-window group has the blocks its window
+needs. Lookups are memoised for the step, as ``get_num_new_matched_tokens``
+may be asked again for the same request.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvconn import (
+    NULL_BLOCK_ID,
+    BlockIds,
+    ConnectorContext,
+    ConnectorRequest,
+    KVConnectorBlockState,
+    KVConnectorOutput,
+    SchedulerOutput,
+)
+
+from .degrade import Degradations
+from .keys import BlockKeys
+from .metadata import BlockTransfer, MooncakeMetadata
+from .store import Store
+
+__all__ = ["SchedulerSide"]
+
+
+@dataclass
+class _Request:
+    request: ConnectorRequest
+    saved_upto: int
+    loads: list[BlockTransfer] = field(default_factory=list)
+
+
+class SchedulerSide:
+    def __init__(self, store: Store, context: ConnectorContext, *, save_decode_cache: bool) -> None:
+        self.store = store
+        self.keys = BlockKeys(context)
+        self.block_size = context.block_size
+        self.windows = [spec.sliding_window for spec in context.kv_cache_groups]
+        self.save_decode_cache = save_decode_cache
+        self.degraded = Degradations()
+        self.stats: Counter[str] = Counter()
+        self._requests: dict[str, _Request] = {}
+        self._lookups: dict[str, tuple[tuple[int, int], int]] = {}  # this step's lookups
+        self._final: dict[str, list[BlockTransfer]] = {}  # finished, saves not yet sent
+        self._sending: set[str] = set()  # finished, saves sent, worker not done yet
+
+    # ---------------------------------------------------------------- lookups
+
+    def num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
+        bs = self.block_size
+        if num_computed_tokens % bs:
+            return 0
+        start = num_computed_tokens // bs
+        end = min(len(request.block_hashes), (request.num_tokens - 1) // bs)  # leave a token to compute
+        if end <= start:
+            return 0
+        memo = self._lookups.get(request.request_id)
+        if memo is not None and memo[0] == (start, end):
+            return memo[1]
+        hit = self._lookup(request.block_hashes, start, end)
+        tokens = (hit - start) * bs
+        self._lookups[request.request_id] = ((start, end), tokens)
+        self.stats["lookups"] += 1
+        self.stats["lookup_hit_blocks"] += hit - start
+        return tokens
+
+    def _lookup(self, hashes: Sequence[bytes], start: int, end: int) -> int:
+        """The end of the longest run of blocks from ``start`` that every group can load."""
+        groups = range(len(self.windows))
+        keys = [self.keys.key(g, hashes[i]) for g in groups for i in range(start, end)]
+        codes = self.store.batch_is_exist(keys)
+        errors = sum(1 for c in codes if c < 0)
+        self.degraded.record(
+            "lookup_errors", errors, "batch_is_exist failed (e.g. master down); those blocks count as misses"
+        )
+        width = end - start
+        present = [[codes[g * width + i] == 1 for i in range(width)] for g in groups]
+        hit = end
+        for g in groups:
+            if self.windows[g] is None:
+                hit = min(hit, start + next((i for i, ok in enumerate(present[g]) if not ok), width))
+        while hit > start and not all(
+            present[g][i - start] for g in groups if self.windows[g] is not None for i in self._window(g, start, hit)
+        ):
+            hit -= 1
+        return hit
+
+    def _window(self, group: int, start: int, end: int) -> range:
+        """Blocks of ``[start, end)`` a sliding-window group needs once ``end`` blocks are computed."""
+        window = self.windows[group]
+        assert window is not None
+        first = max(0, (end * self.block_size - window + 1) // self.block_size)
+        return range(max(start, first), end)
+
+    # -------------------------------------------------------------- requests
+
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: BlockIds, num_external_tokens: int
+    ) -> None:
+        """Start tracking ``request``; plan its load when it is the one loading."""
+        bs = self.block_size
+        first = request.num_computed_tokens // bs
+        last = first + num_external_tokens // bs
+        loads = list(self._transfers(request, block_ids, range(first, last))) if num_external_tokens else []
+        self._requests[request.request_id] = _Request(request, saved_upto=last, loads=loads)
+
+    def _transfers(self, request: ConnectorRequest, table: BlockIds, blocks: Iterable[int]) -> Iterable[BlockTransfer]:
+        hashes = request.block_hashes
+        for i in blocks:
+            for g, ids in enumerate(table):
+                if i < len(ids) and ids[i] != NULL_BLOCK_ID:
+                    yield BlockTransfer(self.keys.key(g, hashes[i]), ids[i], g)
+
+    def _save_limit(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
+        """One past the last block that may be saved once ``num_computed_tokens`` are computed."""
+        limit = min(num_computed_tokens // self.block_size, len(request.block_hashes))
+        if not self.save_decode_cache:
+            limit = min(limit, len(request.prompt_token_ids) // self.block_size)
+        return limit
+
+    def build_meta(self, output: SchedulerOutput, block_state: KVConnectorBlockState) -> MooncakeMetadata:
+        self._lookups.clear()
+        meta = MooncakeMetadata()
+        loading: set[str] = set()
+        for req_id in output.num_scheduled_tokens:
+            state = self._requests.get(req_id)
+            if state is not None and state.loads:
+                meta.loads.extend(state.loads)
+                state.loads = []
+                loading.add(req_id)
+        starts = _computed_tokens(output)
+        for req_id, num_tokens in output.num_scheduled_tokens.items():
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            start = starts[req_id]
+            state.saved_upto = min(state.saved_upto, start // self.block_size)
+            limit = self._save_limit(state.request, start + num_tokens)
+            if req_id in loading or limit <= state.saved_upto:
+                continue
+            table = block_state.get_block_ids(req_id)
+            if table is None:
+                continue
+            meta.saves.extend(self._transfers(state.request, table, range(state.saved_upto, limit)))
+            state.saved_upto = limit
+        for req_id, transfers in self._final.items():
+            meta.saves.extend(transfers)
+            meta.finished_saves.append(req_id)
+            self._sending.add(req_id)
+        self._final.clear()
+        meta.saves = _unique(meta.saves)
+        self.stats["blocks_to_save"] += len(meta.saves)
+        self.stats["blocks_to_load"] += len(meta.loads)
+        return meta
+
+    def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> bool:
+        """Forget ``request``; hold its blocks if computed blocks are still unsaved (a load step)."""
+        self._lookups.pop(request.request_id, None)
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return False
+        limit = self._save_limit(request, request.num_computed_tokens)
+        transfers = list(self._transfers(request, block_ids, range(state.saved_upto, limit)))
+        if not transfers:
+            return False
+        self._final[request.request_id] = transfers
+        return True
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._sending -= output.finished_sending
+        if output.failed:
+            self._sending.clear()  # the host releases what a failed worker side held
+
+    def num_tracked_requests(self) -> int:
+        return len(self._requests) + len(self._final) + len(self._sending)
+
+
+def _computed_tokens(output: SchedulerOutput) -> dict[str, int]:
+    """``num_computed_tokens`` of each scheduled request at the start of the step."""
+    cached = output.scheduled_cached_reqs
+    index = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    index.update((new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs)
+    return index
+
+
+def _unique(transfers: list[BlockTransfer]) -> list[BlockTransfer]:
+    """Drop repeated keys (two requests computing the same prefix in one step save it once)."""
+    first: dict[str, BlockTransfer] = {}
+    for transfer in transfers:
+        first.setdefault(transfer.key, transfer)
+    return list(first.values())

@@ -1,0 +1,299 @@
+"""Behavioural scenarios of the mooncake connector, shared by both backends.
+
+Each scenario drives the reference engine with the connector and returns a
+JSON-able dict of what happened; the tests assert on it. The embedded-backend
+tests call them in-process. The real-store tests run this file as a script
+inside a network namespace (``python scenarios.py NAME [ARGS]``; the master's
+address comes from the ``MC_*`` variables the harness sets) and read the JSON
+it prints on its last line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvconn.engine import Engine
+from kvconn.hashing import hash_blocks
+from kvconn_mooncake import BlockKeys, MooncakeConnector
+
+Config = dict[str, Any]
+BIG_KV = {"num_kv_heads": 8, "head_dim": 128}  # 64 KiB per layer per 16-token block
+
+
+def real_store_config(**extra: Any) -> Config:
+    """Connector config for the master the harness started (``MC_*`` variables)."""
+    return {
+        "master_server_address": os.environ["MC_MASTER_ADDR"],
+        "metadata_server": os.environ["MC_METADATA_URL"],
+        "local_hostname": os.environ["MC_LOCAL_HOSTNAME"],
+        "protocol": "tcp",
+        "global_segment_size": 64 << 20,
+        **extra,
+    }
+
+
+def prompts(n: int, prefix_len: int, suffix_len: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(32_000) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(32_000) for _ in range(suffix_len)] for _ in range(n)]
+
+
+def connector(engine: Engine, role: str = "worker") -> MooncakeConnector:
+    host = engine.worker_host if role == "worker" else engine.scheduler_host
+    assert host is not None
+    conn = host.connectors["mooncake"]
+    assert isinstance(conn, MooncakeConnector)
+    return conn
+
+
+def totals(engine: Engine) -> dict[str, int]:
+    """Engine stats plus the connector's cumulative counters (degraded events included)."""
+    worker = connector(engine).worker_side
+    scheduler = connector(engine, "scheduler").scheduler_side
+    return {
+        **engine.stats.as_dict(),
+        **{k: int(v) for k, v in worker.totals.items()},
+        **{k: int(v) for k, v in worker.degraded.counts.items()},
+        **{f"scheduler_{k}": int(v) for k, v in scheduler.degraded.counts.items()},
+        "tracked": connector(engine, "scheduler").get_num_tracked_requests(),
+        "held": len(engine.scheduler.held_requests),
+    }
+
+
+def kv_by_hash(engine: Engine, requests: Sequence[Sequence[int]]) -> dict[tuple[int, str], list[Any]]:
+    """KV of every cached full prompt block, by (group, block hash): what a load must reproduce."""
+    pool = engine.scheduler.kv_cache_manager.pool
+    found: dict[tuple[int, str], list[Any]] = {}
+    for prompt in requests:
+        for h in hash_blocks(prompt, engine.context.block_size):
+            for g, spec in enumerate(engine.context.kv_cache_groups):
+                block = pool.lookup(g, h)
+                if block is not None:
+                    found[(g, h.hex())] = [
+                        engine.worker.kv_caches[name][block.block_id].clone() for name in spec.layer_names
+                    ]
+    return found
+
+
+def _equal_kv(a: dict[tuple[int, str], list[Any]], b: dict[tuple[int, str], list[Any]]) -> tuple[int, bool]:
+    import torch
+
+    common = a.keys() & b.keys()
+    return len(common), all(all(torch.equal(x, y) for x, y in zip(a[k], b[k], strict=True)) for k in common)
+
+
+# ------------------------------------------------------------------ scenarios
+
+
+def save_then_load(config: Config, block_size: int = 16, **engine_options: Any) -> dict[str, Any]:
+    """Engine 1 computes and saves; a fresh engine 2 on the same store loads the prefixes.
+
+    Engine 1 stays open while engine 2 runs (a real client's data lives in its segment).
+    """
+    options = {"block_size": block_size, "num_blocks": 256, "max_num_batched_tokens": 4 * block_size, **engine_options}
+    work = prompts(4, prefix_len=3 * block_size + block_size // 2, suffix_len=block_size + 3)
+    base_engine = Engine(**options)
+    baseline = base_engine.generate(work, max_tokens=4)
+    with Engine("mooncake", config, **options) as first:
+        first_tokens = first.generate(work, max_tokens=4)
+        with Engine("mooncake", config, **options) as second:
+            second_tokens = second.generate(work, max_tokens=4)
+            compared, kv_equal = _equal_kv(kv_by_hash(base_engine, work), kv_by_hash(second, work))
+            return {
+                "baseline": baseline,
+                "first": first_tokens,
+                "second": second_tokens,
+                "compared_blocks": compared,
+                "prompt_blocks": len({h for p in work for h in hash_blocks(p, block_size)}),
+                "kv_equal": kv_equal,
+                "first_stats": totals(first),
+                "second_stats": totals(second),
+            }
+
+
+def fill_steps(config: Config, block_size: int = 16) -> dict[str, Any]:
+    """Step one chunked prefill and check, after every step, which blocks are in the store.
+
+    A block must be stored right after the step that fills it; a step that fills
+    a block without allocating one (the block-fill step) must save it too.
+    """
+    chunk = block_size // 2  # every other step fills a block and allocates nothing
+    options = {"block_size": block_size, "num_blocks": 64, "max_num_batched_tokens": chunk}
+    with Engine("mooncake", config, **options) as engine:
+        request = engine.add_request(prompts(1, 4 * block_size, 3)[0], max_tokens=1)
+        keys = BlockKeys(engine.context)
+        store = connector(engine).worker_side.store
+        outputs: list[Any] = []
+        schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = lambda: outputs.append(schedule()) or outputs[-1]  # type: ignore[method-assign]
+        violations, no_alloc_fills, full = [], 0, 0
+        while engine.scheduler.has_work():
+            engine.step()
+            filled, full = full, request.num_computed_tokens // block_size
+            stored = store.batch_is_exist([keys.key(0, h) for h in request.block_hashes])
+            expected = [int(i < full) for i in range(len(request.block_hashes))]
+            if stored != expected:
+                violations.append({"step": len(outputs), "stored": stored, "expected": expected})
+            cached = outputs[-1].scheduled_cached_reqs
+            if request.request_id in cached.req_ids and full > filled:
+                no_alloc_fills += cached.new_block_ids[cached.req_ids.index(request.request_id)] is None
+        return {"violations": violations, "no_alloc_fills": no_alloc_fills, "stats": totals(engine)}
+
+
+def isolation(config: Config) -> dict[str, Any]:
+    """Blocks saved by one engine are hit only by engines with the same model, dtype and TP rank."""
+    work = prompts(2, 48, 5, seed=3)
+    hits = {}
+    with Engine("mooncake", config, model="model-a") as writer:
+        writer.generate(work, max_tokens=2)
+        for name, options in {
+            "same": {"model": "model-a"},
+            "other_model": {"model": "model-b"},
+            "other_tp_rank": {"model": "model-a", "tp_rank": 1},
+            "other_dtype": {"model": "model-a", "dtype": "bfloat16"},
+        }.items():
+            with Engine("mooncake", config, **options) as reader:
+                reader.generate(work, max_tokens=2)
+                hits[name] = reader.stats.prompt_tokens_loaded
+    return {"loaded_tokens": hits}
+
+
+def store_full(config: Config) -> dict[str, Any]:
+    """More KV than the store holds: saves that do not fit are skipped and counted; output unchanged."""
+    options = {"num_blocks": 400, "max_num_batched_tokens": 4096, **BIG_KV}
+    work = prompts(1, 3000, 10, seed=5)  # 187 blocks x 128 KiB: more than a 16 MiB segment
+    baseline = Engine(**options).generate(work, max_tokens=2)
+    with Engine("mooncake", config, **options) as engine:
+        tokens = engine.generate(work, max_tokens=2)
+        return {"same_tokens": tokens == baseline, "stats": totals(engine)}
+
+
+def load_failures(config: Config, **engine_options: Any) -> dict[str, Any]:
+    """Engine 2 loads what engine 1 saved; the loads fail (the test arranges how): output unchanged."""
+    options = {"num_blocks": 400, "max_num_batched_tokens": 4096, **engine_options}
+    work = prompts(1, 1600, 10, seed=6)
+    baseline = Engine(**options).generate(work, max_tokens=3)
+    with Engine("mooncake", config, **options) as first:
+        first.generate(work, max_tokens=3)
+        with Engine("mooncake", config, **options) as second:
+            tokens = second.generate(work, max_tokens=3)
+            return {"same_tokens": tokens == baseline, "first": totals(first), "stats": totals(second)}
+
+
+def producer(config: Config, wait_file: str) -> None:
+    """Two-node producer: prefill, save, print the tokens, stay alive until ``wait_file`` exists."""
+    with Engine("mooncake", config) as engine:
+        tokens = engine.generate(prompts(3, 80, 7, seed=9), max_tokens=6)
+        print(json.dumps({"tokens": tokens, "stats": totals(engine)}), flush=True)
+        _wait_for(wait_file, 120)
+
+
+def consumer(config: Config) -> dict[str, Any]:
+    with Engine("mooncake", config) as engine:
+        tokens = engine.generate(prompts(3, 80, 7, seed=9), max_tokens=6)
+        return {"tokens": tokens, "stats": totals(engine)}
+
+
+def master_fault(config: Config, workdir: str) -> None:
+    """Save, then keep stepping while the test kills the master, then again after it restarts.
+
+    Protocol with the test: prints ``MID`` and waits for ``workdir/killed``;
+    prints ``DOWN {json}`` and waits for ``workdir/restarted``; prints ``UP {json}``.
+    """
+    work = prompts(3, 64, 6, seed=11)
+    baseline = Engine().generate(work, max_tokens=4)
+    with Engine("mooncake", config) as engine:
+        requests = [engine.add_request(p, max_tokens=4) for p in work]
+        for _ in range(3):
+            engine.step()
+        print("MID", flush=True)
+        _wait_for(os.path.join(workdir, "killed"), 60)
+        engine.run_until_done()
+        with Engine("mooncake", config) as fresh:  # no local cache: every prefix is a store lookup
+            fresh_tokens = fresh.generate(work, max_tokens=4)
+            print("DOWN " + json.dumps({
+                "same_tokens": [list(r.output_token_ids) for r in requests] == baseline == fresh_tokens,
+                "first": totals(engine), "fresh": totals(fresh),
+            }), flush=True)  # fmt: skip
+        _wait_for(os.path.join(workdir, "restarted"), 60)
+        deadline = time.monotonic() + 15
+        while connector(engine).worker_side.store.batch_is_exist(["probe"]) != [0] and time.monotonic() < deadline:
+            time.sleep(0.2)  # the client reconnects by itself once the master is back
+        later = prompts(2, 64, 6, seed=12)
+        later_tokens = engine.generate(later, max_tokens=4)
+        with Engine("mooncake", config) as reader:
+            reread = reader.generate(later, max_tokens=4)
+            print("UP " + json.dumps({
+                "same_tokens": later_tokens == reread == Engine().generate(later, max_tokens=4),
+                "writer": totals(engine), "reader": totals(reader),
+            }), flush=True)  # fmt: skip
+
+
+def _wait_for(path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.05)
+
+
+SCENARIOS: dict[str, Callable[..., Any]] = {
+    "save_then_load": save_then_load,
+    "fill_steps": fill_steps,
+    "isolation": isolation,
+    "store_full": store_full,
+    "load_failures": load_failures,
+    "producer": producer,
+    "consumer": consumer,
+    "master_fault": master_fault,
+}
+
+
+def main(argv: list[str]) -> None:
+    """``scenarios.py CONFIG_JSON NAME [JSON_KWARGS]...``: run scenarios, print one JSON result line each."""
+    extra = json.loads(argv[0])
+    for name, kwargs in zip(argv[1::2], argv[2::2], strict=True):
+        result = SCENARIOS[name](real_store_config(**extra), **json.loads(kwargs))
+        if result is not None:
+            print("RESULT " + json.dumps({"scenario": name, **result}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+
+
+# ------------------------------------------------------ checks (both backends)
+
+
+def check_save_then_load(r: dict[str, Any], block_size: int) -> None:
+    assert r["first"] == r["baseline"] and r["second"] == r["baseline"]
+    first, second = r["first_stats"], r["second_stats"]
+    assert first["blocks_saved"] > 0 and first["prompt_tokens_loaded"] == 0
+    assert second["prompt_tokens_loaded"] >= 3 * block_size  # the shared prefix came from the store
+    assert second["blocks_loaded"] > 0 and second["failed_load_blocks"] == 0
+    assert r["compared_blocks"] == r["prompt_blocks"] and r["kv_equal"]
+    assert second["tracked"] == 0 and second["held"] == 0
+
+
+def check_fill_steps(r: dict[str, Any]) -> None:
+    assert r["violations"] == []
+    assert r["no_alloc_fills"] >= 2  # blocks were filled (and saved) on steps that allocated nothing
+    assert r["stats"]["blocks_saved"] == 4
+
+
+def check_isolation(r: dict[str, Any]) -> None:
+    hits = r["loaded_tokens"]
+    assert hits["same"] > 0
+    assert hits["other_model"] == hits["other_tp_rank"] == hits["other_dtype"] == 0
+
+
+def check_failed_loads(r: dict[str, Any], counter: str) -> None:
+    assert r["same_tokens"]
+    assert r["stats"][counter] > 0 and r["stats"]["failed_load_blocks"] >= r["stats"][counter]
+    assert r["stats"]["tracked"] == 0

@@ -1,0 +1,75 @@
+"""The embedded store keeps Mooncake's semantics: write-once, LRU eviction, codes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvconn_mooncake import EmbeddedStore, embedded_store
+from kvconn_mooncake.codes import INVALID_PARAMS, NOT_FOUND, OK, STORE_FULL
+
+
+def _buf(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.uint8)
+
+
+def _put(store: EmbeddedStore, key: str, *parts: torch.Tensor) -> int:
+    return store.batch_put_from([key], [[p.data_ptr() for p in parts]], [[p.numel() for p in parts]])[0]
+
+
+def _get(store: EmbeddedStore, key: str, *parts: torch.Tensor) -> int:
+    return store.batch_get_into([key], [[p.data_ptr() for p in parts]], [[p.numel() for p in parts]])[0]
+
+
+def test_parts_round_trip_in_order() -> None:
+    store = EmbeddedStore(1024)
+    assert _put(store, "k", _buf([1, 2, 3]), _buf([4, 5])) == OK
+    a, b = torch.zeros(2, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8)
+    assert _get(store, "k", a, b) == 5
+    assert a.tolist() == [1, 2] and b.tolist() == [3, 4, 5]
+    assert store.batch_is_exist(["k", "missing"]) == [1, 0]
+
+
+def test_put_is_write_once() -> None:
+    store = EmbeddedStore(1024)
+    assert _put(store, "k", _buf([1, 1])) == OK
+    assert _put(store, "k", _buf([9, 9])) == OK  # success, but the old value stays
+    out = torch.zeros(2, dtype=torch.uint8)
+    assert _get(store, "k", out) == 2 and out.tolist() == [1, 1]
+
+
+def test_error_codes() -> None:
+    store = EmbeddedStore(4)
+    assert _get(store, "nope", torch.zeros(1, dtype=torch.uint8)) == NOT_FOUND
+    assert _put(store, "big", _buf([0] * 5)) == STORE_FULL
+    assert _put(store, "empty", torch.zeros(0, dtype=torch.uint8)) == INVALID_PARAMS
+    assert _put(store, "k", _buf([1, 2, 3])) == OK
+    assert _get(store, "k", torch.zeros(2, dtype=torch.uint8)) == INVALID_PARAMS
+    bigger = torch.zeros(8, dtype=torch.uint8)
+    assert _get(store, "k", bigger) == 3  # a bigger destination reads the value's size, like get_into
+
+
+def test_lru_eviction_keeps_recently_read() -> None:
+    store = EmbeddedStore(6)
+    for key in ("a", "b", "c"):
+        assert _put(store, key, _buf([1, 2])) == OK
+    assert _get(store, "a", torch.zeros(2, dtype=torch.uint8)) == 2  # "a" is now the most recent
+    assert _put(store, "d", _buf([3, 4])) == OK
+    assert store.batch_is_exist(["a", "b", "c", "d"]) == [1, 0, 1, 1]
+    assert store.used_bytes == 6 and store.evictions == 1
+
+
+def test_registry_shares_by_name_and_refuses_a_different_capacity() -> None:
+    a = embedded_store("registry-test", 100)
+    assert embedded_store("registry-test", 100) is a
+    with pytest.raises(ValueError, match="already exists with capacity 100"):
+        embedded_store("registry-test", 200)
+
+
+def test_a_key_repeated_in_one_get_fails_after_the_first() -> None:
+    """The real store fills only one destination of a repeated key: callers must not repeat keys."""
+    store = EmbeddedStore(64)
+    assert _put(store, "k", _buf([5, 6])) == OK
+    a, b = torch.zeros(2, dtype=torch.uint8), torch.zeros(2, dtype=torch.uint8)
+    codes = store.batch_get_into(["k", "k"], [[a.data_ptr()], [b.data_ptr()]], [[2], [2]])
+    assert codes == [2, INVALID_PARAMS] and a.tolist() == [5, 6]

@@ -1,0 +1,233 @@
+"""Scheduler side: decides what to store and load, over the :class:`OffloadManager`.
+
+* Store: on every step, for every scheduled request, the offloaded blocks whose
+  last token is computed by this step (never a partial one), with the device
+  blocks read from the live table (``block_state.get_block_ids``) - so a table
+  rebuilt by preemption is never stale. One store job per step, numbered; the
+  worker reports the highest finished job and its blocks become loadable.
+* Load: ``get_num_new_matched_tokens`` reports the longest ready prefix in whole
+  offloaded blocks (async; no side effects); ``update_state_after_alloc`` pins
+  its entries and plans the copies for the blocks actually allocated.
+* Sliding-window groups: the engine allocates the null block for blocks before
+  the window of the hit point, so only blocks inside it are loaded, and a hit
+  is shortened until every such block was saved for that group.
+* Free: a finished request whose store job is still running keeps its blocks
+  (``request_finished`` returns True) until the worker reports it sent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+
+from kvconn import (
+    NULL_BLOCK_ID,
+    BlockIds,
+    ConnectorContext,
+    ConnectorRequest,
+    KVConnectorBlockState,
+    KVConnectorOutput,
+    SchedulerOutput,
+)
+
+from .config import OffloadConfig
+from .manager import OffloadManager
+from .metadata import BlockTransfer, OffloadMetadata
+
+__all__ = ["POOL_SLOTS_STAT", "STORES_DONE_STAT", "OffloadScheduler"]
+
+logger = logging.getLogger("kvconn_offload")
+
+#: Worker stats keys the scheduler side reads (beyond the engine's summed counters).
+STORES_DONE_STAT = "offload_stores_done"
+POOL_SLOTS_STAT = "offload_pool_slots"
+
+
+class OffloadScheduler:
+    def __init__(self, config: OffloadConfig, context: ConnectorContext) -> None:
+        self.block_size = context.block_size
+        self.multiple = config.block_size_multiple
+        self.windows = [g.sliding_window for g in context.kv_cache_groups]
+        self.policy = config.eviction
+        slots = config.num_slots
+        self.manager: OffloadManager | None = OffloadManager(slots, policy=self.policy) if slots else None
+        self._requests: dict[str, ConnectorRequest] = {}
+        self._loads: dict[str, list[bytes]] = {}  # in flight: pinned keys
+        self._new_loads: list[BlockTransfer] = []
+        self._store_jobs: deque[tuple[int, list[bytes]]] = deque()
+        self._next_seq = 1
+        self._done_seq = 0
+        self._last_store: dict[str, int] = {}
+        self._delayed: set[str] = set()
+        self._new_delayed: list[str] = []
+
+    # ----------------------------------------------------------------- lookup
+
+    def _keys(self, request: ConnectorRequest, num_blocks: int) -> list[bytes]:
+        hashes, m = request.block_hashes, self.multiple
+        return [hashes[(k + 1) * m - 1] for k in range(min(num_blocks, len(hashes) // m))]
+
+    def _hit_blocks(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, list[bytes]]:
+        """Offloaded blocks of the longest loadable prefix, and their keys."""
+        if self.manager is None:
+            return 0, []
+        unit = self.block_size * self.multiple
+        keys = self._keys(request, (request.num_tokens - 1) // unit)
+        k = self.manager.lookup(keys)
+        while k > 0 and not self._window_ok(keys, k, num_computed_tokens):
+            k -= 1
+        return k, keys[:k]
+
+    def _window_ok(self, keys: Sequence[bytes], k: int, num_computed_tokens: int) -> bool:
+        """Every engine block a hit of ``k`` offloaded blocks must load was saved, in every group."""
+        assert self.manager is not None
+        bs, m = self.block_size, self.multiple
+        end = k * m
+        for g, window in enumerate(self.windows):
+            first = 0 if window is None else max(0, (end * bs - window + 1) // bs)
+            for i in range(max(first, num_computed_tokens // bs), end):
+                entry = self.manager.get(keys[i // m])
+                if entry is None or not entry.valid[g] >> (i % m) & 1:
+                    return False
+        return True
+
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        k, _ = self._hit_blocks(request, num_computed_tokens)
+        hit = k * self.multiple * self.block_size - num_computed_tokens
+        return (hit, True) if hit > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: BlockIds, num_external_tokens: int
+    ) -> None:
+        self._requests[request.request_id] = request
+        if not num_external_tokens or self.manager is None:
+            return
+        bs, m = self.block_size, self.multiple
+        first = request.num_computed_tokens // bs
+        end = (request.num_computed_tokens + num_external_tokens) // bs
+        keys = self._keys(request, -(-end // m))
+        used = keys[first // m :]
+        transfer = BlockTransfer(request.request_id, [[] for _ in block_ids], [[] for _ in block_ids])
+        for g, table in enumerate(block_ids):
+            for i in range(first, end):
+                device = table[i]
+                if device == NULL_BLOCK_ID:
+                    continue
+                entry = self.manager.get(keys[i // m]) if i // m < len(keys) else None
+                if entry is None or not entry.ready or not entry.valid[g] >> (i % m) & 1:
+                    transfer.failed_blocks.append(device)
+                    continue
+                transfer.device_blocks[g].append(device)
+                transfer.host_blocks[g].append(entry.slot * m + i % m)
+        present = [key for key in used if self.manager.get(key) is not None]
+        transfer.keys = present
+        transfer.slots = [self.manager.get(key).slot for key in present]  # type: ignore[union-attr]
+        self.manager.prepare_load(present)
+        self.manager.touch(keys)
+        self._loads[request.request_id] = present
+        self._new_loads.append(transfer)
+
+    # ------------------------------------------------------------------ store
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
+    ) -> OffloadMetadata:
+        meta = OffloadMetadata(loads=self._new_loads, delayed_frees=self._new_delayed)
+        self._new_loads, self._new_delayed = [], []
+        if self.manager is None:
+            return meta
+        computed = _computed_index(scheduler_output)
+        stored: list[bytes] = []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            if request is None:
+                continue
+            transfer = self._plan_store(request, block_state, computed[req_id], num_tokens)
+            if transfer is not None:
+                meta.stores.append(transfer)
+                stored.extend(transfer.keys)
+        if stored:
+            meta.store_seq = self._next_seq
+            self._next_seq += 1
+            self._store_jobs.append((meta.store_seq, stored))
+            for transfer in meta.stores:
+                self._last_store[transfer.req_id] = meta.store_seq
+        return meta
+
+    def _plan_store(
+        self, request: ConnectorRequest, block_state: KVConnectorBlockState, num_computed: int, num_tokens: int
+    ) -> BlockTransfer | None:
+        """The offloaded blocks this step fills, not already offloaded, with their device blocks.
+
+        The table is resolved only when there is something to store.
+        """
+        manager = self.manager
+        assert manager is not None
+        bs, m = self.block_size, self.multiple
+        first, end = num_computed // (bs * m), (num_computed + num_tokens) // (bs * m)
+        keys = self._keys(request, end)[first:]
+        if all(manager.get(key) is not None for key in keys):
+            return None
+        table = block_state.get_block_ids(request.request_id)
+        if table is None:
+            return None
+        new = manager.prepare_store(keys)
+        if not new:
+            return None
+        index = {key: first + i for i, key in enumerate(keys)}
+        transfer = BlockTransfer(request.request_id, [[] for _ in table], [[] for _ in table])
+        for key, entry in new:
+            k = index[key]
+            entry.valid = [0] * len(table)
+            for g, ids in enumerate(table):
+                for j in range(m):
+                    device = ids[k * m + j]
+                    if device != NULL_BLOCK_ID:
+                        transfer.device_blocks[g].append(device)
+                        transfer.host_blocks[g].append(entry.slot * m + j)
+                        entry.valid[g] |= 1 << j
+            transfer.slots.append(entry.slot)
+            transfer.keys.append(key)
+        return transfer
+
+    # ---------------------------------------------------------------- reports
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        stats = connector_output.stats
+        if self.manager is None and stats.get(POOL_SLOTS_STAT):
+            self.manager = OffloadManager(int(stats[POOL_SLOTS_STAT]), policy=self.policy)
+            logger.info("offload pool: %d offloaded blocks (reported by the worker)", self.manager.num_slots)
+        self._done_seq = max(self._done_seq, int(stats.get(STORES_DONE_STAT, 0)))
+        while self._store_jobs and self._store_jobs[0][0] <= self._done_seq:
+            _, keys = self._store_jobs.popleft()
+            if self.manager is not None:
+                self.manager.complete_store(keys)
+        finished = set(self._loads) if connector_output.failed else connector_output.finished_recving
+        for req_id in finished & self._loads.keys():
+            keys = self._loads.pop(req_id)
+            if self.manager is not None:
+                self.manager.complete_load(keys)
+        for req_id in connector_output.finished_sending:
+            self._delayed.discard(req_id)
+
+    def request_finished(self, request: ConnectorRequest) -> bool:
+        """Keep the blocks while a store job reading them runs."""
+        req_id = request.request_id
+        self._requests.pop(req_id, None)
+        if self._last_store.pop(req_id, 0) > self._done_seq:
+            self._delayed.add(req_id)
+            self._new_delayed.append(req_id)
+            return True
+        return False
+
+    def get_num_tracked_requests(self) -> int:
+        return len(set(self._requests) | set(self._loads) | self._delayed)
+
+
+def _computed_index(output: SchedulerOutput) -> dict[str, int]:
+    """``num_computed_tokens`` at the start of the step, per scheduled request."""
+    cached = output.scheduled_cached_reqs
+    index = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    index.update((new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs)
+    return index

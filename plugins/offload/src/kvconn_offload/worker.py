@@ -1,0 +1,261 @@
+"""Worker side: the host pool and the copies.
+
+The pool is allocated once in ``register_kv_caches``. Per step:
+``start_load_kv`` plans this step's store and starts its loads (async loads:
+their requests are not computed until reported in ``finished_recving``);
+``save_kv_layer`` copies each layer's stored blocks once the layer is
+computed; ``wait_for_save`` closes the step's store job; ``get_finished``
+reports finished loads and delayed frees whose stores are done, and the stats
+carry the highest finished store job back to the scheduler side.
+
+On CPU every copy is synchronous. On CUDA copies run non-blocking on one side
+stream (so they run in issue order: a slot re-stored after a load is written
+after that load read it): a save waits on an event recorded on the compute
+stream after the layer was written; completion is polled with events; and the
+next step's compute waits for the previous store job, so no device block
+freed by preemption is overwritten while a copy still reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvconn import ConnectorConfigError, ConnectorContext
+
+from .config import OffloadConfig
+from .copy import BlockCopier, CopyPlan, wide_rows
+from .metadata import BlockTransfer, OffloadMetadata
+from .scheduler import POOL_SLOTS_STAT, STORES_DONE_STAT
+
+__all__ = ["OffloadWorker", "check_pin_mode"]
+
+logger = logging.getLogger("kvconn_offload")
+
+
+def check_pin_mode(mode: str) -> None:
+    """``pin_memory: always`` needs an accelerator: refuse it early, with the fix."""
+    if mode == "always" and not torch.cuda.is_available():
+        raise ConnectorConfigError(
+            "invalid config for connector 'offload': field 'pin_memory': 'always' needs a CUDA device, "
+            "and none is available; use 'auto' (pins only when one is) or 'never'"
+        )
+
+
+@dataclass
+class _Load:
+    req_id: str
+    event: Any = None  # CUDA event recorded after the load's copies; None: done
+
+
+class OffloadWorker:
+    def __init__(self, config: OffloadConfig, context: ConnectorContext) -> None:
+        check_pin_mode(config.pin_memory)
+        self.config = config
+        self.context = context
+        self.multiple = config.block_size_multiple
+        self.pool: Any = None
+        self.pinned = False
+        self.num_slots = 0
+        self._layers: dict[str, int] = {}
+        self._group_of: list[int] = []
+        self._rows: list[Any] = []
+        self._copier: BlockCopier | None = None
+        self._stream: Any = None
+        self._slot_keys: dict[int, bytes] = {}
+        self._store_seq = 0
+        self._store_plans: list[CopyPlan | None] = []
+        self._store_tags: dict[int, bytes] = {}
+        self._jobs: deque[tuple[int, dict[int, bytes], Any]] = deque()  # store jobs in flight: seq, tags, event
+        self._done_seq = 0
+        self._last_store: dict[str, int] = {}
+        self._finishing: set[str] = set()
+        self._loads: list[_Load] = []
+        self._errors: set[int] = set()
+        self._stats: dict[str, float] = {}
+        self._report_slots = True
+
+    # --------------------------------------------------------------- the pool
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        group_of = self.context.group_of_layer()
+        missing = sorted(set(group_of) - set(kv_caches))
+        if missing:
+            raise ValueError(f"no KV cache was registered for layers {missing} of the engine's KV-cache groups")
+        names = list(group_of)
+        first = kv_caches[names[0]]
+        for name in names:
+            kv = kv_caches[name]
+            if kv.shape != first.shape or kv.dtype != first.dtype or kv.device != first.device:
+                raise ValueError(f"layer {name!r}: every KV cache must share shape, dtype and device to share a pool")
+            if not kv.is_contiguous():
+                raise ValueError(f"layer {name!r}: the KV cache must be contiguous")
+        self._layers = {name: i for i, name in enumerate(names)}
+        self._group_of = [group_of[name] for name in names]
+        self._rows = [wide_rows(kv_caches[name]) for name in names]
+        block_bytes = first[0].numel() * first.element_size()
+        if self.config.pool_bytes is not None:
+            self.num_slots = self.config.pool_bytes // (len(names) * self.multiple * block_bytes)
+            if self.num_slots < 1:
+                raise ConnectorConfigError(
+                    f"invalid config for connector 'offload': field 'pool_bytes': {self.config.pool_bytes} bytes "
+                    f"hold no offloaded block of {len(names) * self.multiple * block_bytes} bytes; raise it"
+                )
+        else:
+            self.num_slots = self.config.num_slots or 0
+        on_device = first.device.type == "cuda"
+        mode = self.config.pin_memory
+        self.pinned = mode == "always" or (mode == "auto" and on_device and torch.cuda.is_available())
+        shape = (len(names), self.num_slots * self.multiple, *first.shape[1:])
+        pool = torch.empty(shape, dtype=first.dtype, pin_memory=self.pinned)
+        self.pool = pool
+        self._copier = BlockCopier(wide_rows(pool, 2))
+        if on_device:
+            self._stream = torch.cuda.Stream(device=first.device)
+        logger.info(
+            "offload pool: %d offloaded blocks, %.1f MiB of %s host memory%s",
+            self.num_slots,
+            pool.numel() * pool.element_size() / 2**20,
+            "pinned" if self.pinned else "pageable",
+            "" if self.pinned or mode == "never" else " (no accelerator: pinning skipped)",
+        )
+
+    # ------------------------------------------------------------------- step
+
+    def start_load_kv(self, metadata: OffloadMetadata) -> None:
+        if self._copier is None:
+            return
+        if self._stream is not None and self._jobs:
+            # The compute of this step may reuse device blocks a running save still reads.
+            torch.cuda.current_stream(self._stream.device).wait_event(self._jobs[-1][2])
+        self._finishing.update(metadata.delayed_frees)
+        self._store_seq = metadata.store_seq
+        self._store_plans = self._plans(metadata.stores) if metadata.store_seq else []
+        self._store_tags = {}
+        for transfer in metadata.stores:
+            self._last_store[transfer.req_id] = metadata.store_seq
+            for slot, key in zip(transfer.slots, transfer.keys, strict=True):
+                self._slot_keys.pop(slot, None)  # untrusted until the job completes
+                self._store_tags[slot] = key
+        for transfer in metadata.loads:
+            self._start_load(transfer)
+
+    def _plans(self, transfers: list[BlockTransfer]) -> list[CopyPlan | None]:
+        """One plan per KV-cache group, over all the transfers (built on the copy stream)."""
+        device = self._rows[0].device
+        plans: list[CopyPlan | None] = []
+        for g in range(len(self.context.kv_cache_groups)):
+            dev = [b for t in transfers for b in t.device_blocks[g]]
+            host = [b for t in transfers for b in t.host_blocks[g]]
+            plans.append(CopyPlan.build(dev, host, device) if dev else None)
+        return plans
+
+    def _start_load(self, transfer: BlockTransfer) -> None:
+        assert self._copier is not None
+        self._errors.update(transfer.failed_blocks)
+        stale = {
+            slot for slot, key in zip(transfer.slots, transfer.keys, strict=True) if self._slot_keys.get(slot) != key
+        }
+        if stale:  # evicted, overwritten or never stored: report, never load wrong KV
+            for g, (dev, host) in enumerate(zip(transfer.device_blocks, transfer.host_blocks, strict=True)):
+                bad = [h // self.multiple in stale for h in host]
+                self._errors.update(d for d, b in zip(dev, bad, strict=True) if b)
+                transfer.device_blocks[g] = [d for d, b in zip(dev, bad, strict=True) if not b]
+                transfer.host_blocks[g] = [h for h, b in zip(host, bad, strict=True) if not b]
+        with self._on_copy_stream():
+            plans = self._plans([transfer])
+            for layer, rows in enumerate(self._rows):
+                plan = plans[self._group_of[layer]]
+                if plan is not None:
+                    self._copier.load(layer, rows, plan)
+            self._count("loaded", plans)
+            self._loads.append(_Load(transfer.req_id, self._record()))
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if not self._store_seq or self._copier is None:
+            return
+        layer = self._layers[layer_name]
+        plan = self._store_plans[self._group_of[layer]]
+        if plan is None:
+            return
+        if self._stream is not None:
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(self._stream.device))
+            self._stream.wait_event(written)
+        with self._on_copy_stream():
+            self._copier.save(layer, self._rows[layer], plan)
+
+    def wait_for_save(self) -> None:
+        """Close this step's store job; its copies may still run (CUDA)."""
+        if not self._store_seq:
+            return
+        self._count("saved", self._store_plans)
+        with self._on_copy_stream():
+            self._jobs.append((self._store_seq, self._store_tags, self._record()))
+        self._store_seq = 0
+
+    def _count(self, what: str, plans: list[CopyPlan | None]) -> None:
+        blocks = sum(len(p) for p in plans if p is not None)
+        layers = [sum(1 for g in self._group_of if g == group) for group in range(len(plans))]
+        row_bytes = self._rows[0].shape[1] * self._rows[0].element_size()
+        self._stats[f"blocks_{what}"] = self._stats.get(f"blocks_{what}", 0) + blocks
+        self._stats[f"bytes_{what}"] = self._stats.get(f"bytes_{what}", 0) + row_bytes * sum(
+            len(p) * layers[g] for g, p in enumerate(plans) if p is not None
+        )
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        while self._jobs and _done(self._jobs[0][2]):
+            self._done_seq, tags, _ = self._jobs.popleft()
+            self._slot_keys.update(tags)
+        self._last_store = {r: seq for r, seq in self._last_store.items() if seq > self._done_seq}
+        sending = {r for r in self._finishing if r not in self._last_store}
+        self._finishing -= sending
+        recving = {load.req_id for load in self._loads if _done(load.event)}
+        self._loads = [load for load in self._loads if load.req_id not in recving]
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        stats, self._stats = self._stats, {}
+        stats[STORES_DONE_STAT] = self._done_seq
+        if self._report_slots and self._copier is not None:
+            stats[POOL_SLOTS_STAT] = self.num_slots
+            self._report_slots = False
+        return stats
+
+    def get_num_tracked_requests(self) -> int:
+        return len(set(self._last_store) | self._finishing | {load.req_id for load in self._loads})
+
+    def shutdown(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+        self.pool = None
+        self._copier = None
+        self._rows = []
+
+    # ------------------------------------------------------------------- CUDA
+
+    def _on_copy_stream(self) -> Any:
+        if self._stream is None:
+            import contextlib
+
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
+
+    def _record(self) -> Any:
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+
+def _done(event: Any) -> bool:
+    return event is None or bool(event.query())

@@ -1,0 +1,106 @@
+"""Config, pin gating, the manager and the delayed-free protocol, without an engine."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import pytest
+import torch
+
+from kvconn import ConnectorConfigError, KVConnectorBlockState, KVConnectorOutput, load_connector
+from kvconn.engine.request import Request
+from kvconn.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from kvconn_offload import OffloadManager, OffloadMetadata
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"pool_blocks": 0}, "field 'pool_blocks': expected int >= 1"),
+        ({"pool_blocks": 4, "pool_bytes": 4096}, "set only one of pool_blocks and pool_bytes"),
+        ({"block_size_multiple": 0}, "field 'block_size_multiple': expected int >= 1"),
+        ({"pin_memory": "sometimes"}, "field 'pin_memory'"),
+        ({"eviction": "mru"}, "field 'eviction'"),
+        ({"pool_size": 3}, "unknown field 'pool_size'; valid fields: pool_blocks, pool_bytes"),
+    ],
+)
+def test_bad_config_names_the_field(config: dict, message: str) -> None:
+    with pytest.raises(ConnectorConfigError, match=message):
+        load_connector("offload", role="scheduler", config=config)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_pin_always_without_an_accelerator_is_a_config_error() -> None:
+    with pytest.raises(ConnectorConfigError, match="'always' needs a CUDA device"):
+        load_connector("offload", role="worker", config={"pin_memory": "always"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback on a machine without CUDA")
+def test_pin_auto_uses_pageable_memory_and_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    worker = load_connector("offload", role="worker", config={"pool_bytes": 1 << 16})
+    caplog.set_level(logging.INFO, logger="kvconn_offload")
+    worker.register_kv_caches({f"layer.{i}": torch.zeros(8, 2, 16, 2, 8, dtype=torch.float16) for i in range(2)})
+    lines = [r.getMessage() for r in caplog.records if "pageable" in r.getMessage()]
+    assert len(lines) == 1 and "no accelerator" in lines[0]
+    assert not worker.worker.pool.is_pinned()
+    assert worker.worker.num_slots == (1 << 16) // (2 * 2 * 16 * 2 * 8 * 2)
+    worker.shutdown()
+    assert worker.worker.pool is None
+
+
+def test_manager_never_evicts_pinned_or_pending_entries() -> None:
+    manager = OffloadManager(2)
+    keys = [bytes([i]) * 32 for i in range(4)]
+    assert [e.slot for _, e in manager.prepare_store(keys[:2])] == [0, 1]
+    assert manager.prepare_store(keys[2:3]) == []  # both pending
+    manager.complete_store(keys[:2])
+    manager.prepare_load([keys[0]])  # pinned by a load
+    ((key, entry),) = manager.prepare_store(keys[2:3])
+    assert key == keys[2] and entry.slot == 1 and manager.lookup(keys) == 1  # keys[1] evicted, keys[0] kept
+    assert manager.prepare_store(keys[3:]) == []  # keys[0] pinned, keys[2] pending
+    manager.complete_load([keys[0]])
+    assert [e.slot for _, e in manager.prepare_store(keys[3:])] == [0]
+
+
+def test_lru_touch_changes_the_victim_and_fifo_ignores_it() -> None:
+    keys = [bytes([i]) * 32 for i in range(3)]
+    for policy, survivor in (("lru", keys[0]), ("fifo", keys[1])):
+        manager = OffloadManager(2, policy=policy)
+        manager.prepare_store(keys[:2])
+        manager.complete_store(keys[:2])
+        manager.touch([keys[0]])
+        manager.prepare_store(keys[2:])
+        assert manager.get(survivor) is not None and len(manager) == 2
+
+
+def _step(req: Request, num_computed: int, n: int, table: tuple[list[int], ...]) -> tuple[SchedulerOutput, object]:
+    output = SchedulerOutput(
+        step=0,
+        scheduled_new_reqs=[NewRequestData(req.request_id, req.all_token_ids, table, num_computed)],
+        scheduled_cached_reqs=CachedRequestData(),
+        num_scheduled_tokens={req.request_id: n},
+        total_num_scheduled_tokens=n,
+    )
+    return output, KVConnectorBlockState({req.request_id}, lambda _: table)
+
+
+def test_finished_request_keeps_its_blocks_until_its_store_is_done() -> None:
+    sched = load_connector("offload", role="scheduler", config={"pool_blocks": 8})
+    req = Request("a", list(range(100, 140)), 4, 16)
+    table = ([3, 5, 9],)
+    sched.update_state_after_alloc(req, table, 0)
+    output, state = _step(req, 0, 40, table)
+    meta = sched.build_connector_meta(output, state)
+    assert isinstance(meta, OffloadMetadata) and meta.store_seq == 1
+    assert meta.block_ids_by_request() == {"a": ([3, 5],)}  # the partial third block is not stored
+    meta = msgspec.msgpack.decode(msgspec.msgpack.encode(meta), type=OffloadMetadata)
+    assert sched.request_finished(req) is True  # store job 1 not reported done yet
+    sched.update_connector_output(KVConnectorOutput(stats={"offload_stores_done": 1}))
+    assert sched.get_num_tracked_requests() == 1
+    nxt = sched.build_connector_meta(*_step(Request("b", [1], 1, 16), 0, 1, ([],)))
+    assert nxt.delayed_frees == ["a"]
+    sched.update_connector_output(KVConnectorOutput(finished_sending={"a"}))
+    assert sched.get_num_tracked_requests() == 0
+    # the store is complete: a request with the same prefix hits both blocks
+    assert sched.get_num_new_matched_tokens(Request("c", list(range(100, 140)), 4, 16), 0) == (32, True)

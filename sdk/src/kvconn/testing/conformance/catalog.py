@@ -1,0 +1,66 @@
+"""The registry of checks: stable ids, names, the bug each catches, how to fix it.
+
+Ids are stable once assigned (``KV0xx``); a check is never renumbered, a
+retired id is never reused. ``docs/checks.md`` documents every one.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .session import Session
+
+__all__ = ["CAPABILITIES", "Check", "check", "list_checks"]
+
+#: What a check may require of a connector (from its class attributes).
+#: ``scheduler``/``worker``: serves that role; ``saves``/``loads``: declares it.
+CAPABILITIES = frozenset({"scheduler", "worker", "saves", "loads"})
+
+CheckFunction = Callable[["Session"], None]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One conformance check.
+
+    ``doc`` says which real bug it catches (the function's docstring);
+    ``fix`` is the generic advice printed with a failure; ``requires`` lists
+    the capabilities a connector must declare for the check to apply.
+    """
+
+    id: str
+    name: str
+    doc: str
+    fix: str
+    requires: frozenset[str]
+    function: CheckFunction = field(repr=False, compare=False)
+
+
+_CHECKS: dict[str, Check] = {}
+
+
+def check(id: str, name: str, *, fix: str, requires: tuple[str, ...] = ()) -> Callable[[CheckFunction], CheckFunction]:
+    """Register a check function under a stable ``id`` and ``name``."""
+    unknown = set(requires) - CAPABILITIES
+    if unknown:
+        raise ValueError(f"check {id}: unknown capabilities {sorted(unknown)}")
+
+    def register(function: CheckFunction) -> CheckFunction:
+        if id in _CHECKS or any(c.name == name for c in _CHECKS.values()):
+            raise ValueError(f"check {id} ({name}) is registered twice")
+        doc = inspect.cleandoc(function.__doc__ or "")
+        _CHECKS[id] = Check(id, name, doc, fix, frozenset(requires), function)
+        return function
+
+    return register
+
+
+def list_checks() -> list[Check]:
+    """Every registered check, in id order."""
+    from . import checks  # noqa: F401  (registers the checks on first use)
+
+    return sorted(_CHECKS.values(), key=lambda c: c.id)

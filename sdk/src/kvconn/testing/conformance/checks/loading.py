@@ -1,0 +1,167 @@
+"""KV001-KV005: finding, importing and configuring the connector."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Any
+
+import msgspec
+
+from ....connector import KVConnector, KVConnectorRole
+from ....context import ConnectorContext
+from ....errors import ConnectorConfigError
+from ....host import ConnectorHost
+from ....metadata import KVConnectorMetadata
+from ....registry import ENTRY_POINT_GROUP, build_config
+from ..catalog import check
+from ..results import ConformanceFailure, Violation
+from ..session import Session
+
+
+@check("KV001", "found", fix="give each connector a unique entry-point name in the 'kvconn.connectors' group")
+def found(session: Session) -> None:
+    """The name resolves to exactly one installed connector.
+
+    Catches two distributions declaring the same entry-point name: the first
+    one found silently wins, so which connector an engine loads depends on
+    install order.
+    """
+    if ":" in session.connector:
+        return
+    targets = {
+        (ep.value, ep.dist.name if ep.dist else "?")
+        for ep in entry_points(group=ENTRY_POINT_GROUP)
+        if ep.name == session.connector
+    }
+    if len(targets) > 1:
+        listed = ", ".join(f"{target} (from {dist})" for target, dist in sorted(targets))
+        raise Violation(f"{len(targets)} entry points named {session.connector!r}: {listed}")
+
+
+@check(
+    "KV002",
+    "imports",
+    fix="subclass kvconn.KVConnector, name hook arguments as in kvconn.hookspecs, and declare "
+    "Config (a msgspec Struct), Metadata (a KVConnectorMetadata subclass), roles, saves and loads",
+)
+def imports(session: Session) -> None:
+    """The class imports and registers as a valid connector for each role it serves.
+
+    Catches hook implementations whose argument names are not in the spec
+    (pluggy would refuse them in an engine), a ``Metadata`` that is not a
+    ``KVConnectorMetadata`` Struct (workers could not decode it), a ``Config``
+    that is not a msgspec Struct, and an empty ``roles``.
+    """
+    cls = session.cls
+    metadata = getattr(cls, "Metadata", KVConnectorMetadata)
+    if not (isinstance(metadata, type) and issubclass(metadata, KVConnectorMetadata)):
+        raise Violation(f"Metadata is {metadata!r}, not a KVConnectorMetadata subclass")
+    config = getattr(cls, "Config", None)
+    if config is not None and not (isinstance(config, type) and issubclass(config, msgspec.Struct)):
+        raise Violation(f"Config is {config!r}, not a msgspec Struct")
+    roles = getattr(cls, "roles", frozenset(KVConnectorRole))
+    if not roles:
+        raise Violation("roles is empty: the connector serves no side of the engine")
+    for attr in ("saves", "loads"):
+        if not isinstance(getattr(cls, attr, False), bool):
+            raise Violation(f"{attr} is {getattr(cls, attr)!r}, not a bool")
+    for role in roles:
+        instance = _instantiate(session, KVConnectorRole(role))
+        ConnectorHost({session.connector: instance}, role=role).shutdown()
+
+
+@check(
+    "KV003",
+    "api-version",
+    fix="set api_version = '1.0' (the kvconn hook API you wrote against) in your connector class body",
+)
+def api_version(session: Session) -> None:
+    """The class declares the hook API version it was written against, in its own body.
+
+    Catches a connector that inherits ``api_version`` from ``kvconn.KVConnector``:
+    it then claims to target whatever SDK it runs on, so a future major
+    version loads it instead of refusing it with a clear message.
+    (An incompatible declared version is a load error.)
+    """
+    cls = session.cls
+    owners = [klass for klass in cls.__mro__ if "api_version" in vars(klass)]
+    if not owners or owners[0] is KVConnector:
+        raise Violation(
+            f"{cls.__qualname__} does not declare api_version (it inherits {getattr(cls, 'api_version', None)!r} "
+            "from kvconn.KVConnector)"
+        )
+
+
+@check(
+    "KV004",
+    "config-defaults",
+    fix="give every Config field a default that works, so that the connector loads with no config",
+)
+def config_defaults(session: Session) -> None:
+    """With no config at all, the connector configures and starts for every role it serves.
+
+    Catches required config fields and defaults that fail at start-up: engines
+    and ``kvconn validate`` load a connector by name first, with no options.
+    """
+    try:
+        config = build_config(session.cls, None, name=session.connector)
+    except ConnectorConfigError as exc:
+        raise Violation(f"an empty config is rejected: {exc}") from None
+    for role in getattr(session.cls, "roles", KVConnectorRole):
+        instance = _instantiate(session, KVConnectorRole(role), config)
+        shutdown = getattr(instance, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
+
+_WRONG_VALUES: tuple[Any, ...] = ("kvconn-not-a-valid-value", 12345, [["kvconn"]], {"kvconn": [1]})
+
+
+@check(
+    "KV005",
+    "bad-config",
+    fix="declare Config with forbid_unknown_fields=True and give every field a precise type (not Any)",
+)
+def bad_config(session: Session) -> None:
+    """A config with an unknown field, or a field of the wrong type, raises ``ConnectorConfigError``.
+
+    Catches configs that silently ignore a misspelt option (no
+    ``forbid_unknown_fields``) and fields typed ``Any`` that accept anything
+    and fail later, inside the engine, far from the user's mistake.
+    """
+    cls, name = session.cls, session.connector
+    config_type: type[msgspec.Struct] = getattr(cls, "Config", msgspec.Struct)
+    _expect_rejected(cls, name, {"kvconn_no_such_field": 1}, "an unknown field 'kvconn_no_such_field'")
+    for field in msgspec.structs.fields(config_type):
+        wrong = next((v for v in _WRONG_VALUES if not _accepts(field.type, v)), None)
+        if wrong is None:
+            raise Violation(f"config field {field.name!r} accepts any value (type {field.type!r})")
+        _expect_rejected(cls, name, {field.name: wrong}, f"{field.name}={wrong!r}")
+
+
+def _accepts(annotation: Any, value: Any) -> bool:
+    try:
+        msgspec.convert(value, annotation, strict=False)
+    except (msgspec.ValidationError, TypeError):
+        return False
+    return True
+
+
+def _expect_rejected(cls: type, name: str, config: dict[str, Any], what: str) -> None:
+    try:
+        build_config(cls, config, name=name)
+    except ConnectorConfigError:
+        return
+    raise Violation(f"a config with {what} was accepted")
+
+
+def _instantiate(session: Session, role: KVConnectorRole, config: Any = None) -> Any:
+    cls = session.cls
+    config = config if config is not None else build_config(cls, session.config, name=session.connector)
+    try:
+        return cls(config, role=role, context=ConnectorContext())
+    except Exception as exc:
+        raise ConformanceFailure(
+            f"the connector failed to start as {role.value}: {type(exc).__name__}: {exc}",
+            "raise ConnectorConfigError for bad options; otherwise start without error from a valid config",
+        ) from None

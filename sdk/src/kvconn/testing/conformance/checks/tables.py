@@ -1,0 +1,170 @@
+"""KV010-KV014: the scheduler side: scenarios, block tables, offered requests, laziness."""
+
+from __future__ import annotations
+
+from ..analysis import StepView, live_ids, step_views
+from ..catalog import check
+from ..results import CheckSkipped, Violation
+from ..scenarios import OFFERED_ONLY, Trace
+from ..session import Session
+
+
+def _views(session: Session, trace: Trace) -> list[StepView]:
+    return session.memo(f"views:{trace.scenario.name}", lambda: step_views(trace))
+
+
+@check(
+    "KV010",
+    "scenarios",
+    fix="make every hook cope with the situation named in the error (see docs/checks.md for each scenario)",
+    requires=("scheduler",),
+)
+def scenarios(session: Session) -> None:
+    """Every scripted scenario runs to completion without the connector raising.
+
+    Catches connectors that assume one shape of traffic: chunked prefill,
+    decode across block boundaries, preemption and resume, aborts of waiting
+    and running requests, two KV-cache groups (full + sliding window, with
+    null blocks), 256-token blocks, and many requests sharing a prefix.
+    """
+    session.completed_traces()
+
+
+@check(
+    "KV011",
+    "block-fill",
+    fix="each step, read the table of every request you act on with block_state.get_block_ids(req_id), "
+    "including requests that got no new block this step (the step that fills a block allocates none)",
+    requires=("scheduler",),
+)
+def block_fill(session: Session) -> None:
+    """On the step that fills a block (and allocates none), the connector sees the request's live table.
+
+    Catches the bug this SDK exists for: a connector that only looks at
+    requests that got new blocks this step (``scheduled_new_reqs`` and
+    ``new_block_ids``) misses the request on exactly the step a full-block
+    saver must save it, and crashes, skips the save, or saves a stale table.
+    Observed in the metadata: a request the connector refers to when its
+    table grows must be referred to on its block-fill steps too, and any
+    block id it carries for the request must be in the live table.
+    """
+    for trace in session.completed_traces():
+        views = _views(session, trace)
+        tracked = {r for v in views for r in v.grow if v.refs.get(r)}
+        for view in views:
+            record = trace.records[view.index]
+            for req_id in sorted(view.fill):
+                refs = view.refs.get(req_id)
+                if refs is None and req_id in tracked:
+                    raise Violation(
+                        f"in {trace.where()}, step {record.step}: {req_id} filled a block without allocating one, "
+                        "and the metadata carries nothing for it, while it does on the steps its table grows"
+                    )
+                stale = {b for ids in refs or () for b in ids} - live_ids(record.tables.get(req_id)) - {0}
+                if stale:
+                    raise Violation(
+                        f"in {trace.where()}, step {record.step} (the block-fill step of {req_id}): the metadata "
+                        f"carries blocks {sorted(stale)} for it, not in its live table {record.tables.get(req_id)}"
+                    )
+    if not any(_views(session, t) and any(v.refs for v in _views(session, t)) for t in session.standard_traces()):
+        raise CheckSkipped("the connector's metadata never carries a request's block ids: nothing to compare")
+
+
+@check(
+    "KV012",
+    "stale-tables",
+    fix="never keep a table across steps (preemption replaces it): read it each step with "
+    "block_state.get_block_ids(req_id); do not rebuild it by appending new_block_ids",
+    requires=("scheduler",),
+)
+def stale_tables(session: Session) -> None:
+    """After preemption and resume, nothing the connector sends refers to the request's old table.
+
+    Catches connectors that cache a request's table (or rebuild it by
+    appending ``new_block_ids``) and keep using it after preemption replaced
+    it, or after sliding-window blocks were freed: saves then read, and
+    loads overwrite, blocks that now belong to another request.
+    """
+    traces = session.completed_traces()
+    preempted = [r for t in traces for rec in t.records for r in rec.preempted]
+    if not preempted:
+        raise RuntimeError("the preemption scenario preempted nothing: the conformance suite is misconfigured")
+    for trace in traces:
+        before: dict[str, set[int]] = {}
+        for view in _views(session, trace):
+            record = trace.records[view.index]
+            for req_id, refs in view.refs.items():
+                if req_id is None or req_id in view.fill:
+                    continue  # block-fill steps are KV011's
+                live = live_ids(record.tables.get(req_id))
+                stale = {b for ids in refs for b in ids} - live - {0}
+                if stale:
+                    old = stale & before.get(req_id, set())
+                    why = f"from its table before preemption {sorted(before[req_id])}" if old else "not in it"
+                    raise Violation(
+                        f"in {trace.where()}, step {record.step}: the metadata carries blocks {sorted(stale)} for "
+                        f"{req_id}, whose live table is {record.tables.get(req_id)} ({why})"
+                    )
+            for req_id, table in record.tables.items():
+                if req_id not in record.preempted:
+                    before[req_id] = live_ids(table)
+
+
+@check(
+    "KV013",
+    "offered-only",
+    fix="block_state.get_block_ids(req_id) returns None for a request not offered this step: skip it "
+    "(or retry next step); never call block_state.resolve_block_ids yourself",
+    requires=("scheduler",),
+)
+def offered_only(session: Session) -> None:
+    """The connector copes with ``None`` for a request outside the offered set.
+
+    Catches connectors that assume every scheduled request's table is there
+    (``assert table is not None``, ``block_state.block_ids[req_id]``) and
+    crash when an engine offers fewer, and connectors that bypass
+    ``get_block_ids`` to resolve requests that were not offered.
+    """
+    trace = session.trace(OFFERED_ONLY)
+    if trace.error:
+        withheld = ", ".join(sorted(OFFERED_ONLY.withhold))
+        raise Violation(f"with {withheld} scheduled but not offered, the connector raised: {trace.error}")
+    for record in trace.records:
+        bypass = sorted(set(record.resolved) - record.offered)
+        if bypass:
+            raise Violation(f"step {record.step}: tables of {bypass} were resolved though not offered")
+
+
+@check(
+    "KV014",
+    "lazy-resolve",
+    fix="call block_state.get_block_ids only for the requests you act on this step, not for every offered "
+    "one (and never iterate the deprecated block_state.block_ids)",
+    requires=("scheduler",),
+)
+def lazy_resolve(session: Session) -> None:
+    """The connector resolves at most the tables of the requests it acts on.
+
+    Catches eager connectors that resolve every offered table each step (the
+    cost the lazy block state removes) and connectors that call the
+    resolver for requests outside the offered set. A request counts as acted
+    on when the step's metadata carries some of its block ids.
+    """
+    for trace in session.completed_traces():
+        for view in _views(session, trace):
+            record = trace.records[view.index]
+            bypass = sorted(set(record.resolved) - record.offered)
+            if bypass:
+                raise Violation(
+                    f"in {trace.where()}, step {record.step}: tables of {bypass} were resolved though not offered"
+                )
+            loose = {b for ids in view.refs.get(None, ()) for b in ids}
+            acted = {r for r in view.refs if r is not None} | {
+                r for r in record.resolved if live_ids(record.tables.get(r)) & loose
+            }
+            unused = sorted(set(record.resolved) - acted)
+            if unused:
+                raise Violation(
+                    f"in {trace.where()}, step {record.step}: resolved the tables of {unused} "
+                    f"({len(set(record.resolved))} of {len(record.offered)} offered) but its metadata uses none of them"
+                )

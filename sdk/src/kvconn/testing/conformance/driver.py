@@ -1,0 +1,173 @@
+"""The scheduler driver protocol: how checks drive a connector through an engine.
+
+Scheduler-side checks never touch an engine directly. They play scripted
+scenarios through a :class:`SchedulerDriver` and analyse the
+:class:`StepRecord` each step returns, so another engine (vLLM's scheduler,
+say) is supported by registering one more driver, without touching a check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Protocol
+
+from ...block_state import BlockIds
+from ...context import KVCacheGroupSpec
+from ...errors import ConnectorLoadError
+from ...metadata import KVConnectorMetadata
+from ...outputs import KVConnectorOutput, SchedulerOutput
+
+__all__ = [
+    "ScenarioUnsupported",
+    "DRIVER_ENTRY_POINT_GROUP",
+    "DriverFactory",
+    "DriverSpec",
+    "SchedulerDriver",
+    "StepRecord",
+    "available_drivers",
+    "get_driver",
+    "register_driver",
+]
+
+
+@dataclass(frozen=True)
+class DriverSpec:
+    """What a scenario asks of the engine a driver builds.
+
+    ``connector`` is an installed name or ``"pkg.mod:Class"``; errors raised
+    by the connector must surface (``on_error="raise"``), not be degraded.
+    A small ``num_blocks`` forces preemption.
+    """
+
+    connector: str
+    config: Mapping[str, Any] | None = None
+    block_size: int = 16
+    num_blocks: int = 256
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = (KVCacheGroupSpec(("layer.0", "layer.1")),)
+
+
+@dataclass
+class StepRecord:
+    """What one step showed.
+
+    Attributes:
+        output: the step's scheduler output (scheduler-side object).
+        metadata: this connector's metadata as built (``None`` if it built none).
+        decoded: the same metadata after the wire (encode, decode) as a worker got it.
+        encoded: its encoded bytes.
+        tables: the live table, at this step, of every request holding blocks
+            (scheduled ones, and finished ones whose blocks are held).
+        offered: the requests the block state offered.
+        resolved: request ids the connector's block-state resolver was called
+            for, in call order.
+        connector_output: what this connector's worker side reported for the
+            step, or ``None`` when the driver does not run its worker side.
+        preempted: requests preempted while scheduling this step.
+    """
+
+    output: SchedulerOutput
+    metadata: KVConnectorMetadata | None
+    decoded: KVConnectorMetadata | None
+    encoded: bytes | None
+    tables: dict[str, BlockIds]
+    offered: frozenset[str]
+    resolved: list[str]
+    connector_output: KVConnectorOutput | None = None
+    preempted: set[str] = field(default_factory=set)
+
+    @property
+    def step(self) -> int:
+        return self.output.step
+
+
+class SchedulerDriver(Protocol):
+    """One engine with the connector under test loaded (see the package docstring)."""
+
+    block_size: int
+    num_blocks: int
+
+    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> None:
+        """Queue a request (it is scheduled on a later ``step``)."""
+
+    def abort(self, req_id: str) -> None:
+        """Abort a request, waiting or running; the connector's ``request_finished`` follows."""
+
+    def step(self, *, withhold: Collection[str] = ()) -> StepRecord:
+        """Run one step. Requests in ``withhold`` are left out of the offered block state."""
+
+    def has_unfinished(self) -> bool:
+        """Requests not finished yet."""
+
+    def has_work(self) -> bool:
+        """Unfinished requests, or finished ones whose blocks a connector still holds."""
+
+    def finished_calls(self) -> dict[str, int]:
+        """How many times the connector's ``request_finished`` ran, per request id."""
+
+    def num_tracked_requests(self) -> dict[str, int]:
+        """Per role (``"scheduler"``, ``"worker"``), what the connector says it tracks."""
+
+    def assert_empty(self) -> None:
+        """Raise ``AssertionError`` naming what leaked if anything is left (blocks, requests)."""
+
+    def close(self) -> None:
+        """Shut the connector down and release the engine."""
+
+
+DriverFactory = Callable[[DriverSpec], SchedulerDriver]
+
+
+class ScenarioUnsupported(Exception):
+    """Raised by a driver factory for a scenario its engine cannot run (checks using it are skipped)."""
+
+_DRIVERS: dict[str, DriverFactory] = {}
+
+
+#: Entry-point group through which a distribution ships a driver: ``vllm = "pkg.module:load"``, where
+#: ``load()`` returns the factory, or raises ``ConnectorLoadError`` when the driver cannot run here.
+DRIVER_ENTRY_POINT_GROUP = "kvconn.conformance_drivers"
+
+
+def register_driver(name: str, factory: DriverFactory) -> None:
+    """Make ``run_conformance(..., driver=name)`` build drivers with ``factory``."""
+    _DRIVERS[name] = factory
+
+
+def available_drivers() -> list[str]:
+    """Registered drivers and those declared in the ``kvconn.conformance_drivers`` entry-point group."""
+    _register_builtin()
+    return sorted(set(_DRIVERS) | {ep.name for ep in entry_points(group=DRIVER_ENTRY_POINT_GROUP)})
+
+
+def get_driver(name: str) -> DriverFactory:
+    """The factory registered (or declared by entry point) as ``name``; ``LookupError`` otherwise."""
+    _register_builtin()
+    if name not in _DRIVERS:
+        for ep in entry_points(group=DRIVER_ENTRY_POINT_GROUP, name=name):
+            try:
+                _DRIVERS[name] = ep.load()()
+            except ConnectorLoadError as exc:
+                raise LookupError(str(exc)) from exc
+            except Exception as exc:
+                raise LookupError(
+                    f"conformance driver {name!r} ({ep.value}) failed to import: {type(exc).__name__}: {exc}"
+                ) from exc
+    try:
+        return _DRIVERS[name]
+    except KeyError:
+        raise LookupError(
+            f"no conformance driver named {name!r} (available: {', '.join(available_drivers())}); "
+            "register one with kvconn.testing.conformance.register_driver"
+        ) from None
+
+
+def _register_builtin() -> None:
+    if "reference" not in _DRIVERS:
+        from .reference import ReferenceDriver
+
+        _DRIVERS["reference"] = ReferenceDriver

@@ -1,0 +1,96 @@
+"""What a conformance run reports: one result per check, one report per connector."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["CheckResult", "CheckSkipped", "ConformanceFailure", "ConnectorReport", "Status", "Violation"]
+
+Status = Literal["passed", "failed", "skipped"]
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The outcome of one check.
+
+    ``message`` is empty for a pass; for a failure it reads ``"observed ...;
+    fix: ..."``; for a skip it is the reason.
+    """
+
+    id: str
+    name: str
+    status: Status
+    message: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return {"id": self.id, "name": self.name, "status": self.status, "message": self.message}
+
+
+@dataclass
+class ConnectorReport:
+    """Every check's result for one connector.
+
+    ``load_error`` is set (and ``results`` empty) when the connector could
+    not be found, imported or configured.
+    """
+
+    name: str
+    results: list[CheckResult] = field(default_factory=list)
+    load_error: str | None = None
+
+    def _count(self, status: Status) -> int:
+        return sum(1 for r in self.results if r.status == status)
+
+    @property
+    def passed(self) -> int:
+        return self._count("passed")
+
+    @property
+    def failed(self) -> int:
+        return self._count("failed")
+
+    @property
+    def skipped(self) -> int:
+        return self._count("skipped")
+
+    @property
+    def ok(self) -> bool:
+        """No check failed and the connector loaded."""
+        return self.load_error is None and self.failed == 0
+
+    def result(self, check_id: str) -> CheckResult:
+        """The result of ``check_id`` (``KeyError`` if it did not run)."""
+        for r in self.results:
+            if r.id == check_id:
+                return r
+        raise KeyError(check_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "passed": self.passed,
+            "failed": self.failed,
+            "skipped": self.skipped,
+            "checks": [r.to_dict() for r in self.results],
+        }
+        if self.load_error is not None:
+            out["load_error"] = self.load_error
+        return out
+
+
+class ConformanceFailure(AssertionError):
+    """Raised by a check: what was observed, and how to fix it."""
+
+    def __init__(self, observed: str, fix: str) -> None:
+        super().__init__(f"observed {observed}; fix: {fix}")
+        self.observed = observed
+        self.fix = fix
+
+
+class CheckSkipped(Exception):
+    """Raised by a check that cannot apply to this connector; the reason is the message."""
+
+
+class Violation(Exception):
+    """Raised by a check with what was observed; the check's own ``fix`` completes the message."""

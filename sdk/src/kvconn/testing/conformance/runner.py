@@ -1,0 +1,66 @@
+"""``run_conformance``: every (selected) check against one connector."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from fnmatch import fnmatchcase
+from typing import Any
+
+from .catalog import Check, list_checks
+from .results import CheckResult, ConnectorReport
+from .session import Session
+
+__all__ = ["matches", "open_session", "run_conformance"]
+
+
+def matches(check: Check, pattern: str | None) -> bool:
+    """Whether ``pattern`` (fnmatch, case-insensitive) matches the check's id or name."""
+    if pattern is None:
+        return True
+    pattern = pattern.lower()
+    return fnmatchcase(check.id.lower(), pattern) or fnmatchcase(check.name.lower(), pattern)
+
+
+def open_session(connector: str, config: Mapping[str, Any] | None = None, driver: str = "reference") -> Session | str:
+    """A session, or the one-line reason the connector (or driver) could not be loaded."""
+    try:
+        return Session(connector, config, driver)
+    except Exception as exc:  # every load failure becomes a report, never a crash
+        return str(exc) or type(exc).__name__
+
+
+def run_conformance(
+    connector: str,
+    *,
+    config: Mapping[str, Any] | None = None,
+    select: str | None = None,
+    on_result: Callable[[CheckResult], None] | None = None,
+    driver: str = "reference",
+) -> ConnectorReport:
+    """Run the conformance checks against ``connector``.
+
+    Args:
+        connector: an installed connector name or ``"package.module:Class"``.
+        config: the connector's config (its defaults when ``None``).
+        select: an fnmatch pattern matched against check ids and names
+            (``"KV01*"``, ``"*fill*"``); every check when ``None``.
+        on_result: called with each result as soon as it is known (progress).
+        driver: the scheduler driver (``"reference"``, or one registered
+            with :func:`~.driver.register_driver`).
+
+    Never raises for anything the connector does: a connector that cannot be
+    loaded gives a report with ``load_error`` set and no results; a check that
+    raises unexpectedly is reported failed.
+    """
+    session = open_session(connector, config, driver)
+    if isinstance(session, str):
+        return ConnectorReport(connector, [], load_error=session)
+    report = ConnectorReport(connector)
+    for check in list_checks():
+        if not matches(check, select):
+            continue
+        result = session.run(check)
+        report.results.append(result)
+        if on_result is not None:
+            on_result(result)
+    return report

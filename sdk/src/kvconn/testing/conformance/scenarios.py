@@ -1,0 +1,216 @@
+"""Scripted scenarios: the situations in which connectors really break.
+
+Each scenario is a list of request arrivals and aborts plus engine options;
+:func:`run_scenario` plays it through any :class:`~.driver.SchedulerDriver`
+and returns a :class:`Trace` of every step for the checks to analyse.
+Prompt tokens are drawn from ``[10_000, 32_000)`` so that they are never
+mistaken for block ids (fewer than ``10_000`` blocks in every scenario).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ...context import KVCacheGroupSpec
+from .driver import DriverFactory, DriverSpec, ScenarioUnsupported, SchedulerDriver, StepRecord
+
+__all__ = [
+    "OFFERED_ONLY",
+    "STANDARD",
+    "Arrival",
+    "Scenario",
+    "Trace",
+    "prompt",
+    "run_scenario",
+]
+
+TOKEN_LOW, TOKEN_HIGH = 10_000, 32_000
+MAX_STEPS = 3_000
+#: steps in a row that schedule nothing before a scenario is declared stuck
+STALL_STEPS = 64
+DRAIN_STEPS = 64
+TWO_GROUPS = (KVCacheGroupSpec(("layer.0",)), KVCacheGroupSpec(("layer.1",), sliding_window=32))
+
+
+def prompt(length: int, seed: int, prefix: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """``prefix`` followed by deterministic pseudo-random tokens, ``length`` in all."""
+    rng = random.Random(seed)
+    return prefix + tuple(rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(length - len(prefix)))
+
+
+@dataclass(frozen=True)
+class Arrival:
+    req_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    at_step: int = 0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A script. ``aborts`` are ``(step, req_id)``: abort before that step is scheduled.
+
+    ``withhold`` are requests left out of the offered block state on every step.
+    ``options`` override :class:`~.driver.DriverSpec` fields.
+    """
+
+    name: str
+    description: str
+    arrivals: tuple[Arrival, ...]
+    aborts: tuple[tuple[int, str], ...] = ()
+    withhold: frozenset[str] = frozenset()
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def spec(self, connector: str, config: Mapping[str, Any] | None) -> DriverSpec:
+        return replace(DriverSpec(connector, config), **self.options)
+
+
+@dataclass
+class Trace:
+    """What a scenario showed. ``error`` is set when it stopped early (the connector raised)."""
+
+    scenario: Scenario
+    records: list[StepRecord] = field(default_factory=list)
+    error: str | None = None
+    exception: Exception | None = None
+    finished_calls: dict[str, int] = field(default_factory=dict)
+    tracked: dict[str, int] = field(default_factory=dict)
+    leak: str | None = None
+    #: why the driver cannot run this scenario (checks using it are skipped)
+    unsupported: str | None = None
+    #: finished requests whose blocks were still held when the drain ended
+    stuck: bool = False
+    block_size: int = 16
+    num_blocks: int = 256
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [a.req_id for a in self.scenario.arrivals]
+
+    def where(self) -> str:
+        return f"scenario {self.scenario.name!r}"
+
+
+def _requests(
+    count: int, length: int, max_tokens: int, *, seed: int, at_step: int = 0, start: int = 0
+) -> list[Arrival]:
+    return [Arrival(f"r{i}", prompt(length, seed + i), max_tokens, at_step) for i in range(start, start + count)]
+
+
+_SHARED = prompt(40, 7)
+
+STANDARD: tuple[Scenario, ...] = (
+    Scenario(
+        "chunked-prefill",
+        "three 70-token prompts under a 40-token budget: prefill spans several steps",
+        tuple(_requests(3, 70, 3, seed=100)),
+        options={"max_num_batched_tokens": 40},
+    ),
+    Scenario(
+        "decode-boundaries",
+        "decodes that cross block boundaries: block-fill steps allocate no block",
+        (Arrival("r0", prompt(13, 200), 40), Arrival("r1", prompt(30, 201), 20)),
+    ),
+    Scenario(
+        "preemption",
+        "a 13-block pool for four growing requests: preemption, then resume with a new table",
+        tuple(_requests(4, 30, 34, seed=300)),
+        options={"num_blocks": 14, "enable_prefix_caching": False},
+    ),
+    Scenario(
+        "abort",
+        "aborted while waiting, aborted while running, finished, and a late arrival",
+        (
+            Arrival("r0", prompt(20, 400), 30),
+            Arrival("r1", prompt(20, 401), 30),
+            Arrival("r2", prompt(20, 402), 5),
+            Arrival("r3", prompt(20, 403), 5, at_step=2),
+        ),
+        aborts=((0, "r1"), (3, "r0")),
+    ),
+    Scenario(
+        "two-groups",
+        "a full-attention group and a 32-token sliding-window group (null blocks, freed blocks)",
+        (Arrival("r0", prompt(50, 500), 30), Arrival("r1", prompt(20, 501), 30)),
+        options={"kv_cache_groups": TWO_GROUPS},
+    ),
+    Scenario(
+        "large-blocks",
+        "256-token blocks: a decode that fills a block, and a prompt chunked over two steps",
+        (Arrival("r0", prompt(250, 600), 10), Arrival("r1", prompt(600, 601), 2)),
+        options={"block_size": 256, "num_blocks": 16},
+    ),
+    Scenario(
+        "shared-prefixes",
+        "eight concurrent requests sharing a 40-token prefix; the later four hit the prefix cache",
+        tuple(Arrival(f"r{i}", prompt(49, 700 + i, _SHARED), 6, 0 if i < 4 else 3) for i in range(8)),
+    ),
+)
+
+OFFERED_ONLY = Scenario(
+    "offered-only",
+    "r1 is scheduled but never offered: get_block_ids returns None for it",
+    (Arrival("r0", prompt(13, 800), 24), Arrival("r1", prompt(30, 801), 24), Arrival("r2", prompt(20, 802), 8, 2)),
+    withhold=frozenset({"r1", "r2"}),
+)
+
+
+def run_scenario(factory: DriverFactory, scenario: Scenario, connector: str, config: Mapping[str, Any] | None) -> Trace:
+    """Play ``scenario``; never raises for what the connector does (see ``Trace.error``)."""
+    spec = scenario.spec(connector, config)
+    trace = Trace(scenario, block_size=spec.block_size, num_blocks=spec.num_blocks)
+    try:
+        driver = factory(spec)
+    except ScenarioUnsupported as exc:
+        trace.unsupported = str(exc)
+        return trace
+    except Exception as exc:
+        trace.error = f"{trace.where()}: the engine could not be built: {type(exc).__name__}: {exc}"
+        trace.exception = exc
+        return trace
+    try:
+        _play(driver, scenario, trace)
+        trace.finished_calls = driver.finished_calls()
+        trace.tracked = driver.num_tracked_requests()
+        try:
+            driver.assert_empty()
+        except AssertionError as exc:
+            trace.leak = str(exc)
+    except Exception as exc:
+        trace.error = f"{trace.where()}, step {len(trace.records)}: {type(exc).__name__}: {exc}"
+        trace.exception = exc
+        trace.finished_calls = driver.finished_calls()
+    finally:
+        driver.close()
+    return trace
+
+
+def _play(driver: SchedulerDriver, scenario: Scenario, trace: Trace) -> None:
+    pending = sorted(scenario.arrivals, key=lambda a: a.at_step)
+    aborts = sorted(scenario.aborts)
+    idle = 0
+    for step in range(MAX_STEPS):
+        while pending and pending[0].at_step <= step:
+            a = pending.pop(0)
+            driver.add_request(a.req_id, a.prompt, a.max_tokens)
+        while aborts and aborts[0][0] <= step:
+            driver.abort(aborts.pop(0)[1])
+        if not pending and not driver.has_unfinished():
+            break
+        trace.records.append(driver.step(withhold=scenario.withhold))
+        idle = 0 if trace.records[-1].output.total_num_scheduled_tokens or pending else idle + 1
+        if idle >= STALL_STEPS:
+            raise RuntimeError(
+                f"nothing could be scheduled for {STALL_STEPS} steps: the KV cache is full of blocks held for the "
+                "connector (a delayed free never reported in finished_sending?), or a load never finishes"
+            )
+    else:
+        raise RuntimeError(f"requests still unfinished after {MAX_STEPS} steps (a load never reported finished?)")
+    for _ in range(DRAIN_STEPS):
+        if not driver.has_work():
+            return
+        trace.records.append(driver.step(withhold=scenario.withhold))
+    trace.stuck = driver.has_work()

@@ -1,0 +1,54 @@
+"""The author-facing pytest base class, run in a child pytest (pytester)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconn.testing.conformance import list_checks
+
+pytest_plugins = ["pytester"]
+
+
+def test_one_line_subclass_for_dummy_passes(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        from kvconn.testing import ConnectorConformance
+
+        class TestDummy(ConnectorConformance):
+            connector = "dummy"
+        """
+    )
+    result = pytester.runpytest_subprocess("-rs", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=len(list_checks()) - 2, skipped=2)
+    result.stdout.fnmatch_lines(["*SKIPPED ?2?*the connector does not save (saves = False)*"])
+
+
+def test_failing_check_shows_observed_and_fix(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pathlib import Path
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent / "fixtures"))
+    pytester.makepyfile(
+        """
+        from kvconn.testing import ConnectorConformance
+
+        class TestBroken(ConnectorConformance):
+            connector = "kvconn_conformance_fixtures.broken:NewBlocksOnly"
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "KV011 or KV001")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*test_conformance?KV011-block-fill?*", "*KV011 block-fill: observed *; fix: *"])
+
+
+def test_unloadable_connector_fails_every_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        from kvconn.testing import ConnectorConformance
+
+        class TestMissing(ConnectorConformance):
+            connector = "not-installed"
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "KV001")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*connector 'not-installed' did not load: no connector named*"])

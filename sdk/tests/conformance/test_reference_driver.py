@@ -1,0 +1,39 @@
+"""The reference driver records what the checks rely on, and injects a real failed load."""
+
+from __future__ import annotations
+
+from kvconn.testing.conformance import DriverSpec, ReferenceDriver
+
+STORE = "kvconn_conformance_fixtures.store:StoreConnector"
+
+
+def test_step_record_offers_every_scheduled_request_and_counts_resolves() -> None:
+    driver = ReferenceDriver(DriverSpec("dummy"))
+    driver.add_request("a", list(range(10_000, 10_020)), 4)
+    driver.add_request("b", list(range(20_000, 20_005)), 4)
+    first = driver.step(withhold={"b"})
+    assert set(first.output.num_scheduled_tokens) == {"a", "b"}
+    assert first.offered == {"a"} and first.resolved == ["a"]  # the dummy resolves what it is offered
+    assert first.tables == {"a": ([1, 2],), "b": ([3],)}
+    assert first.metadata == first.decoded and first.encoded
+    assert first.connector_output is not None
+    second = driver.step()
+    assert second.offered == {"a", "b"} and sorted(second.resolved) == ["a", "b"]
+    driver.close()
+
+
+def test_first_load_fails_and_the_engine_recomputes_it() -> None:
+    driver = ReferenceDriver(
+        DriverSpec(STORE, {"store": "driver-test"}, enable_prefix_caching=False), fail_first_load=True
+    )
+    prompt = list(range(10_000, 10_040))
+    driver.add_request("a", prompt, 2)
+    while driver.has_work():
+        driver.step()
+    driver.add_request("b", prompt, 2)
+    while driver.has_work():
+        driver.step()
+    assert driver.injected_failure
+    assert driver.stats.failed_load_blocks == 1
+    assert driver.generated("a") == driver.generated("b")
+    driver.close()
