@@ -18,6 +18,7 @@ given, so that it can
 from __future__ import annotations
 
 import logging
+import operator
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,24 @@ __all__ = ["ConnectorHost", "LoadPlan", "StepUpdate"]
 logger = logging.getLogger("kvconn.host")
 
 OnError = Literal["degrade", "raise"]
-_Impl = tuple[str, Callable[..., Any], tuple[str, ...]]
+#: (connector name, a callable taking the hook's arguments as a tuple in spec order)
+_Impl = tuple[str, Callable[[tuple[Any, ...]], Any]]
+
+
+def _positional(
+    function: Callable[..., Any], argnames: Sequence[str], spec: Sequence[str]
+) -> Callable[[tuple[Any, ...]], Any]:
+    """Adapt an implementation taking a subset of the spec's arguments to the spec-ordered tuple."""
+    positions = [spec.index(a) for a in argnames]
+    if positions == list(range(len(spec))):
+        return lambda args: function(*args)
+    if not positions:
+        return lambda args: function()
+    if len(positions) == 1:
+        (i,) = positions
+        return lambda args: function(args[i])
+    pick = operator.itemgetter(*positions)
+    return lambda args: function(*pick(args))
 
 
 @dataclass(frozen=True)
@@ -112,13 +130,12 @@ class ConnectorHost:
             self._register(name, connector)
         hooks = SCHEDULER_HOOKS if self.role is KVConnectorRole.SCHEDULER else WORKER_HOOKS
         order = {name: i for i, name in enumerate(self.connectors)}
-        self._impls: dict[str, list[_Impl]] = {
-            hook: sorted(
-                ((i.plugin_name, i.function, tuple(i.argnames)) for i in getattr(self._pm.hook, hook).get_hookimpls()),
-                key=lambda impl: order[impl[0]],
-            )
-            for hook in hooks
-        }
+        self._impls: dict[str, list[_Impl]] = {}
+        for hook in hooks:
+            caller = getattr(self._pm.hook, hook)
+            spec = caller.spec.argnames
+            impls = sorted(caller.get_hookimpls(), key=lambda i: order[i.plugin_name])
+            self._impls[hook] = [(i.plugin_name, _positional(i.function, i.argnames, spec)) for i in impls]
         self.error_counts: Counter[tuple[str, str]] = Counter()
         # scheduler side: loads in flight per connector, frees delayed per request
         self._loads: dict[str, dict[str, _Load]] = {name: {} for name in self.connectors}
@@ -154,7 +171,9 @@ class ConnectorHost:
             raise ValueError(f"config given for connectors that are not loaded: {sorted(unknown)}")
         ctx = context or ConnectorContext()
         role = KVConnectorRole(role)
-        serving = [n for n in name_list if role in getattr(load_connector_class(n), "roles", frozenset(KVConnectorRole))]
+        serving = [
+            n for n in name_list if role in getattr(load_connector_class(n), "roles", frozenset(KVConnectorRole))
+        ]
         loaded = [(n, load_connector(n, role=role, config=configs.get(n), context=ctx)) for n in serving]
         return cls(loaded, role=role, context=ctx, on_error=on_error)
 
@@ -191,10 +210,11 @@ class ConnectorHost:
         self.error_counts[key] += 1
         self._failed_this_step.add(name)
 
-    def _call(self, impl: _Impl, hook: str, kwargs: Mapping[str, Any]) -> tuple[bool, Any]:
-        name, function, argnames = impl
+    def _call(self, impl: _Impl, hook: str, args: tuple[Any, ...]) -> tuple[bool, Any]:
+        """Call one implementation with the hook's arguments in spec order."""
+        name, call = impl
         try:
-            return True, function(*[kwargs[a] for a in argnames])
+            return True, call(args)
         except Exception as exc:
             self._fail(name, hook, exc)
             return False, None
@@ -210,12 +230,15 @@ class ConnectorHost:
             name = impl[0]
             if self.role is KVConnectorRole.WORKER and name in self._failed_this_step:
                 continue  # a worker-side connector that raised sits out the rest of the step
-            args = kwargs(name) if callable(kwargs) else kwargs
-            if args is None:
+            named = kwargs(name) if callable(kwargs) else kwargs
+            if named is None:
                 continue
-            ok, result = self._call(impl, hook, args)
+            ok, result = self._call(impl, hook, tuple(named[a] for a in self._spec_args(hook)))
             if ok:
                 yield name, result
+
+    def _spec_args(self, hook: str) -> tuple[str, ...]:
+        return tuple(getattr(self._pm.hook, hook).spec.argnames)
 
     def _notify(self, hook: str, **kwargs: Any) -> None:
         """Call ``hook`` on every connector for its side effects."""
@@ -378,19 +401,32 @@ class ConnectorHost:
         """This step's metadata; a connector without an entry sits the step out."""
         self._metadata = dict(metadata or {})
 
-    def _with_metadata(self, hook: str, **kwargs: Any) -> None:
-        self._notify_each(
-            hook, lambda name: {**kwargs, "metadata": self._metadata[name]} if name in self._metadata else None
-        )
+    # Per-layer hooks run layers x connectors times a step: positional calls, no per-call dicts.
+
+    def _per_layer(self, hook: str, args: tuple[Any, ...], with_metadata: bool) -> None:
+        failed, metadata = self._failed_this_step, self._metadata
+        for name, call in self._impls[hook]:
+            if name in failed:
+                continue
+            if with_metadata:
+                if name not in metadata:
+                    continue
+                call_args = (*args, metadata[name])
+            else:
+                call_args = args
+            try:
+                call(call_args)
+            except Exception as exc:
+                self._fail(name, hook, exc)
 
     def start_load_kv(self) -> None:
-        self._with_metadata("start_load_kv")
+        self._per_layer("start_load_kv", (), True)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._notify("wait_for_layer_load", layer_name=layer_name)
+        self._per_layer("wait_for_layer_load", (layer_name,), False)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any) -> None:
-        self._with_metadata("save_kv_layer", layer_name=layer_name, kv_layer=kv_layer)
+        self._per_layer("save_kv_layer", (layer_name, kv_layer), True)
 
     def wait_for_save(self) -> None:
         self._notify("wait_for_save")
