@@ -23,11 +23,15 @@ $(STAMP): pyproject.toml $(EXISTING) scripts/install-system-deps.sh
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --group dev $(foreach d,$(dir $(EXISTING)),-e $(d))
 	# The real Mooncake client for the store tests (CPU wheel; libibverbs1/librdmacm1 come from install-system-deps.sh).
-	$(PIP) install -q -e 'plugins/mooncake[store]'
+	$(PIP) install -q -e 'plugins/mooncake[store]' -e 'cli[plot]'
 	touch $(STAMP)
 
+# The main job on embedded defaults: list the connectors, validate them all, and
+# show what offload and Mooncake (embedded store) buy on a shared-prefix workload.
 demo: install
-	$(PY) -m kvconn.demo
+	$(VENV)/bin/kvconn list
+	$(VENV)/bin/kvconn validate --all
+	$(VENV)/bin/kvconn simulate --workload shared-prefix --connector offload --connector mooncake
 
 lint: install
 	$(VENV)/bin/ruff check .

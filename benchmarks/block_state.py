@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from functools import partial
 
 from benchlib import Bench, median_time, parse_args
 
@@ -33,6 +34,14 @@ def _fixture(num_requests: int, num_blocks: int) -> tuple[dict[str, int], Callab
     return dict.fromkeys(tables, 1), resolve
 
 
+def _lazy(scheduled: dict[str, int], resolve: Callable[[str], BlockIds]) -> KVConnectorBlockState:
+    return KVConnectorBlockState(set(scheduled), resolve)
+
+
+def _eager(scheduled: dict[str, int], resolve: Callable[[str], BlockIds]) -> dict[str, BlockIds]:
+    return {req_id: resolve(req_id) for req_id in scheduled}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(__doc__, argv)
     requests = (64, 256) if args.quick else (64, 256, 1024, 4096)
@@ -46,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     for n in requests:
         for b in blocks:
             scheduled, resolve = _fixture(n, b)
-            floor = median_time(lambda s=scheduled: set(s), repeat=repeat)
-            lazy = median_time(lambda s=scheduled, r=resolve: KVConnectorBlockState(set(s), r), repeat=repeat)
-            eager = median_time(lambda s=scheduled, r=resolve: {k: r(k) for k in s}, repeat=repeat)
+            floor = median_time(partial(set, scheduled), repeat=repeat)
+            lazy = median_time(partial(_lazy, scheduled, resolve), repeat=repeat)
+            eager = median_time(partial(_eager, scheduled, resolve), repeat=repeat)
             bench.row(n, b, floor * 1e6, lazy * 1e6, eager * 1e6, lazy / floor, eager / lazy)
             worst_lazy = max(worst_lazy, lazy / floor)
             if (n, b) == (1024, 128):

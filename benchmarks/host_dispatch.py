@@ -14,6 +14,7 @@ The target compares the host's extra cost with a reference scheduler step
 from __future__ import annotations
 
 import sys
+from functools import partial
 from typing import Any
 
 from benchlib import Bench, median_time, parse_args
@@ -140,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             ConnectorHost([(f"c{i}", c) for i, c in enumerate(connectors)], role=role)
             for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
         ]
-        host_s = median_time(lambda h=hosts: via_host(*h), repeat=repeat)
-        direct_s = median_time(lambda c=connectors: direct(c), repeat=repeat)
+        host_s = median_time(partial(via_host, *hosts), repeat=repeat)
+        direct_s = median_time(partial(direct, connectors), repeat=repeat)
         extra = max(0.0, host_s - direct_s)
         worst = max(worst, extra / step_s)
         bench.row(n, direct_s * 1e6, host_s * 1e6, extra * 1e6, f"{extra / step_s:.1%}")

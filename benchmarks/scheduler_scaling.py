@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     repeat = 1 if args.quick else 3
     bench = Bench(
         "scheduler scaling (decode step: schedule + update_from_output)",
-        ["running", "context", "total blocks", "step us", "us/request"],
+        ["running", "context", "blocks held", "step us", "us/request"],
     )
     per_request: dict[tuple[int, int], float] = {}
     grid = [(r, base_context) for r in running_sizes] + [(base_running, c) for c in context_sizes]

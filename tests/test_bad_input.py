@@ -51,7 +51,9 @@ class Case(NamedTuple):
     call: Callable[[], Any]
     error: type[Exception]
     message: str
-    cli: list[str] | None = None  # the same mistake through the CLI (exit code 1 unless a usage error)
+    cli: list[str] | None = None  # the same mistake through the CLI
+    #: the CLI's exit code: 2 for a usage error (a name or config the user typed), 1 for a connector that cannot load
+    exit_code: int = 2
 
 
 MEMORY = "kvconn.testing.memory_connector:MemoryConnector"
@@ -91,12 +93,14 @@ CATALOGUE: dict[str, Case] = {
         ConnectorLoadError,
         "failed to import module 'no_such_pkg.mod'",
         ["validate", "--module", "no_such_pkg.mod:Thing"],
+        exit_code=1,
     ),
     "module path: not a connector": Case(
         lambda: load_connector("kvconn.wire:encode_scheduler_output", role="worker"),
         ConnectorLoadError,
         "not a connector class",
         ["validate", "--module", "kvconn.wire:encode_scheduler_output"],
+        exit_code=1,
     ),
     "module path: malformed": Case(
         lambda: load_connector("kvconn:", role="worker"),
@@ -145,7 +149,7 @@ CLI_CASES = {name: case for name, case in CATALOGUE.items() if case.cli}
 def test_bad_input_in_the_cli_is_one_clear_line_without_traceback(case: Case) -> None:
     assert case.cli is not None and KVCONN is not None
     result = subprocess.run([KVCONN, *case.cli], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == case.exit_code, result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert case.message in result.stdout + result.stderr
 

@@ -132,4 +132,3 @@ def test_external_loads_into_two_kv_cache_groups() -> None:
         )
         assert outputs == expected
         assert engine.stats.prompt_tokens_loaded > 0
-

@@ -45,7 +45,7 @@ def test_long_document_questions_share_the_document_and_come_in_turn() -> None:
 
 def test_reusable_prompt_tokens_counts_whole_block_prefixes_seen_before() -> None:
     shared = list(range(32))
-    prompts = [shared + [100, 101], shared + [200], list(range(50, 60)), shared]
+    prompts = [[*shared, 100, 101], [*shared, 200], list(range(50, 60)), shared]
     # second: 2 blocks; third: nothing; fourth: 2 blocks seen, but the last token must be computed -> 1 block
     assert reusable_prompt_tokens(prompts, block_size=16) == 32 + 0 + 16
 

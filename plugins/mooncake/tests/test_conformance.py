@@ -1,7 +1,6 @@
 """The mooncake connector (embedded backend) passes every check of kvconn's conformance suite.
 
-``save_decode_cache`` is on: KV040 reuses a block that was filled during decode,
-which the connector saves only when asked (its default saves prompt blocks only).
+Both with its defaults (prompt blocks only) and with ``save_decode_cache`` on.
 """
 
 from __future__ import annotations
@@ -13,8 +12,13 @@ from kvconn.testing import ConnectorConformance
 
 class TestMooncakeEmbeddedConformance(ConnectorConformance):
     connector = "mooncake"
+    config: ClassVar[dict[str, Any]] = {"backend": "embedded", "embedded_store": "conformance"}
+
+
+class TestMooncakeEmbeddedDecodeCacheConformance(ConnectorConformance):
+    connector = "mooncake"
     config: ClassVar[dict[str, Any]] = {
         "backend": "embedded",
-        "embedded_store": "conformance",
+        "embedded_store": "conformance-decode",
         "save_decode_cache": True,
     }

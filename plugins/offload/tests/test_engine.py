@@ -90,7 +90,8 @@ def test_preemption_and_resume_give_the_same_tokens() -> None:
     engine = Engine("offload", {"pool_blocks": 256}, num_blocks=32, enable_prefix_caching=False)
     assert engine.generate(prompts, max_tokens=40) == expected
     # the preempted requests resume from host memory: no prompt token is computed twice
-    assert engine.stats.preemptions == 2 and engine.stats.prompt_tokens_loaded == 240
+    # (prompt positions: 200 of the 240 tokens loaded; the other 40 were generated ones)
+    assert engine.stats.preemptions == 2 and engine.stats.prompt_tokens_loaded == 200
     assert engine.stats.prompt_tokens_computed == 400
     assert engine.stats.failed_load_blocks == 0
     assert_scheduler_empty(engine.scheduler)

@@ -122,8 +122,8 @@ def load_connector_class(name: str) -> type:
 
 def _not_found_message(name: str, installed: Mapping[str, ConnectorEntry]) -> str:
     hidden = _filtered_out(name)
-    if hidden:
-        return f"connector {name!r} is not available: {hidden}"
+    if hidden and any(ep.name == name for ep in entry_points(group=ENTRY_POINT_GROUP)):
+        return f"connector {name!r} is installed but not available: {hidden}"
     names = ", ".join(installed) or "none"
     message = f"no connector named {name!r} is installed (installed: {names})"
     close = difflib.get_close_matches(name, list(installed), n=1)

@@ -8,7 +8,7 @@ engine did.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -19,10 +19,11 @@ __all__ = ["DummyConfig", "DummyConnector", "DummyMetadata"]
 
 
 class DummyConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """Options of the dummy connector."""
+    """Options of the dummy connector (``kvconn info dummy`` shows the descriptions)."""
 
-    #: Keep a log of every hook call in ``DummyConnector.calls``.
-    record_calls: bool = True
+    record_calls: Annotated[
+        bool, msgspec.Meta(description="Keep a log of every hook call in DummyConnector.calls.")
+    ] = True
 
 
 class DummyMetadata(KVConnectorMetadata):

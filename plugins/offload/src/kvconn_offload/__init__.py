@@ -9,11 +9,23 @@ moves blocks with batched gathers/scatters.
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from .config import OffloadConfig
 from .connector import OffloadConnector
-from .copy import BlockCopier, CopyPlan, wide_rows
 from .manager import Entry, OffloadManager
 from .metadata import BlockTransfer, OffloadMetadata
+
+# The copy code imports torch: loaded on first use, so `kvconn list` stays fast.
+_LAZY = {"BlockCopier": ".copy", "CopyPlan": ".copy", "wide_rows": ".copy"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BlockCopier",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import kvconn
 from kvconn import (
@@ -18,7 +18,9 @@ from kvconn import (
 from .config import OffloadConfig
 from .metadata import OffloadMetadata
 from .scheduler import OffloadScheduler
-from .worker import OffloadWorker
+
+if TYPE_CHECKING:  # the worker side imports torch: only when a worker is built
+    from .worker import OffloadWorker
 
 __all__ = ["OffloadConnector"]
 
@@ -43,6 +45,8 @@ class OffloadConnector(kvconn.KVConnector):
         if self.role is KVConnectorRole.SCHEDULER:
             self.scheduler = OffloadScheduler(self.config, self.context)
         else:
+            from .worker import OffloadWorker
+
             self.worker = OffloadWorker(self.config, self.context)
 
     @property

@@ -125,6 +125,7 @@ DriverFactory = Callable[[DriverSpec], SchedulerDriver]
 class ScenarioUnsupported(Exception):
     """Raised by a driver factory for a scenario its engine cannot run (checks using it are skipped)."""
 
+
 _DRIVERS: dict[str, DriverFactory] = {}
 
 

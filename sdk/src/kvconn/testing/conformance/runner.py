@@ -25,7 +25,7 @@ def open_session(connector: str, config: Mapping[str, Any] | None = None, driver
     """A session, or the one-line reason the connector (or driver) could not be loaded."""
     try:
         return Session(connector, config, driver)
-    except Exception as exc:  # every load failure becomes a report, never a crash
+    except (Exception, SystemExit) as exc:  # every load failure becomes a report, never a crash (nor an exit)
         return str(exc) or type(exc).__name__
 
 

@@ -62,7 +62,9 @@ class Session:
         """The (cached) trace of ``scenario``; skips the calling check if the driver cannot run it."""
         trace = self._play(scenario)
         if trace.unsupported:
-            raise CheckSkipped(f"the {self.driver_name} driver cannot run scenario {scenario.name!r}: {trace.unsupported}")
+            raise CheckSkipped(
+                f"the {self.driver_name} driver cannot run scenario {scenario.name!r}: {trace.unsupported}"
+            )
         return trace
 
     def standard_traces(self) -> list[Trace]:

@@ -46,7 +46,7 @@ class PrefixReuse:
 ROUND_TRIPS = (
     PrefixReuse("chunked", {"max_num_batched_tokens": 32}, a_len=53, a_max=12, shared_blocks=4, b_suffix=7, seed=11),
     PrefixReuse("two-groups", {"kv_cache_groups": TWO_GROUPS}, a_len=60, a_max=6, shared_blocks=4, b_suffix=9, seed=12),
-    PrefixReuse("large-blocks", {"block_size": 256, "num_blocks": 16}, 250, 8, shared_blocks=1, b_suffix=10, seed=13),
+    PrefixReuse("large-blocks", {"block_size": 256, "num_blocks": 16}, 262, 8, shared_blocks=1, b_suffix=10, seed=13),
 )
 FAILED_LOAD = PrefixReuse("failed-load", {}, a_len=70, a_max=3, shared_blocks=4, b_suffix=5, repeats=1, seed=14)
 

@@ -1,0 +1,5 @@
+"""``python -m kvconn_cli``: the same as the ``kvconn`` console script."""
+
+from .app import main
+
+main()

@@ -1,0 +1,89 @@
+"""The ``kvconn`` typer application and its console-script entry point.
+
+Each command lives in its own module under :mod:`kvconn_cli.commands` and
+exposes ``register(app)``; adding a command (``simulate``, ``bench``) is one
+module plus one name in :data:`COMMAND_MODULES`. Command modules import only
+typer at module level and everything heavy (kvconn, rich, plugins) inside the
+command, so ``kvconn --help`` and ``kvconn list`` start quickly.
+
+:func:`main` owns error presentation: a :class:`~kvconn_cli.errors.CLIError`
+becomes ``kvconn: error: <one line>`` with its exit code, and any other
+exception a one-line internal error — the traceback only with ``--debug`` or
+``KVCONN_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Annotated
+
+import typer
+
+from . import __version__
+from .errors import EXIT_FAILURE, CLIError
+from .output import error
+
+__all__ = ["COMMAND_MODULES", "app", "main"]
+
+#: Modules of :mod:`kvconn_cli.commands`, in help order; each defines ``register(app: typer.Typer)``.
+COMMAND_MODULES = ("listing", "info", "validate", "new", "simulate", "bench")
+
+app = typer.Typer(
+    name="kvconn",
+    help="List, inspect, validate and scaffold kvconn KV-cache connectors.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        import kvconn
+
+        typer.echo(f"kvconn-cli {__version__} (kvconn-sdk {kvconn.__version__}, hook API {kvconn.API_VERSION})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the versions and exit.")
+    ] = False,
+) -> None:
+    """List, inspect, validate and scaffold kvconn KV-cache connectors."""
+
+
+for _module in COMMAND_MODULES:
+    importlib.import_module(f"{__package__}.commands.{_module}").register(app)
+
+
+def _debug_requested(argv: Sequence[str]) -> bool:
+    from .logs import debug_from_env
+
+    return "--debug" in argv or debug_from_env()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run ``kvconn`` with ``argv`` (default: ``sys.argv[1:]``); exits the process with the command's code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        app(args=args, prog_name="kvconn")
+    except CLIError as exc:
+        error(str(exc))
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        error("interrupted")
+        sys.exit(130)
+    except Exception as exc:
+        if _debug_requested(args):
+            raise
+        error(f"internal error: {type(exc).__name__}: {exc} (rerun with KVCONN_DEBUG=1 to see the traceback)")
+        sys.exit(EXIT_FAILURE)
+
+
+if __name__ == "__main__":
+    main()

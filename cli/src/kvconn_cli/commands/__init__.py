@@ -1,0 +1,1 @@
+"""One module per ``kvconn`` command; each defines ``register(app: typer.Typer)``."""

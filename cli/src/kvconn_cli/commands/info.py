@@ -1,0 +1,77 @@
+"""``kvconn info NAME``: a connector's description, config schema and implemented hooks."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from ..inspection import ConnectorDetails
+
+__all__ = ["info", "register"]
+
+
+def info(
+    name: Annotated[
+        str, typer.Argument(metavar="NAME", help="An installed connector name, or 'package.module:ClassName'.")
+    ],
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the description as one JSON object on stdout.")
+    ] = False,
+) -> None:
+    """Show a connector's description, its config fields (type, default, doc) and the hooks it implements."""
+    import kvconn
+
+    from ..errors import ConnectorFailure, UsageError
+    from ..inspection import describe
+    from ..output import print_json
+
+    try:
+        details = describe(name)
+    except kvconn.ConnectorNotFoundError as exc:
+        raise UsageError(str(exc)) from None
+    except kvconn.ConnectorLoadError as exc:
+        raise ConnectorFailure(f"{exc}") from None
+    if as_json:
+        print_json(details.to_dict())
+    else:
+        _render(details)
+
+
+def _render(details: ConnectorDetails) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ..output import out_console
+
+    console = out_console()
+    s = details.summary
+    console.print(f"[bold]{escape(s.name)}[/]  {escape(s.distribution or '?')} {escape(s.version or '')}".rstrip())
+    console.print(f"entry point: {escape(s.target)}")
+    console.print(
+        f"roles: {', '.join(s.roles or [])}   saves: {'yes' if s.saves else 'no'}   "
+        f"loads: {'yes' if s.loads else 'no'}   hook API: {s.api_version}"
+    )
+    if details.description:
+        console.print()
+        console.print(details.description, markup=False)
+    console.print()
+    if details.config:
+        table = Table(title="config" + (f": {details.config_doc.splitlines()[0]}" if details.config_doc else ""))
+        for column in ("field", "type", "default", "doc"):
+            table.add_column(column, overflow="fold")
+        for f in details.config:
+            default = "(required)" if f.required else repr(f.default)
+            constraints = ", ".join(f"{k}={v!r}" for k, v in f.constraints.items())
+            doc = f"{f.doc} [{constraints}]" if constraints else f.doc
+            table.add_row(escape(f.name), escape(f.type), escape(default), escape(doc))
+        console.print(table)
+    else:
+        console.print("config: none (the connector takes no options)")
+    console.print()
+    console.print(f"hooks: {', '.join(details.hooks)}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("info")(info)

@@ -1,0 +1,46 @@
+"""``kvconn new NAME``: scaffold a connector plugin distribution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+__all__ = ["new", "register"]
+
+
+def new(
+    name: Annotated[
+        str, typer.Argument(metavar="NAME", help="The connector's name (a lowercase slug such as 'mystore').")
+    ],
+    directory: Annotated[
+        Path | None,
+        typer.Option("--dir", metavar="DIR", help="Where to create it (default: ./kvconn-NAME). Must be new or empty."),
+    ] = None,
+) -> None:
+    """Create a connector plugin: pyproject with the entry point, connector, README and conformance test.
+
+    As generated it installs with pip and passes `kvconn validate NAME`.
+    """
+    import kvconn
+
+    from ..output import out_console, warn
+    from ..scaffold import Scaffold, write
+
+    scaffold = Scaffold.for_name(name)
+    target = directory if directory is not None else Path.cwd() / scaffold.distribution
+    if name in kvconn.available_connectors():
+        warn(f"a connector named {name!r} is already installed; installing this one too would shadow or be shadowed")
+    written = write(scaffold, target)
+    console = out_console()
+    console.print(f"Created {scaffold.distribution} in {target}:", markup=False)
+    for path in written:
+        console.print(f"  {path.relative_to(target)}", markup=False)
+    console.print(
+        f"\nNext:\n  pip install -e {target}\n  kvconn validate {name}\n  pytest {target / 'tests'}", markup=False
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("new")(new)

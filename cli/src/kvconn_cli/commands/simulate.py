@@ -1,0 +1,250 @@
+"""``kvconn simulate``: run a workload on the reference engine without and with connectors, side by side.
+
+Exit codes: 0 every run produced exactly the tokens of the run without a
+connector, 1 a run's output differs (or a connector cannot be loaded), 2 a
+usage error.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from kvconn.simulate import ConnectorSetup, RunResult, Simulation
+
+__all__ = ["WorkloadName", "register", "setups_from_options", "simulate"]
+
+
+class WorkloadName(str, enum.Enum):
+    """The workload shapes of :mod:`kvconn.workloads`."""
+
+    shared_prefix = "shared-prefix"
+    multi_turn = "multi-turn"
+    long_document = "long-document"
+
+
+def simulate(
+    connectors: Annotated[
+        list[str],
+        typer.Option(
+            "--connector",
+            help="A connector to compare (repeat: runs side by side; 'a,b': a and b together in one host).",
+        ),
+    ],
+    config: Annotated[
+        str | None,
+        typer.Option(
+            "--config",
+            help='Connector config as a JSON object; with several connectors, {"name": {...}} per connector.',
+        ),
+    ] = None,
+    config_file: Annotated[Path | None, typer.Option("--config-file", help="Read --config from a JSON file.")] = None,
+    workload: Annotated[
+        WorkloadName, typer.Option("--workload", help="The workload shape.")
+    ] = WorkloadName.shared_prefix,
+    requests: Annotated[int, typer.Option("--requests", min=1, help="Number of requests.")] = 48,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the workload generator.")] = 0,
+    num_blocks: Annotated[
+        int,
+        typer.Option(
+            "--num-blocks", min=16, help="Local (GPU-side) block pool: running requests and the local prefix cache."
+        ),
+    ] = 256,
+    prefix_cache: Annotated[
+        bool,
+        typer.Option(
+            "--prefix-cache/--no-prefix-cache", help="Local prefix caching (off: every hit comes from a connector)."
+        ),
+    ] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object on stdout.")] = False,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Draw tokens computed vs loaded and the hit rate to a PNG.")
+    ] = None,
+) -> None:
+    """Run a seeded workload without a connector and with each connector; compare tokens, hits and time.
+
+    Every request's generated tokens must equal those of the run without a connector: a mismatch exits 1.
+    """
+    import kvconn
+    from kvconn.simulate import EngineOptions
+    from kvconn.simulate import simulate as run_simulation
+    from kvconn.workloads import make_workload
+
+    from ..config_input import read_config
+    from ..errors import EXIT_FAILURE, ConnectorFailure, UsageError
+    from ..output import error, print_json
+
+    if plot is not None:
+        from ..simulate_plot import require_matplotlib
+
+        if plot.suffix.lower() != ".png":
+            raise UsageError(f"--plot writes a PNG: give a file name ending in .png, not {str(plot)!r}")
+        require_matplotlib()
+    setups = setups_from_options(connectors, read_config(config, config_file))
+    options = EngineOptions(num_blocks=num_blocks, enable_prefix_caching=prefix_cache)
+    work = make_workload(workload.value, requests, seed)
+    try:
+        with _Progress(len(setups) + 1, requests) as progress:
+            result = run_simulation(work, setups, options, on_progress=progress.update)
+    except (kvconn.ConnectorNotFoundError, kvconn.ConnectorConfigError) as exc:
+        raise UsageError(str(exc)) from None
+    except kvconn.KVConnError as exc:
+        raise ConnectorFailure(str(exc)) from None
+    if plot is not None:
+        from ..simulate_plot import plot_simulation
+
+        plot_simulation(result, plot)
+    if as_json:
+        print_json(result.to_dict())
+    else:
+        _render(result, plot)
+    for run in result.runs:
+        if not run.verified:
+            error(
+                f"{run.label}: output differs from the run without a connector for {len(run.mismatched)} of "
+                f"{len(run.outputs)} requests (first: req-{run.mismatched[0]}): the connector loaded wrong KV"
+            )
+    if not result.verified:
+        raise typer.Exit(EXIT_FAILURE)
+
+
+def setups_from_options(connectors: Sequence[str], config: dict[str, Any] | None) -> list[ConnectorSetup]:
+    """One setup per ``--connector`` value; ``config`` is the one connector's, or ``{name: config}``.
+
+    Raises :class:`~kvconn_cli.errors.UsageError` for an empty name or a
+    config that names connectors not given.
+    """
+    from kvconn.simulate import ConnectorSetup
+
+    from ..errors import UsageError
+
+    runs = [tuple(n.strip() for n in value.split(",")) for value in connectors]
+    if any(not n for names in runs for n in names):
+        raise UsageError("--connector needs a connector name (or 'a,b' for several in one run), got an empty one")
+    distinct = sorted({n for names in runs for n in names})
+    if config is None:
+        return [ConnectorSetup(names) for names in runs]
+    if len(distinct) == 1:
+        per_name = {distinct[0]: config}
+    else:
+        unknown = sorted(set(config) - set(distinct))
+        if unknown or not all(isinstance(v, dict) for v in config.values()):
+            raise UsageError(
+                f"with several connectors, --config must map connector names to their configs "
+                f'(e.g. {{"{distinct[0]}": {{...}}}}); it names {", ".join(unknown) or "non-object values"}, '
+                f"and the connectors are: {', '.join(distinct)}"
+            )
+        per_name = config
+    return [
+        ConnectorSetup(
+            names, per_name.get(names[0]) if len(names) == 1 else {n: per_name[n] for n in names if n in per_name}
+        )
+        for names in runs
+    ]
+
+
+class _Progress:
+    """A rich progress bar on stderr, one task per run; plain lines when stderr is not a terminal."""
+
+    def __init__(self, num_runs: int, num_requests: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from ..output import err_console
+
+        self._console = err_console()
+        self._num_requests = num_requests
+        self._progress = Progress(
+            TextColumn("[bold]{task.description:<24}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("requests"),
+            TimeElapsedColumn(),
+            console=self._console,
+            disable=not self._console.is_terminal,
+        )
+        self._tasks: dict[str, Any] = {}
+        self._num_runs = num_runs
+
+    def __enter__(self) -> _Progress:
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.__exit__(None, None, None)
+
+    def update(self, label: str, finished: int, total: int) -> None:
+        task = self._tasks.get(label)
+        if task is None:
+            task = self._tasks[label] = self._progress.add_task(label, total=total)
+            if not self._console.is_terminal:
+                self._console.print(f"simulating {label} ({len(self._tasks)}/{self._num_runs})", markup=False)
+        self._progress.update(task, completed=finished)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _verdict(run: RunResult, baseline: RunResult) -> str:
+    if run is baseline:
+        return "reference"
+    return "[green]yes[/]" if run.verified else f"[bold red]NO ({len(run.mismatched)} requests differ)[/]"
+
+
+def _render(result: Simulation, plot: Path | None) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ..output import out_console
+
+    console = out_console()
+    w = result.workload
+    console.print(f"[bold]workload[/]: {w.name}, {escape(w.description)}, seed {w.seed}")
+    reusable = result.reusable_tokens / w.num_prompt_tokens if w.num_prompt_tokens else 0.0
+    console.print(
+        f"  {w.num_prompt_tokens} prompt tokens, of which {result.reusable_tokens} ({reusable:.0%}) are "
+        "a whole-block prefix of an earlier prompt (the most any cache can save)"
+    )
+    console.print(f"[bold]engine[/]: reference engine, {escape(result.options.describe())}")
+    runs = [result.baseline, *result.runs]
+    table = Table(title="kvconn simulate", title_justify="left")
+    table.add_column("")
+    for run in runs:
+        table.add_column(escape(run.label), justify="right")
+    rows: list[tuple[str, Any]] = [
+        ("prompt tokens computed", lambda r: f"{r.stats.prompt_tokens_computed:,}"),
+        ("prompt tokens from local cache", lambda r: f"{r.stats.prompt_tokens_cached:,}"),
+        ("prompt tokens loaded (connector)", lambda r: f"{r.stats.prompt_tokens_loaded:,}"),
+        ("connector hit rate", lambda r: f"{r.hit_rate:.1%}"),
+        ("blocks saved / loaded", lambda r: f"{r.stats.blocks_saved:,} / {r.stats.blocks_loaded:,}"),
+        ("bytes saved / loaded", lambda r: f"{_bytes(r.stats.bytes_saved)} / {_bytes(r.stats.bytes_loaded)}"),
+        ("steps", lambda r: f"{r.steps:,}"),
+        ("steps/s", lambda r: f"{r.steps_per_s:.1f}"),
+        ("connector time / step", lambda r: f"{r.connector_ms_per_step:.2f} ms"),
+        ("preemptions", lambda r: str(r.stats.preemptions)),
+        ("degraded events", lambda r: str(r.stats.degraded_events)),
+        ("output verified", lambda r: _verdict(r, result.baseline)),
+    ]
+    for name, cell in rows:
+        table.add_row(name, *(cell(run) for run in runs))
+    console.print(table)
+    console.print(
+        "connector time: wall time inside the ConnectorHost calls of scheduler and worker (SDK dispatch and the "
+        "connectors' hook code, including synchronous copies); steps/s: whole engine steps on this machine.",
+        style="dim",
+    )
+    if plot is not None:
+        console.print(f"plot written to {escape(str(plot))}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("simulate")(simulate)

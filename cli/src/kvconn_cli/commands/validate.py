@@ -1,0 +1,209 @@
+"""``kvconn validate``: run the conformance checks against connectors and report.
+
+Exit codes: 0 every check passed (or was skipped), 1 a check failed or a
+connector cannot be loaded, 2 a usage error (found before any check runs).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from kvconn.testing.conformance import CheckResult, ConnectorReport
+
+__all__ = ["Driver", "register", "validate"]
+
+
+class Driver(str, enum.Enum):
+    """The engine that drives the connector through the checks."""
+
+    reference = "reference"
+    vllm = "vllm"
+
+
+def validate(
+    names: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="NAME",
+            help="Installed connector names (or 'package.module:ClassName' paths).",
+            show_default=False,
+        ),
+    ] = None,
+    all_installed: Annotated[bool, typer.Option("--all", help="Validate every installed connector.")] = False,
+    modules: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--module",
+            metavar="PKG.MOD:CLASS",
+            help="Validate a connector class that is not installed: 'package.module:ClassName'.",
+        ),
+    ] = None,
+    config: Annotated[
+        str | None,
+        typer.Option("--config", metavar="JSON", help="Connector config as a JSON object: '{\"field\": 1}'."),
+    ] = None,
+    config_file: Annotated[
+        Path | None, typer.Option("--config-file", metavar="FILE", help="Read the connector config from a JSON file.")
+    ] = None,
+    check: Annotated[
+        str | None,
+        typer.Option(
+            "--check", metavar="PATTERN", help="Run only the checks whose id or name matches this pattern ('KV01*')."
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help='Print {"connectors": [...]} as JSON on stdout.')] = False,
+    junit: Annotated[
+        Path | None, typer.Option("--junit", metavar="FILE", help="Also write the results as JUnit XML to this file.")
+    ] = None,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and debug logs.")] = False,
+    engine: Annotated[Driver, typer.Option("--engine", help="The engine that drives the checks.")] = Driver.reference,
+) -> None:
+    """Run the conformance checks against connectors: a table of results, exit 1 if any fails.
+
+    The config given applies to every connector validated.
+    """
+    from kvconn.testing.conformance import ConnectorReport, list_checks
+
+    from ..config_input import read_config
+    from ..errors import EXIT_FAILURE
+    from ..inspection import plugin_output_to_stderr
+    from ..junit import check_writable, write_junit
+    from ..logs import configure_logging, debug_from_env
+    from ..output import err_console, print_json, print_traceback
+    from ..validation import preflight, resolve_targets, select_checks
+
+    debug = debug or debug_from_env()
+    configure_logging(debug)
+    config_map = read_config(config, config_file)
+    targets = resolve_targets(names or [], all_installed, modules or [])
+    num_checks = len(select_checks(list_checks(), check))
+    if junit is not None:
+        check_writable(junit)
+    problems = {p.target: p for p in preflight(targets, config_map)}
+    if debug:
+        for problem in problems.values():
+            print_traceback(problem.error)
+
+    def run(target: str, on_result: Callable[[CheckResult], None]) -> ConnectorReport:
+        if target in problems:  # known not to load: report it without importing it again
+            return ConnectorReport(name=target, results=[], load_error=problems[target].message)
+        return _run_one(target, config_map, check, engine.value, on_result, debug)
+
+    with plugin_output_to_stderr():
+        reports = _run_with_progress(err_console(), targets, num_checks, run)
+    if junit is not None:
+        write_junit(reports, junit)
+    if as_json:
+        print_json({"connectors": [r.to_dict() for r in reports]})
+    else:
+        _render(reports, debug_hint=bool(problems) and not debug)
+    if not all(r.ok for r in reports):
+        raise typer.Exit(EXIT_FAILURE)
+
+
+def _run_one(
+    target: str,
+    config: dict[str, Any] | None,
+    select: str | None,
+    driver: str,
+    on_result: Callable[[CheckResult], None],
+    debug: bool,
+) -> ConnectorReport:
+    """One connector's run; an exception escaping the suite becomes that connector's load error."""
+    from kvconn.testing.conformance import ConnectorReport, run_conformance
+
+    from ..inspection import reason
+    from ..output import print_traceback
+
+    try:
+        return run_conformance(target, config=config, select=select, on_result=on_result, driver=driver)
+    except (Exception, SystemExit) as exc:  # a plugin calling sys.exit must not end the other connectors' runs
+        if debug:
+            print_traceback(exc)
+        return ConnectorReport(name=target, results=[], load_error=f"the conformance run stopped: {reason(exc)}")
+
+
+def _run_with_progress(
+    console: Console,
+    targets: Sequence[str],
+    num_checks: int,
+    run: Callable[[str, Callable[[CheckResult], None]], ConnectorReport],
+) -> list[ConnectorReport]:
+    """Run each target, with a live progress bar on a terminal and one line per connector otherwise."""
+    if not console.is_terminal:
+        reports = []
+        for target in targets:
+            console.print(f"validating {target} ({num_checks} checks)", markup=False)
+            reports.append(run(target, lambda result: None))
+        return reports
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (
+        SpinnerColumn(),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[last]}"),
+    )
+    with Progress(*columns, console=console, transient=True) as progress:
+        reports = []
+        for target in targets:
+            task = progress.add_task(target, total=num_checks, last="")
+
+            def advance(result: CheckResult, task: Any = task) -> None:
+                progress.update(task, advance=1, last=f"{result.id}: {result.status}")
+
+            reports.append(run(target, advance))
+            progress.update(task, completed=num_checks)
+    return reports
+
+
+_STYLE = {"passed": "green", "failed": "bold red", "skipped": "yellow"}
+
+
+def _render(reports: Sequence[ConnectorReport], *, debug_hint: bool) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ..output import out_console
+
+    console = out_console()
+    for report in reports:
+        if report.results:
+            # Row lines only when some row has a message (possibly wrapped): they keep the rows apart.
+            show_lines = any(r.message for r in report.results)
+            table = Table(title=f"kvconn validate {report.name}", title_justify="left", show_lines=show_lines)
+            table.add_column("check", no_wrap=True)
+            table.add_column("name")
+            table.add_column("status", no_wrap=True)
+            table.add_column("message", overflow="fold")
+            for r in report.results:
+                style = _STYLE.get(r.status, "")
+                message = r.message.replace("; fix: ", "\nfix: ")  # observed, then how to fix, on its own line
+                table.add_row(escape(r.id), escape(r.name), f"[{style}]{r.status}[/]", escape(message))
+            console.print(table)
+        if report.load_error is not None:
+            console.print(
+                f"[bold red]{escape(report.name)}: cannot load:[/] {escape(report.load_error)}", soft_wrap=True
+            )
+            if debug_hint:
+                console.print("  rerun with --debug to see the traceback", style="dim")
+        verdict = "[green]ok[/]" if report.ok else "[bold red]FAILED[/]"
+        console.print(
+            f"{escape(report.name)}: {verdict}  {report.passed} passed, {report.failed} failed, "
+            f"{report.skipped} skipped\n"
+        )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("validate")(validate)

@@ -1,0 +1,87 @@
+"""End to end: ``kvconn new`` scaffolds a plugin that installs with pip and passes ``kvconn validate``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+RunKvconn = Callable[..., subprocess.CompletedProcess[str]]
+RUFF = Path(sys.executable).parent / "ruff"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_new_plugin_installs_lists_and_validates(
+    tmp_path: Path,
+    run_kvconn: RunKvconn,
+    pip_install: Callable[[Path, Path], None],
+    make_env: Callable[..., dict[str, str]],
+) -> None:
+    created = run_kvconn("new", "e2e-store", cwd=tmp_path)
+    assert created.returncode == 0, created.stderr
+    project = tmp_path / "kvconn-e2e-store"
+    assert (project / "src" / "kvconn_e2e_store" / "__init__.py").is_file()
+    assert "ConnectorConformance" in (project / "tests" / "test_conformance.py").read_text()
+    assert 'e2e-store = "kvconn_e2e_store:E2eStoreConnector"' in (project / "pyproject.toml").read_text()
+
+    # The generated code is lint-clean under the project's own rules.
+    lint = subprocess.run(
+        [str(RUFF), "check", "--config", str(REPO / "pyproject.toml"), str(project)], capture_output=True, text=True
+    )
+    assert lint.returncode == 0, lint.stdout
+
+    site = tmp_path / "site"
+    pip_install(project, site)
+    env = make_env(site, KVCONN_PLUGINS="e2e-store")
+
+    info = json.loads(run_kvconn("info", "e2e-store", "--json", env=env).stdout)
+    assert info["status"] == "ok" and info["distribution"] == "kvconn-e2e-store"
+    assert info["config"][0]["name"] == "log_calls"
+    assert info["config"][0]["doc"] == "Log every hook call at DEBUG level."
+
+    validated = run_kvconn("validate", "e2e-store", "--json", env=env)
+    assert validated.returncode == 0, validated.stdout + validated.stderr
+    report = json.loads(validated.stdout)["connectors"][0]
+    assert report["name"] == "e2e-store" and report["failed"] == 0 and report["passed"] > 0
+
+    # The generated one-line conformance test collects every check; two of them run here.
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", "-k", "KV001 or KV032"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert tests.returncode == 0, tests.stdout + tests.stderr
+    assert "2 passed" in tests.stdout and f"{report['passed'] + report['skipped'] - 2} deselected" in tests.stdout
+
+
+def test_new_into_a_given_dir(tmp_path: Path, run_kvconn: RunKvconn) -> None:
+    proc = run_kvconn("new", "x_cache", "--dir", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "src" / "kvconn_x_cache" / "__init__.py").is_file()
+    assert "kvconn validate x_cache" in proc.stdout
+
+
+def test_new_refuses_a_non_empty_dir(tmp_path: Path, run_kvconn: RunKvconn) -> None:
+    (tmp_path / "keep.txt").write_text("mine")
+    proc = run_kvconn("new", "mystore", "--dir", str(tmp_path))
+    assert proc.returncode == 2
+    assert "not empty" in proc.stderr and proc.stderr.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
+
+
+def test_new_refuses_a_bad_name(tmp_path: Path, run_kvconn: RunKvconn) -> None:
+    proc = run_kvconn("new", "My Store", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "'My Store'" in proc.stderr and "try 'my_store'" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_new_warns_when_the_name_is_taken(tmp_path: Path, run_kvconn: RunKvconn) -> None:
+    proc = run_kvconn("new", "dummy", cwd=tmp_path)
+    assert proc.returncode == 0
+    assert "warning" in proc.stderr and "already installed" in proc.stderr

@@ -1,0 +1,30 @@
+"""How ``kvconn validate`` shows results on a terminal-less stdout: the table and the verdict lines."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconn.testing.conformance import CheckResult, ConnectorReport
+from kvconn_cli.commands.validate import _render
+
+
+def test_failures_skips_and_load_errors_are_shown(
+    sample_reports: list[ConnectorReport], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _render(sample_reports, debug_hint=True)
+    out = capsys.readouterr().out
+    assert "kvconn validate leaky" in out
+    kv032 = next(line for line in out.splitlines() if "KV032" in line)
+    assert "no-leaks" in kv032 and "failed" in kv032 and "observed 3 tracked" in kv032
+    # The fix starts its own line within the message cell.
+    assert any(line.strip("│ ").startswith("fix: forget") for line in out.splitlines() if "fix: forget" in line)
+    assert "leaky: FAILED  1 passed, 1 failed, 1 skipped" in out
+    assert "gone: cannot load: connector 'gone' failed to import module 'x': ImportError: nope" in out
+    assert "rerun with --debug" in out
+    assert "gone: FAILED  0 passed, 0 failed, 0 skipped" in out
+
+
+def test_all_passing(capsys: pytest.CaptureFixture[str]) -> None:
+    _render([ConnectorReport("good", [CheckResult("KV001", "found", "passed")])], debug_hint=False)
+    out = capsys.readouterr().out
+    assert "good: ok  1 passed, 0 failed, 0 skipped" in out and "rerun" not in out
