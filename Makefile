@@ -11,7 +11,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvconn-installed
 
-.PHONY: install demo test lint typecheck pytest test-vllm bench clean
+.PHONY: install demo test lint typecheck pytest test-vllm clean
 
 install: $(STAMP)
 

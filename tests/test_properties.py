@@ -27,7 +27,7 @@ BLOCK = 16
 SPY = f"{__name__}:Spy"
 CONNECTOR_CONFIGS: dict[str, dict[str, Any]] = {
     "dummy": {},
-    "offload": {"num_blocks": 64},
+    "offload": {"pool_blocks": 64},
     "mooncake": {},
 }
 CONNECTORS = installed(*CONNECTOR_CONFIGS)

@@ -19,7 +19,7 @@ __all__ = ["DummyConfig", "DummyConnector", "DummyMetadata"]
 
 
 class DummyConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """Options of the dummy connector (``kvconn info dummy`` shows the descriptions)."""
+    """Options of the dummy connector."""
 
     record_calls: Annotated[
         bool, msgspec.Meta(description="Keep a log of every hook call in DummyConnector.calls.")
