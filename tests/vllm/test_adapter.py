@@ -268,3 +268,24 @@ def test_report_collector_counts_finished_transfers_over_all_workers() -> None:
     assert merged["a"].finished_sending == {"r0"} and merged["b"] == KVConnectorOutput()
     assert merged["a"].stats == {"blocks_saved": 2}
     assert collector.pending() == 0
+
+
+def test_kvconn_validate_engine_vllm_runs_the_checks_through_vllm() -> None:
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    kvconn = shutil.which("kvconn", path=str(Path(sys.executable).parent))
+    assert kvconn is not None, "kvconn-cli is not installed in the vLLM venv"
+    result = subprocess.run(
+        [kvconn, "validate", "dummy", "--engine", "vllm", "--check", "KV0[123]*", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    (report,) = json.loads(result.stdout)["connectors"]
+    assert report["failed"] == 0 and report["passed"] >= 9
+    assert "load_error" not in report
