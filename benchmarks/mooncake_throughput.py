@@ -12,9 +12,14 @@ and re-runs itself inside it. Per round it moves the same bytes four ways:
   plugin makes, issued directly (the plugin's own overhead);
 * per block: one ``put_from`` / ``get_into`` call per block.
 
-Prints a Markdown table (median of the rounds) with each figure's ratio to the
-raw batched call. Usage: ``python benchmarks/mooncake_throughput.py [--blocks N]
-[--layers L] [--rounds R]``.
+Each round uses fresh keys (puts never overwrite), runs the saves and then the
+loads in an order rotated every round (no row always follows the same one), checks
+that the plugin's load is bit-exact in every layer, and then removes every key
+(so the store needs one round's worth of memory). Prints a Markdown table: the
+median time of each row, and its ratios to the raw contiguous call and to the
+raw multi-buffer call, each the median of the per-round ratios (paired rounds
+cancel most of the drift of a shared machine). Usage: ``python
+benchmarks/mooncake_throughput.py [--blocks N] [--layers L] [--rounds R]``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -80,57 +86,73 @@ def inner(args: argparse.Namespace) -> dict[str, Any]:
         loads = MooncakeMetadata(loads=[BlockTransfer(k, 1 + n + i, 0) for i, k in enumerate(plugin_keys)])
         raw, single = [f"raw-{r}-{i}" for i in range(n)], [f"one-{r}-{i}" for i in range(n)]
         multi = [f"multi-{r}-{i}" for i in range(n)]
-        multi_ptrs, multi_sizes = worker.worker_side._parts(saves.saves)  # the plugin's own part lists
+        # The parts the plugin passes for these blocks: the block's row in each layer's KV cache.
+        multi_ptrs = [[kv[name][1 + i].data_ptr() for name in names] for i in range(n)]
+        multi_sizes = [[kv[name][0].numel() * 2 for name in names]] * n
 
         def plugin_save(meta: MooncakeMetadata = saves) -> None:
             worker.start_load_kv(meta)
             worker.wait_for_save()
             worker.get_finished(set())
 
-        runs: dict[str, Callable[[], Any]] = {
+        def per_block(call: Callable[[str, int, int], int], keys: list[str] = single) -> None:
+            for key, ptr in zip(keys, ptrs, strict=True):
+                call(key, ptr, value_bytes)
+
+        saves_and_loads: dict[str, Callable[[], Any]] = {
             "save: plugin": plugin_save,
-            "save: raw batch_put_from": lambda raw=raw: client.batch_put_from(raw, ptrs, sizes),
-            "save: put_from per block": lambda single=single: [
-                client.put_from(k, p, value_bytes) for k, p in zip(single, ptrs, strict=True)
-            ],
-            "save: raw batch_put_from_multi_buffers": lambda multi=multi, p=multi_ptrs, s=multi_sizes: (
-                client.batch_put_from_multi_buffers(multi, p, s)
+            "save: raw batch_put_from": partial(client.batch_put_from, raw, ptrs, sizes),
+            "save: put_from per block": partial(per_block, client.put_from),
+            "save: raw batch_put_from_multi_buffers": partial(
+                client.batch_put_from_multi_buffers, multi, multi_ptrs, multi_sizes
             ),
-            "load: plugin": lambda meta=loads: worker.start_load_kv(meta),
-            "load: raw batch_get_into": lambda raw=raw: client.batch_get_into(raw, ptrs, sizes),
-            "load: raw batch_get_into_multi_buffers": lambda multi=multi, p=multi_ptrs, s=multi_sizes: (
-                client.batch_get_into_multi_buffers(multi, p, s)
+            "load: plugin": partial(worker.start_load_kv, loads),
+            "load: raw batch_get_into": partial(client.batch_get_into, raw, ptrs, sizes),
+            "load: raw batch_get_into_multi_buffers": partial(
+                client.batch_get_into_multi_buffers, multi, multi_ptrs, multi_sizes
             ),
-            "load: get_into per block": lambda single=single: [
-                client.get_into(k, p, value_bytes) for k, p in zip(single, ptrs, strict=True)
-            ],
+            "load: get_into per block": partial(per_block, client.get_into),
         }
-        for label, fn in runs.items():
-            times.setdefault(label, []).append(_timed(fn))
+        labels = list(saves_and_loads)
+        for label in _rotated(labels[:4], r) + _rotated(labels[4:], r):
+            times.setdefault(label, []).append(_timed(saves_and_loads[label]))
         stats = worker.get_kv_connector_stats()
         assert stats.get("blocks_saved") == n and stats.get("blocks_loaded") == n, stats
         assert worker.get_block_ids_with_load_errors() == set()
-        block = names[0]
-        assert torch.equal(kv[block][1 : 1 + n], kv[block][1 + n : 1 + 2 * n]), "loaded KV differs"
+        assert all(torch.equal(t[1 : 1 + n], t[1 + n : 1 + 2 * n]) for t in kv.values()), "loaded KV differs"
         for t in kv.values():
             t[1 + n :].zero_()
+        client.remove_all(True)
     worker.shutdown()
     return {"blocks": n, "value_bytes": value_bytes, "times": times}
 
 
+def _rotated(items: list[str], by: int) -> list[str]:
+    by %= len(items)
+    return items[by:] + items[:by]
+
+
+def _ratio(times: dict[str, list[float]], base: str, label: str) -> float:
+    """Median over rounds of ``base``'s time / ``label``'s time in the same round."""
+    return statistics.median(b / t for b, t in zip(times[base], times[label], strict=True))
+
+
 def report(result: dict[str, Any], args: argparse.Namespace) -> str:
-    n, value = result["blocks"], result["value_bytes"]
-    medians = {label: statistics.median(ts) for label, ts in result["times"].items()}
+    n, value, times = result["blocks"], result["value_bytes"], result["times"]
     lines = [
         f"{n} blocks x {value >> 10} KiB ({args.layers} layers x 16 tokens x 8 heads x 128 fp16, K+V) "
         f"= {n * value / 2**20:.0f} MiB per call, median of {args.rounds} rounds",
         "",
-        "| operation | GB/s | blocks/s | vs raw batched |",
-        "| --- | ---: | ---: | ---: |",
+        "| operation | GB/s | blocks/s | vs raw batched | vs raw multi-buffer |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
-    for label, seconds in medians.items():
-        base = medians["save: raw batch_put_from" if label.startswith("save") else "load: raw batch_get_into"]
-        lines.append(f"| {label} | {n * value / seconds / 1e9:.2f} | {n / seconds:,.0f} | {base / seconds:.2f} |")
+    for label, ts in times.items():
+        seconds, op = statistics.median(ts), label.split(":")[0]
+        contiguous = _ratio(times, "save: raw batch_put_from" if op == "save" else "load: raw batch_get_into", label)
+        multi = _ratio(times, f"{op}: raw batch_{'put_from' if op == 'save' else 'get_into'}_multi_buffers", label)
+        lines.append(
+            f"| {label} | {n * value / seconds / 1e9:.2f} | {n / seconds:,.0f} | {contiguous:.2f} | {multi:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -138,12 +160,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--blocks", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--segment-mib", type=int, default=0, help="store size (default: enough for every round)")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--segment-mib", type=int, default=0, help="store size (default: enough for one round)")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     value_mib = args.layers * 64 / 1024
-    args.segment_mib = args.segment_mib or int(args.blocks * value_mib * 4 * args.rounds * 1.3) + 64
+    args.segment_mib = args.segment_mib or int(args.blocks * value_mib * 4 * 1.3) + 64  # one round's values
     if args.inner:
         print("RESULT " + json.dumps(inner(args)))
         return 0

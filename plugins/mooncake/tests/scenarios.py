@@ -18,9 +18,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
+
 from kvconn.engine import Engine
 from kvconn.hashing import hash_blocks
-from kvconn_mooncake import BlockKeys, MooncakeConnector
+from kvconn_mooncake import BlockKeys, MooncakeConfig, MooncakeConnector, acquire_store
 
 Config = dict[str, Any]
 BIG_KV = {"num_kv_heads": 8, "head_dim": 128}  # 64 KiB per layer per 16-token block
@@ -235,6 +237,26 @@ def master_fault(config: Config, workdir: str) -> None:
             }), flush=True)  # fmt: skip
 
 
+def conformance(config: Config) -> dict[str, Any]:
+    """kvconn's conformance suite against the real store ``config`` names; the report as a dict.
+
+    The run holds its own lease on the store, as a long-lived deployment keeps
+    its client: every engine the suite creates shares that one client, and
+    blocks outlive the engine that saved them (as with the embedded store,
+    which lives as long as the process). Without it each engine's shutdown
+    would close the client, which takes ~2 s in Mooncake 0.3.13.
+    """
+    from kvconn.testing.conformance import run_conformance
+
+    full = {"backend": "mooncake", **config}
+    lease = acquire_store(msgspec.convert(full, MooncakeConfig))
+    try:
+        report = run_conformance("mooncake", config=full)
+    finally:
+        lease.release()
+    return {"backend": lease.backend, "report": report.to_dict()}
+
+
 def _wait_for(path: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
@@ -252,6 +274,7 @@ SCENARIOS: dict[str, Callable[..., Any]] = {
     "producer": producer,
     "consumer": consumer,
     "master_fault": master_fault,
+    "conformance": conformance,
 }
 
 

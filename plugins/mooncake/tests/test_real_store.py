@@ -103,3 +103,18 @@ def test_two_nodes_consumer_loads_the_producers_prefix(real_store: types.ModuleT
     assert produced["stats"]["blocks_saved"] > 0
     assert consumed["tokens"] == produced["tokens"]
     assert consumed["stats"]["prompt_tokens_loaded"] > 0 and consumed["stats"]["failed_load_blocks"] == 0
+
+
+def test_conformance_suite_passes_on_the_real_store(real_store: types.ModuleType) -> None:
+    """kvconn's conformance suite, run in the namespace against a real master (the report is printed)."""
+    h = real_store
+    with h.netns() as ns, h.mooncake_master(ns) as m:
+        result = _run(h, ns, m.client_env(), {}, ("conformance", {}), timeout=120)["conformance"]
+    report = result["report"]
+    print(json.dumps(report, indent=1))
+    assert result["backend"] == "mooncake"
+    assert "load_error" not in report, report["load_error"]
+    assert report["failed"] == 0, [c for c in report["checks"] if c["status"] == "failed"]
+    assert report["passed"] > 0
+    # A check may skip only for a capability the connector lacks (it has them all: it saves and loads).
+    assert [c for c in report["checks"] if c["status"] == "skipped"] == []

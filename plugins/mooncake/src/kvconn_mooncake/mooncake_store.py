@@ -158,8 +158,9 @@ class MooncakeStore:
         if not self._ready():
             return [RPC_FAIL] * len(keys)
         if all(len(p) == 1 for p in ptrs):
-            return list(getattr(self._client, call)(list(keys), [p[0] for p in ptrs], [s[0] for s in sizes]))
-        return list(getattr(self._client, f"{call}_multi_buffers")(list(keys), _lists(ptrs), _lists(sizes)))
+            return list(getattr(self._client, call)(keys, [p[0] for p in ptrs], [s[0] for s in sizes]))
+        # The client converts any sequences itself: copying 256 part lists here would cost more than building them.
+        return list(getattr(self._client, f"{call}_multi_buffers")(keys, ptrs, sizes))
 
     def close(self) -> None:
         """Close the client once; every later call fails fast (a call after close would crash)."""
@@ -171,7 +172,3 @@ class MooncakeStore:
                 self._client.unregister_buffer(ptr)
             self._client.close()
             self._client = None
-
-
-def _lists(values: Sequence[Sequence[int]]) -> list[list[int]]:
-    return [list(v) for v in values]

@@ -1,0 +1,110 @@
+"""The worker side's batched data path, block by block, on the embedded store.
+
+The hot path checks block ids, drops repeated keys and counts results per
+KV-cache group rather than per block; these tests pin the per-block outcome
+of every mix the fast paths must get right: two groups of different block
+sizes, repeated keys, unaddressable ids, missing keys, values of another size
+and keys already stored.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from kvconn import ConnectorContext, KVCacheGroupSpec
+from kvconn_mooncake import BlockTransfer, EmbeddedStore, MooncakeMetadata
+from kvconn_mooncake.worker import WorkerSide
+
+NUM_BLOCKS = 8
+GROUPS = (KVCacheGroupSpec(("full.0", "full.1")), KVCacheGroupSpec(("swa.0",), sliding_window=32))
+SHAPES = {"full.0": (2, 4, 8), "full.1": (2, 4, 8), "swa.0": (2, 4, 3)}  # per block; the groups differ in size
+VALUE_BYTES = (2 * 2 * 4 * 8 * 2, 2 * 4 * 3 * 2)  # fp16: group 0 (two layers), group 1 (one layer)
+
+
+def _worker(store: EmbeddedStore) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    worker = WorkerSide(store, ConnectorContext(kv_cache_groups=GROUPS))
+    kv = {name: torch.randn((NUM_BLOCKS, *shape)).half() for name, shape in SHAPES.items()}
+    worker.register_kv_caches(kv)
+    return worker, kv
+
+
+def _layers(group: int) -> tuple[str, ...]:
+    return GROUPS[group].layer_names
+
+
+def _key(group: int, i: int) -> str:
+    return f"{uuid.uuid4().hex}-g{group}-{i}"
+
+
+def _save(worker: WorkerSide, transfers: list[BlockTransfer]) -> dict[str, float]:
+    worker.start_load_kv(MooncakeMetadata(saves=transfers))
+    worker.wait_for_save()
+    worker.get_finished()
+    return worker.take_stats()
+
+
+@pytest.fixture
+def store() -> EmbeddedStore:
+    return EmbeddedStore(1 << 30)
+
+
+def test_loads_land_in_their_blocks_and_only_failed_blocks_are_reported(store: EmbeddedStore) -> None:
+    writer, src = _worker(store)
+    keys = {(g, i): _key(g, i) for g in (0, 1) for i in (1, 2, 3)}
+    stats = _save(writer, [BlockTransfer(k, i, g) for (g, i), k in keys.items()])
+    assert stats["blocks_saved"] == 6 and stats["bytes_saved"] == 3 * sum(VALUE_BYTES)
+
+    reader, dst = _worker(store)
+    loads = [
+        BlockTransfer(keys[0, 1], 5, 0),
+        BlockTransfer(keys[1, 2], 4, 1),
+        BlockTransfer(keys[0, 1], 6, 0),  # the same key again (two requests sharing a prefix)
+        BlockTransfer(keys[0, 3], 7, 0),
+        BlockTransfer(keys[1, 3], 6, 1),
+        BlockTransfer(keys[1, 3], 7, 1),  # a repeat in the second group
+        BlockTransfer("missing-key", 2, 0),
+        BlockTransfer(keys[0, 2], 0, 0),  # the null block: never written
+        BlockTransfer(keys[0, 2], NUM_BLOCKS, 0),  # out of range
+        BlockTransfer(keys[0, 2], 3, 2),  # no such group
+    ]
+    reader.start_load_kv(MooncakeMetadata(loads=loads))
+    assert reader.take_load_errors() == {2, 0, NUM_BLOCKS, 3}
+    stats = reader.take_stats()
+    assert stats["blocks_loaded"] == 6 and stats["bytes_loaded"] == 3 * sum(VALUE_BYTES)
+    assert stats["load_failed_not_found"] == 1 and stats["load_failed_unaddressable"] == 3
+    for (g, i), dst_block in {(0, 1): 5, (1, 2): 4, (0, 3): 7, (1, 3): 6}.items():
+        assert all(torch.equal(dst[n][dst_block], src[n][i]) for n in _layers(g))
+    assert all(torch.equal(dst[n][6], src[n][1]) for n in _layers(0))  # the repeat was copied locally
+    assert all(torch.equal(dst[n][7], src[n][3]) for n in _layers(1))
+
+
+def test_repeat_of_a_failed_key_fails_too_and_other_sizes_are_short_reads(store: EmbeddedStore) -> None:
+    writer, _ = _worker(store)
+    small = _key(1, 1)
+    _save(writer, [BlockTransfer(small, 1, 1)])  # a group-1 value ...
+    reader, _ = _worker(store)
+    loads = [BlockTransfer("gone", 2, 0), BlockTransfer("gone", 3, 0), BlockTransfer(small, 4, 0)]
+    reader.start_load_kv(MooncakeMetadata(loads=loads))  # ... read as a (bigger) group-0 block
+    assert reader.take_load_errors() == {2, 3, 4}
+    stats = reader.take_stats()
+    assert stats["load_failed_not_found"] == 2 and stats["load_failed_short_read"] == 1
+    assert "blocks_loaded" not in stats
+
+
+def test_saves_skip_stored_keys_and_unaddressable_blocks(store: EmbeddedStore) -> None:
+    worker, kv = _worker(store)
+    stored = [BlockTransfer(_key(0, 1), 1, 0), BlockTransfer(_key(1, 1), 1, 1)]
+    _save(worker, stored)
+    kv["full.0"][1].zero_()  # a put never overwrites: the zeroed block must not reach the store
+    fresh = [BlockTransfer(_key(0, 2), 2, 0), BlockTransfer(_key(1, 3), 3, 1)]
+    bad = [BlockTransfer(_key(0, 4), 0, 0), BlockTransfer(_key(1, 5), NUM_BLOCKS + 1, 1)]
+    stats = _save(worker, [stored[0], fresh[0], bad[0], stored[1], fresh[1], bad[1]])
+    assert stats["blocks_saved"] == 2 and stats["blocks_skipped_existing"] == 2
+    assert stats["save_failed_unaddressable"] == 2 and stats["bytes_saved"] == sum(VALUE_BYTES)
+    assert store.batch_is_exist([t.key for t in stored + fresh + bad]) == [1, 1, 1, 1, 0, 0]
+    out = torch.empty(VALUE_BYTES[0], dtype=torch.uint8)
+    assert store.batch_get_into([stored[0].key], [[out.data_ptr()]], [[out.numel()]]) == [VALUE_BYTES[0]]
+    assert out[: VALUE_BYTES[0] // 2].any()  # block 1 of full.0 as first saved, not the zeroed block
