@@ -17,7 +17,6 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import Any
 
 import msgspec
@@ -67,13 +66,20 @@ def _filtered_out(name: str) -> str | None:
     return None
 
 
+def _entry_points() -> Any:
+    # importlib.metadata costs ~30 ms to import: only when discovery runs, not at `import kvconn`.
+    from importlib.metadata import entry_points
+
+    return entry_points(group=ENTRY_POINT_GROUP)
+
+
 def available_connectors() -> dict[str, ConnectorEntry]:
     """Installed connectors by name, sorted, after the environment's filters.
 
     When two distributions declare the same name, the first found wins.
     """
     found: dict[str, ConnectorEntry] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    for ep in _entry_points():
         if ep.name in found or _filtered_out(ep.name):
             continue
         dist = ep.dist
@@ -122,7 +128,7 @@ def load_connector_class(name: str) -> type:
 
 def _not_found_message(name: str, installed: Mapping[str, ConnectorEntry]) -> str:
     hidden = _filtered_out(name)
-    if hidden and any(ep.name == name for ep in entry_points(group=ENTRY_POINT_GROUP)):
+    if hidden and any(ep.name == name for ep in _entry_points()):
         return f"connector {name!r} is installed but not available: {hidden}"
     names = ", ".join(installed) or "none"
     message = f"no connector named {name!r} is installed (installed: {names})"
