@@ -111,11 +111,10 @@ class KVCacheManager:
         base = tables if tables is not None else (computed_blocks or [[] for _ in self.groups])
         required = -(-num_tokens // self.block_size)
         plans: list[tuple[int, int]] = []  # per group: (null entries, real blocks) to append
-        need = (
-            sum(1 for table in base for b in table if b.ref_cnt == 0 and b is not self.pool.null_block)
-            if tables is None
-            else 0
-        )
+        # Prefix hits that sit in the free queue leave it when taken: they count against the room too.
+        need = 0
+        if tables is None:
+            need = sum(1 for t in base for b in t if b.ref_cnt == 0 and b is not self.pool.null_block)
         for g, table in enumerate(base):
             missing = max(0, required - len(table))
             nulls = min(missing, max(0, self._first_needed_block(g, num_computed_tokens) - len(table)))

@@ -155,8 +155,8 @@ class Scheduler:
             budget -= num_new
             self._add_cached(cached, request, new_ids if any(new_ids) else None, resumed=False)
 
-        if self.stats.preemptions == preemptions_before:  # no room to spare for waiting requests
-            budget = self._schedule_waiting(budget, num_scheduled, new_reqs, cached)
+        if self.stats.preemptions == preemptions_before:  # after a preemption, no room for waiting ones
+            self._schedule_waiting(budget, num_scheduled, new_reqs, cached)
 
         output = SchedulerOutput(
             step=self._step,
@@ -193,11 +193,15 @@ class Scheduler:
                 return None
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        self._drop_blocks(request)
         request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+
+    def _drop_blocks(self, request: Request) -> None:
+        """Free all of ``request``'s blocks: it will recompute (or reload) from scratch."""
+        self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
         self.stats.preemptions += 1
 
     def _schedule_waiting(
@@ -206,7 +210,7 @@ class Scheduler:
         num_scheduled: dict[str, int],
         new_reqs: list[NewRequestData],
         cached: CachedRequestData,
-    ) -> int:
+    ) -> None:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
@@ -235,7 +239,6 @@ class Scheduler:
                     NewRequestData(request.request_id, request.all_token_ids[:], table, request.num_computed_tokens)
                 )
         self.waiting.extendleft(reversed(skipped))
-        return budget
 
     def _free_loaded_waiting(self) -> bool:
         """Preempt waiting requests that hold blocks from a finished async load.
@@ -243,15 +246,14 @@ class Scheduler:
         With nothing running, they may hold the whole pool while none of them
         fits: without this the engine would stop making progress.
         """
-        freed = False
-        for request in self.waiting:
-            if request.status is RequestStatus.WAITING and self.kv_cache_manager.has_request(request.request_id):
-                self.kv_cache_manager.free(request)
-                request.num_computed_tokens = 0
-                request.num_preemptions += 1
-                self.stats.preemptions += 1
-                freed = True
-        return freed
+        loaded = [
+            r
+            for r in self.waiting
+            if r.status is RequestStatus.WAITING and self.kv_cache_manager.has_request(r.request_id)
+        ]
+        for request in loaded:
+            self._drop_blocks(request)
+        return bool(loaded)
 
     def _schedule_one_waiting(self, request: Request, budget: int) -> int | None:
         """Allocate for a waiting request; tokens to compute, 0 to skip it, None if no room."""
