@@ -30,7 +30,7 @@ from kvconn import (
     SchedulerOutput,
     hookimpl,
 )
-from kvconn.testing.utils import create_requests
+from kvconn.testing import create_requests
 
 __all__ = ["NoopConnector", "main"]
 

@@ -19,7 +19,7 @@ that the plugin's load is bit-exact in every layer, and then removes every key
 median time of each row, and its ratios to the raw contiguous call and to the
 raw multi-buffer call, each the median of the per-round ratios (paired rounds
 cancel most of the drift of a shared machine). Usage: ``python
-benchmarks/mooncake_throughput.py [--blocks N] [--layers L] [--rounds R]``.
+benchmarks/mooncake_throughput.py [--blocks N] [--layers L] [--rounds R] [--quick] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -162,8 +162,12 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--segment-mib", type=int, default=0, help="store size (default: enough for one round)")
+    parser.add_argument("--json", type=pathlib.Path, metavar="FILE", help="also write the results as JSON to FILE")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (a smoke run)")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.blocks, args.rounds = 16, 2
     value_mib = args.layers * 64 / 1024
     args.segment_mib = args.segment_mib or int(args.blocks * value_mib * 4 * 1.3) + 64  # one round's values
     if args.inner:
@@ -187,6 +191,8 @@ def main() -> int:
         f"Python {platform.python_version()}, mooncake {_version()}; protocol tcp inside one network namespace"
     )
     print(report(result, args))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"args": vars(args), **result}, indent=2, default=str))
     return 0
 
 

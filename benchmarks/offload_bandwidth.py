@@ -10,7 +10,7 @@ the machine's memcpy limit (on CUDA: torch's own pinned host<->device
 hands them out on an empty pool. Prints medians over ``--repeats`` and, with
 ``--json FILE``, writes them.
 
-    python benchmarks/offload_bandwidth.py [--device cuda] [--layers 8] [--json out.json]
+    python benchmarks/offload_bandwidth.py [--device cuda] [--layers 8] [--json out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -120,7 +120,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (a smoke run)")
     args = parser.parse_args()
+    if args.quick:
+        args.layers, args.tokens, args.block_tokens, args.repeats, args.warmup = 2, 256, [16], 3, 1
     if args.threads:
         torch.set_num_threads(args.threads)
     results = [bench(bt, args) for bt in args.block_tokens]

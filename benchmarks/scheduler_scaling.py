@@ -19,8 +19,7 @@ import time
 from benchlib import Bench, parse_args
 
 from kvconn.engine import Scheduler
-from kvconn.testing import create_scheduler, make_model_runner_output
-from kvconn.testing.utils import create_requests
+from kvconn.testing import create_requests, create_scheduler, make_model_runner_output
 
 __all__ = ["decode_scheduler", "decode_step_seconds", "main"]
 
@@ -42,9 +41,8 @@ def decode_scheduler(num_running: int, context_len: int, *, seed: int = 0) -> Sc
         max_model_len=context_len + 4 * BLOCK_SIZE + 256,
     )
     for i in range(num_running):
-        request = create_requests(1, context_len - rng.randrange(BLOCK_SIZE), max_tokens=200, seed=i, prefix=f"r{i}-")[
-            0
-        ]
+        prompt_len = context_len - rng.randrange(BLOCK_SIZE)
+        (request,) = create_requests(1, prompt_len, max_tokens=200, seed=i, prefix=f"r{i}-")
         scheduler.add_request(request)
     output = scheduler.schedule()  # prefill everything in one step
     scheduler.update_from_output(output, make_model_runner_output(output, scheduler=scheduler))
@@ -66,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     running_sizes = (16, 32) if args.quick else (64, 256, 1024)
     context_sizes = (256, 1024) if args.quick else (1024, 4096, 16384)
     repeat = 1 if args.quick else 3
+    steps = 8 if args.quick else 32
     bench = Bench(
         "scheduler scaling (decode step: schedule + update_from_output)",
         ["running", "context", "blocks held", "step us", "us/request"],
@@ -76,27 +75,27 @@ def main(argv: list[str] | None = None) -> int:
         times = []
         for _ in range(repeat):
             scheduler = decode_scheduler(running, context)
-            times.append(decode_step_seconds(scheduler, 8 if args.quick else 32))
+            times.append(decode_step_seconds(scheduler, steps))
         step = min(times)
         kv = scheduler.kv_cache_manager
         held = sum(len(table) for r in scheduler.requests for table in kv.get_block_ids(r))
         per_request[(running, context)] = step / running
         bench.row(running, context, held, step * 1e6, step / running * 1e6)
+
+    def flat(what: str, growth: float) -> None:
+        bench.target(what, growth < 1.5, f"{growth:.2f}x the per-request cost")
+
     short, long_ = context_sizes[0], context_sizes[-1]
-    growth = per_request[(base_running, long_)] / per_request[(base_running, short)]
-    bench.target(
+    flat(
         f"step cost independent of blocks held ({long_ // short}x context at {base_running} requests)",
-        growth < 1.5,
-        f"{growth:.2f}x the per-request cost",
+        per_request[(base_running, long_)] / per_request[(base_running, short)],
     )
     small, large = running_sizes[0], running_sizes[-1]
-    scale = per_request[(large, base_context)] / per_request[(small, base_context)]
-    bench.target(
+    flat(
         f"step cost grows with scheduled requests ({large // small}x requests: per-request cost stays flat)",
-        scale < 1.5,
-        f"{scale:.2f}x the per-request cost",
+        per_request[(large, base_context)] / per_request[(small, base_context)],
     )
-    bench.notes.append("minimum over repeats of the mean step time over 32 decode steps")
+    bench.notes.append(f"minimum over repeats of the mean step time over {steps} decode steps")
     return bench.finish(args)
 
 

@@ -20,6 +20,7 @@ import pytest
 from kvconn.testing.conformance import CheckResult, ConnectorReport
 
 KVCONN = Path(sys.executable).parent / "kvconn"
+REPO = Path(__file__).resolve().parents[2]
 
 RunKvconn = Callable[..., subprocess.CompletedProcess[str]]
 

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-RunKvconn = Callable[..., subprocess.CompletedProcess[str]]
-REPO = Path(__file__).resolve().parents[2]
+from .conftest import REPO, RunKvconn
 
 
 @pytest.mark.parametrize("name", ["block-state", "wire", "host-dispatch", "scheduler-scaling", "startup"])

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Callable
 
-RunKvconn = Callable[..., subprocess.CompletedProcess[str]]
+from .conftest import RunKvconn
 
 
 def test_info_json_of_the_dummy(run_kvconn: RunKvconn) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-RunKvconn = Callable[..., subprocess.CompletedProcess[str]]
+from .conftest import RunKvconn
 
 
 def _connectors(proc: subprocess.CompletedProcess[str]) -> dict[str, dict[str, Any]]:

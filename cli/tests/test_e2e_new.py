@@ -8,9 +8,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-RunKvconn = Callable[..., subprocess.CompletedProcess[str]]
+from .conftest import REPO, RunKvconn
+
 RUFF = Path(sys.executable).parent / "ruff"
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_new_plugin_installs_lists_and_validates(

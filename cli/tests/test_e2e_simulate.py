@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
 
 from kvconn_cli.commands.simulate import setups_from_options
 
-from .conftest import env_with_path
+from .conftest import RunKvconn, env_with_path
 
-RunKvconn = Callable[..., subprocess.CompletedProcess[str]]
 MEMORY = "kvconn.testing.memory_connector:MemoryConnector"
 SMALL = ("--requests", "6", "--no-prefix-cache")
 

@@ -13,7 +13,7 @@ import pytest
 
 from kvconn.testing.conformance import list_checks
 
-RunKvconn = Callable[..., subprocess.CompletedProcess[str]]
+from .conftest import RunKvconn
 
 #: A pattern selecting the first few checks: keeps the runs that are not about the whole suite short.
 FIRST_CHECK = list_checks()[0]

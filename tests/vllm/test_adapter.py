@@ -22,10 +22,6 @@ def dummy_meta(output: Any) -> Any:
     return msgspec.msgpack.decode(output.kv_connector_metadata.connectors["dummy"], type=DummyMetadata)
 
 
-def scheduler_connector(scheduler: Any) -> Any:
-    return scheduler.connector.host.connectors
-
-
 def test_vllm_loads_dummy_by_module_path() -> None:
     from kvconn.adapters.vllm import KVConnVllmConnector
 
@@ -108,7 +104,7 @@ def test_finish_and_abort_reach_the_plugin() -> None:
     loop.step()
     scheduler.finish_requests("aborted", RequestStatus.FINISHED_ABORTED)
     loop.run()
-    dummy = scheduler_connector(scheduler)["dummy"]
+    dummy = scheduler.connector.host.connectors["dummy"]
     finished = [detail for hook, detail in dummy.calls if hook == "request_finished"]
     assert sorted(finished) == ["aborted", "done"]
     assert dummy.get_num_tracked_requests() == 0
@@ -236,18 +232,13 @@ def test_shipped_plugins_pass_the_scheduler_side_checks_with_vllm_as_the_driver(
     assert report.failed == 0 and report.passed >= 5, report.results
 
 
-def test_the_vllm_driver_catches_a_connector_that_only_reads_new_blocks() -> None:
-    import sys
+def test_the_vllm_driver_catches_a_connector_that_only_reads_new_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     from pathlib import Path
 
     from kvconn.testing.conformance import run_conformance
 
-    fixtures = Path(__file__).parents[2] / "sdk" / "tests" / "conformance" / "fixtures"
-    sys.path.insert(0, str(fixtures))
-    try:
-        report = run_conformance("kvconn_conformance_fixtures.broken:NewBlocksOnly", driver="vllm", select="KV011")
-    finally:
-        sys.path.remove(str(fixtures))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "sdk" / "tests" / "conformance" / "fixtures"))
+    report = run_conformance("kvconn_conformance_fixtures.broken:NewBlocksOnly", driver="vllm", select="KV011")
     assert [(r.id, r.status) for r in report.results] == [("KV011", "failed")]
 
 

@@ -1,10 +1,10 @@
 """The ``kvconn`` typer application and its console-script entry point.
 
 Each command lives in its own module under :mod:`kvconn_cli.commands` and
-exposes ``register(app)``; adding a command (``simulate``, ``bench``) is one
-module plus one name in :data:`COMMAND_MODULES`. Command modules import only
-typer at module level and everything heavy (kvconn, rich, plugins) inside the
-command, so ``kvconn --help`` and ``kvconn list`` start quickly.
+exposes ``register(app)``; adding a command is one module plus one name in
+:data:`COMMAND_MODULES`. Command modules import only typer at module level and
+everything heavy (kvconn, rich, plugins) inside the command, so ``kvconn
+--help`` and ``kvconn list`` start quickly.
 
 :func:`main` owns error presentation: a :class:`~kvconn_cli.errors.CLIError`
 becomes ``kvconn: error: <one line>`` with its exit code, and any other
@@ -32,7 +32,6 @@ COMMAND_MODULES = ("listing", "info", "validate", "new", "simulate", "bench")
 
 app = typer.Typer(
     name="kvconn",
-    help="List, inspect, validate and scaffold kvconn KV-cache connectors.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -54,7 +53,7 @@ def _root(
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the versions and exit.")
     ] = False,
 ) -> None:
-    """List, inspect, validate and scaffold kvconn KV-cache connectors."""
+    """List, inspect, validate, scaffold, simulate and benchmark kvconn KV-cache connectors."""
 
 
 for _module in COMMAND_MODULES:

@@ -14,15 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import UsageError
+from .inspection import one_line
 
 if TYPE_CHECKING:
     from kvconn.testing.conformance import ConnectorReport
 
 __all__ = ["check_writable", "junit_tree", "write_junit"]
-
-
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else ""
 
 
 def _suite(report: ConnectorReport) -> ET.Element:
@@ -31,13 +28,13 @@ def _suite(report: ConnectorReport) -> ET.Element:
     errors = 0
     if report.load_error is not None:
         case = ET.SubElement(suite, "testcase", classname=classname, name="load")
-        error = ET.SubElement(case, "error", message=_first_line(report.load_error), type="ConnectorLoadError")
+        error = ET.SubElement(case, "error", message=one_line(report.load_error), type="ConnectorLoadError")
         error.text = report.load_error
         errors = 1
     for result in report.results:
         case = ET.SubElement(suite, "testcase", classname=classname, name=result.id)
         if result.status == "failed":
-            failure = ET.SubElement(case, "failure", message=_first_line(result.message))
+            failure = ET.SubElement(case, "failure", message=one_line(result.message))
             failure.text = result.message
         elif result.status == "skipped":
             ET.SubElement(case, "skipped", message=result.message)

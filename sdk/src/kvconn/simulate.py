@@ -255,7 +255,7 @@ def run_workload(
     pending = list(range(len(requests)))
     samples: list[StepSample] = []
     stats = engine.stats
-    clock = finished = 0
+    clock = 0
     start = time.perf_counter()
     with engine:
         while pending or engine.scheduler.has_work():

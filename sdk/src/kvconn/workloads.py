@@ -23,6 +23,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .hashing import hash_blocks
+
 __all__ = [
     "WORKLOADS",
     "Workload",
@@ -197,19 +199,15 @@ def reusable_prompt_tokens(prompts: Sequence[Sequence[int]], block_size: int) ->
     """Prompt tokens an ideal, unbounded prefix cache could serve, in submission order.
 
     Per request: the longest run of whole blocks that an earlier request's
-    prompt also starts with, leaving the last token to compute as an engine
-    must. The ceiling for what any cache (local or connector) can save.
+    prompt also starts with (the engine's chained block hashes), leaving the
+    last token to compute as an engine must. The ceiling for what any cache
+    (local or connector) can save.
     """
-    seen: set[int] = set()
+    seen: set[bytes] = set()
     total = 0
     for prompt in prompts:
-        chained, hits, hitting = 0, 0, True
-        for b in range(len(prompt) // block_size):
-            chained = hash((chained, tuple(prompt[b * block_size : (b + 1) * block_size])))
-            if hitting and chained in seen:
-                hits += 1
-            else:
-                hitting = False
-            seen.add(chained)
+        hashes = hash_blocks(prompt, block_size)
+        hits = next((i for i, h in enumerate(hashes) if h not in seen), len(hashes))
+        seen.update(hashes)
         total += min(hits * block_size, (len(prompt) - 1) // block_size * block_size)
     return total

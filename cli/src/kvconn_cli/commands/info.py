@@ -32,7 +32,7 @@ def info(
     except kvconn.ConnectorNotFoundError as exc:
         raise UsageError(str(exc)) from None
     except kvconn.ConnectorLoadError as exc:
-        raise ConnectorFailure(f"{exc}") from None
+        raise ConnectorFailure(str(exc)) from None
     if as_json:
         print_json(details.to_dict())
     else:

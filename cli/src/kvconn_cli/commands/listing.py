@@ -31,6 +31,7 @@ def list_connectors(
         err_console().print(f"No connectors installed{hint}.", markup=False)
         return
 
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="kvconn connectors", title_justify="left")
@@ -40,24 +41,18 @@ def list_connectors(
     for s in summaries:
         table.add_row(
             s.name,
-            "[green]ok[/]" if s.ok else f"[red]{_escape(s.status)}[/]",
+            "[green]ok[/]" if s.ok else f"[red]{escape(s.status)}[/]",
             "\n".join(s.roles) if s.roles is not None else "-",
             _yes_no(s.saves),
             _yes_no(s.loads),
             s.api_version or "-",
-            _escape(f"{s.distribution or '?'} {s.version or ''}".strip() + "\n" + s.target),
+            escape(f"{s.distribution or '?'} {s.version or ''}".strip() + "\n" + s.target),
         )
     out_console().print(table)
 
 
 def _yes_no(flag: bool | None) -> str:
     return "-" if flag is None else ("yes" if flag else "no")
-
-
-def _escape(text: str) -> str:
-    from rich.markup import escape
-
-    return escape(text)
 
 
 def register(app: typer.Typer) -> None:

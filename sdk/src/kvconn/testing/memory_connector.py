@@ -23,6 +23,7 @@ from .. import (
     KVConnector,
     KVConnectorBlockState,
     KVConnectorMetadata,
+    KVConnectorRole,
     SchedulerOutput,
 )
 from ..manager import HOOK_NAMES
@@ -130,7 +131,7 @@ class MemoryConnector(KVConnector):
         return False
 
     def get_num_tracked_requests(self) -> int:
-        return len(self._hashes) if self.role.value == "scheduler" else len(self._loading)
+        return len(self._hashes) if self.role is KVConnectorRole.SCHEDULER else len(self._loading)
 
     # worker side
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

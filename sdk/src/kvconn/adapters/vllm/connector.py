@@ -151,7 +151,6 @@ class KVConnVllmConnector(KVConnectorBase_V1):
             context=self.context,
             on_error=on_error,
         )
-        self._block_size = self.context.block_size
         # scheduler side
         self._step = 0
         self._plans: dict[str, tuple[LoadPlan, int]] = {}
@@ -189,7 +188,8 @@ class KVConnVllmConnector(KVConnectorBase_V1):
         view = VllmRequestView(request, num_computed_tokens=local_hit)
         loading = self.host.update_state_after_alloc(view, block_ids, plan)
         if num_external_tokens:
-            blocks_to_load = block_ids_in_range(block_ids, local_hit, local_hit + num_external_tokens, self._block_size)
+            end = local_hit + num_external_tokens
+            blocks_to_load = block_ids_in_range(block_ids, local_hit, end, self.context.block_size)
             load: LoadSpec = (blocks_to_load, plan.load_async)
             if loading and plan.connector is not None:
                 self._loads[plan.connector][request.request_id] = load

@@ -23,7 +23,14 @@ from ...block_state import BlockIds, KVConnectorBlockState
 from ...errors import ConnectorLoadError
 from ...metadata import KVConnectorMetadata
 from ...outputs import SchedulerOutput
-from ...testing.conformance.driver import DriverFactory, DriverSpec, ScenarioUnsupported, StepRecord
+from ...testing.conformance.driver import (
+    DriverFactory,
+    DriverSpec,
+    ScenarioUnsupported,
+    StepRecord,
+    observed_block_state,
+    tracked_by_role,
+)
 from .reports import decode_report
 
 __all__ = ["VllmDriver", "load_driver"]
@@ -85,15 +92,10 @@ class VllmDriver:
         def build_connector_meta(
             output: SchedulerOutput, block_state: KVConnectorBlockState
         ) -> dict[str, KVConnectorMetadata]:
-            offered = frozenset(block_state.req_ids - self._withhold)
             resolved: list[str] = []
-
-            def counting(req_id: str) -> BlockIds:
-                resolved.append(req_id)
-                return block_state.resolve_block_ids(req_id)
-
-            metadata = build(output, KVConnectorBlockState(set(offered), counting))
-            self._built = (output, metadata.get(self.name), offered, resolved)
+            observed = observed_block_state(block_state, self._withhold, resolved)
+            metadata = build(output, observed)
+            self._built = (output, metadata.get(self.name), frozenset(observed.req_ids), resolved)
             return metadata
 
         def request_finished(request: Any, block_ids: BlockIds) -> bool:
@@ -155,12 +157,7 @@ class VllmDriver:
         return dict(self._finished_calls)
 
     def num_tracked_requests(self) -> dict[str, int]:
-        tracked: dict[str, int] = {}
-        for role, host in (("scheduler", self.adapter.host), ("worker", self.loop.worker.host)):
-            counts = host.num_tracked_requests()
-            if self.name in counts:
-                tracked[role] = counts[self.name]
-        return tracked
+        return tracked_by_role(self.name, self.adapter.host, self.loop.worker.host)
 
     def assert_empty(self) -> None:
         scheduler = self.scheduler

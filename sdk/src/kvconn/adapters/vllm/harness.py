@@ -16,6 +16,7 @@ persistent folder, ``$XDG_CACHE_HOME/kvconn/vllm`` by default, and sets
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -23,12 +24,13 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import CONNECTOR_CLASS
+from . import CONNECTOR_CLASS, SHORT_NAME
 
 __all__ = [
     "EOS_TOKEN_ID",
     "VllmLoop",
     "fake_kv_caches",
+    "kvconn_transfer_config",
     "make_model_runner_output",
     "make_request",
     "make_scheduler",
@@ -86,17 +88,13 @@ def prepare_environment(workdir: str | os.PathLike[str] | None = None) -> Path:
     return model_dir
 
 
-_none_hash_ready = False
-
-
+@functools.cache
 def _init_hashing() -> None:
-    global _none_hash_ready
-    if not _none_hash_ready:
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import init_none_hash
+    """vLLM's ``NONE_HASH`` for SHA-256 block hashing, once per process."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
 
-        init_none_hash(sha256)
-        _none_hash_ready = True
+    init_none_hash(sha256)
 
 
 def kvconn_transfer_config(
@@ -109,7 +107,7 @@ def kvconn_transfer_config(
         extra["kvconn_config"] = config
     fields: dict[str, Any] = {"kv_connector": CONNECTOR_CLASS, "kv_connector_extra_config": extra}
     if short_name:
-        fields["kv_connector"] = "kvconn"
+        fields["kv_connector"] = SHORT_NAME
     else:
         fields["kv_connector_module_path"] = "kvconn.adapters.vllm"
     return fields
@@ -304,7 +302,7 @@ class VllmLoop:
         )
         return output, self.scheduler.update_from_output(output, runner_output)
 
-    def run_worker(self, output: Any, compute: Any = None) -> Any:
+    def run_worker(self, output: Any, compute: Callable[[], None] | None = None) -> Any:
         """The worker side of one step, as vLLM's ``KVConnectorModelRunnerMixin`` drives it."""
         from vllm.v1.outputs import KVConnectorOutput
 

@@ -45,7 +45,9 @@ prefix caching, KV-cache groups). The ``"reference"`` driver runs kvconn's own
 scheduler and worker; another engine plugs in with
 ``register_driver("vllm", factory)``, or declares ``vllm = "pkg.module:factory"``
 in the ``kvconn.conformance_drivers`` entry-point group, and is then used with
-``run_conformance(..., driver="vllm")``.
+``run_conformance(..., driver="vllm")``. A new driver records ``offered``
+and ``resolved`` with :func:`~.driver.observed_block_state` and answers
+``num_tracked_requests`` with :func:`~.driver.tracked_by_role`.
 The data checks (KV040, KV041) need a model and always use the reference engine.
 """
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...block_state import BlockIds
 from ...context import NULL_BLOCK_ID
 from .observe import BlockRefs, block_refs
 from .scenarios import Trace
@@ -29,7 +30,7 @@ class StepView:
     new: set[str] = field(default_factory=set)
 
 
-def live_ids(table: tuple[list[int], ...] | None) -> set[int]:
+def live_ids(table: BlockIds | None) -> set[int]:
     """The real (non-null) block ids of a table."""
     return {b for group in table or () for b in group if b != NULL_BLOCK_ID}
 

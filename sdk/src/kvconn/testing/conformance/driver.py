@@ -8,14 +8,16 @@ say) is supported by registering one more driver, without touching a check.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
-from ...block_state import BlockIds
+from ...block_state import BlockIds, KVConnectorBlockState
 from ...context import KVCacheGroupSpec
 from ...errors import ConnectorLoadError
+from ...host import ConnectorHost
 from ...metadata import KVConnectorMetadata
 from ...outputs import KVConnectorOutput, SchedulerOutput
 
@@ -28,7 +30,9 @@ __all__ = [
     "StepRecord",
     "available_drivers",
     "get_driver",
+    "observed_block_state",
     "register_driver",
+    "tracked_by_role",
 ]
 
 
@@ -120,6 +124,35 @@ class SchedulerDriver(Protocol):
 
 
 DriverFactory = Callable[[DriverSpec], SchedulerDriver]
+
+
+def observed_block_state(
+    block_state: KVConnectorBlockState, withhold: Collection[str], resolved: list[str]
+) -> KVConnectorBlockState:
+    """What a driver offers: ``block_state`` less ``withhold``, each resolver call appended to ``resolved``.
+
+    Its ``req_ids`` are the step's :attr:`StepRecord.offered`. The recording
+    resolver keeps the wrapped one's name, so metadata that holds it is
+    reported as holding, e.g., ``KVCacheManager.get_block_ids``.
+    """
+    resolve = block_state.resolve_block_ids
+
+    @functools.wraps(resolve)
+    def recording(req_id: str) -> BlockIds:
+        resolved.append(req_id)
+        return resolve(req_id)
+
+    return KVConnectorBlockState(set(block_state.req_ids) - set(withhold), recording)
+
+
+def tracked_by_role(name: str, scheduler: ConnectorHost | None, worker: ConnectorHost | None) -> dict[str, int]:
+    """:meth:`SchedulerDriver.num_tracked_requests` read from the hosts of each role (``None``: role not run)."""
+    tracked: dict[str, int] = {}
+    for role, host in (("scheduler", scheduler), ("worker", worker)):
+        counts = host.num_tracked_requests() if host is not None else {}
+        if name in counts:
+            tracked[role] = counts[name]
+    return tracked
 
 
 class ScenarioUnsupported(Exception):

@@ -26,6 +26,7 @@ from collections.abc import Collection, Mapping, Sequence
 import msgspec
 
 from ...block_state import KVConnectorBlockState
+from ...outputs import SchedulerOutput
 
 __all__ = ["BlockRefs", "INTROSPECTION_METHOD", "block_refs", "non_plain_data"]
 
@@ -61,7 +62,9 @@ def block_refs(
 
 
 class _Walker:
-    def __init__(self, refs: BlockRefs, requests: set[str], num_blocks: int, tokens: Mapping[str, Collection[int]]):
+    def __init__(
+        self, refs: BlockRefs, requests: set[str], num_blocks: int, tokens: Mapping[str, Collection[int]]
+    ) -> None:
         self.refs, self.requests, self.num_blocks, self.tokens = refs, requests, num_blocks, tokens
 
     def _owner(self, values: Sequence[object], owner: str | None) -> str | None:
@@ -137,8 +140,6 @@ def _find_non_plain(obj: object, path: str, found: list[str], seen: set[int]) ->
         found.append(f"{path}: a reference cycle")
         return
     seen = seen | {id(obj)}
-    from ...outputs import SchedulerOutput
-
     if isinstance(obj, SchedulerOutput):
         found.append(f"{path}: the SchedulerOutput (it reaches every request and every connector's metadata)")
     elif isinstance(obj, msgspec.Struct) and not callable(obj):

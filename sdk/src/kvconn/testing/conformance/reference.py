@@ -7,9 +7,9 @@ on real torch KV caches with the reference model. Connector errors raise.
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ...block_state import BlockIds, KVConnectorBlockState
@@ -21,7 +21,7 @@ from ...engine.stats import EngineStats
 from ...engine.worker import ReferenceWorker
 from ...host import ConnectorHost, LoadPlan
 from ...metadata import KVConnectorMetadata
-from ...outputs import ModelRunnerOutput, SchedulerOutput
+from ...outputs import SchedulerOutput
 from ...registry import load_connector_class
 from ...wire import (
     decode_model_runner_output,
@@ -31,7 +31,7 @@ from ...wire import (
     encode_scheduler_output,
 )
 from ..utils import assert_scheduler_empty
-from .driver import DriverSpec, StepRecord
+from .driver import DriverSpec, StepRecord, observed_block_state, tracked_by_role
 
 __all__ = ["ReferenceDriver"]
 
@@ -39,13 +39,15 @@ __all__ = ["ReferenceDriver"]
 _GARBAGE = 3.0
 
 
+@dataclass
 class _Victim:
     """The one load the driver makes fail: its last block, on the step it lands."""
 
-    def __init__(self, req_id: str, step: int, is_async: bool, block_ids: list[tuple[int, int]]) -> None:
-        self.req_id, self.step, self.is_async = req_id, step, is_async
-        self.block_ids = block_ids  # (group, block id)
-        self.done = False
+    req_id: str
+    step: int
+    is_async: bool
+    block_ids: list[tuple[int, int]]  # (group, block id)
+    done: bool = False
 
 
 class ReferenceDriver:
@@ -107,16 +109,9 @@ class ReferenceDriver:
         def build_connector_meta(
             scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
         ) -> dict[str, KVConnectorMetadata]:
-            offered = set(block_state.req_ids) - self._withhold
-            resolve = block_state.resolve_block_ids
-
-            @functools.wraps(resolve)
-            def counting(req_id: str) -> BlockIds:
-                self._resolved.append(req_id)
-                return resolve(req_id)
-
-            self._offered = frozenset(offered)
-            return build(scheduler_output, KVConnectorBlockState(offered, counting))
+            observed = observed_block_state(block_state, self._withhold, self._resolved)
+            self._offered = frozenset(observed.req_ids)
+            return build(scheduler_output, observed)
 
         def request_finished(request: Any, block_ids: BlockIds) -> bool:
             self._finished_calls[request.request_id] += 1
@@ -208,7 +203,7 @@ class ReferenceDriver:
             tables=tables,
             offered=self._offered,
             resolved=self._resolved,
-            connector_output=_connector_output(runner_output, self.name) if self.worker_host else None,
+            connector_output=runner_output.kv_connector_output.get(self.name) if self.worker_host else None,
             preempted={r for r, n in preemptions.items() if self.requests[r].num_preemptions > n},
         )
 
@@ -222,12 +217,7 @@ class ReferenceDriver:
         return dict(self._finished_calls)
 
     def num_tracked_requests(self) -> dict[str, int]:
-        tracked: dict[str, int] = {}
-        for role, host in (("scheduler", self.scheduler_host), ("worker", self.worker_host)):
-            counts = host.num_tracked_requests() if host is not None else {}
-            if self.name in counts:
-                tracked[role] = counts[self.name]
-        return tracked
+        return tracked_by_role(self.name, self.scheduler_host, self.worker_host)
 
     def assert_empty(self) -> None:
         assert_scheduler_empty(self.scheduler)
@@ -246,7 +236,3 @@ class ReferenceDriver:
     @property
     def stats(self) -> EngineStats:
         return self.scheduler.stats
-
-
-def _connector_output(output: ModelRunnerOutput, name: str) -> Any:
-    return output.kv_connector_output.get(name)

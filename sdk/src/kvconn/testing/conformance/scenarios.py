@@ -18,8 +18,10 @@ from ...context import KVCacheGroupSpec
 from .driver import DriverFactory, DriverSpec, ScenarioUnsupported, SchedulerDriver, StepRecord
 
 __all__ = [
+    "MAX_STEPS",
     "OFFERED_ONLY",
     "STANDARD",
+    "TWO_GROUPS",
     "Arrival",
     "Scenario",
     "Trace",
@@ -94,10 +96,8 @@ class Trace:
         return f"scenario {self.scenario.name!r}"
 
 
-def _requests(
-    count: int, length: int, max_tokens: int, *, seed: int, at_step: int = 0, start: int = 0
-) -> list[Arrival]:
-    return [Arrival(f"r{i}", prompt(length, seed + i), max_tokens, at_step) for i in range(start, start + count)]
+def _requests(count: int, length: int, max_tokens: int, *, seed: int) -> tuple[Arrival, ...]:
+    return tuple(Arrival(f"r{i}", prompt(length, seed + i), max_tokens) for i in range(count))
 
 
 _SHARED = prompt(40, 7)
@@ -106,7 +106,7 @@ STANDARD: tuple[Scenario, ...] = (
     Scenario(
         "chunked-prefill",
         "three 70-token prompts under a 40-token budget: prefill spans several steps",
-        tuple(_requests(3, 70, 3, seed=100)),
+        _requests(3, 70, 3, seed=100),
         options={"max_num_batched_tokens": 40},
     ),
     Scenario(
@@ -117,7 +117,7 @@ STANDARD: tuple[Scenario, ...] = (
     Scenario(
         "preemption",
         "a 13-block pool for four growing requests: preemption, then resume with a new table",
-        tuple(_requests(4, 30, 34, seed=300)),
+        _requests(4, 30, 34, seed=300),
         options={"num_blocks": 14, "enable_prefix_caching": False},
     ),
     Scenario(
