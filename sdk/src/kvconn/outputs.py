@@ -62,6 +62,17 @@ class SchedulerOutput(msgspec.Struct):
     #: Set only while connectors build metadata (legacy access); never sent.
     kv_connector_block_state: KVConnectorBlockState | None = None
 
+    def num_computed_tokens_by_request(self) -> dict[str, int]:
+        """``num_computed_tokens`` at the start of this step, for every scheduled request.
+
+        This step computes tokens ``[n, n + num_scheduled_tokens[req_id])``, so
+        the blocks it fills are easy to derive (what a saving connector needs).
+        """
+        cached = self.scheduled_cached_reqs
+        computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        computed.update((new.req_id, new.num_computed_tokens) for new in self.scheduled_new_reqs)
+        return computed
+
 
 class KVConnectorOutput(msgspec.Struct):
     """What one connector's worker side reports after a step.

@@ -15,7 +15,9 @@ from .embedded import EmbeddedStore, embedded_store
 from .keys import BlockKeys
 from .metadata import BlockTransfer, MooncakeMetadata
 from .mooncake_store import MooncakeStore
+from .scheduler import SchedulerSide
 from .store import Store
+from .worker import WorkerSide
 
 __all__ = [
     "ENV_VARS",
@@ -27,8 +29,10 @@ __all__ = [
     "MooncakeMetadata",
     "MooncakeStore",
     "RealStoreSettings",
+    "SchedulerSide",
     "Store",
     "StoreLease",
+    "WorkerSide",
     "acquire_store",
     "embedded_store",
     "resolve_backend",

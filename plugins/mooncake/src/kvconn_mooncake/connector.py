@@ -95,7 +95,7 @@ class MooncakeConnector(KVConnector):
     def wait_for_save(self) -> None:
         self.worker_side.wait_for_save()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], None]:
+    def get_finished(self) -> tuple[set[str], None]:
         return self.worker_side.get_finished(), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

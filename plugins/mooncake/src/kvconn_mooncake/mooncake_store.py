@@ -57,7 +57,6 @@ class MooncakeStore:
         self._healthy = False
         self._next_connect = 0.0
         self._buffers: list[tuple[int, int]] = []
-        self.outages = 0
         self._connect()
 
     # ------------------------------------------------------------ connection
@@ -117,7 +116,6 @@ class MooncakeStore:
             if healthy:
                 logger.info("mooncake master %s is back: store calls resume", self.settings.master_server_address)
             else:
-                self.outages += 1
                 logger.warning(
                     "mooncake master %s is unreachable: saves are skipped and lookups miss until it is back",
                     self.settings.master_server_address,

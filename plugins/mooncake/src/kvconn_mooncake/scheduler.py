@@ -20,7 +20,6 @@ may be asked again for the same request.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -50,6 +49,8 @@ class _Request:
 
 
 class SchedulerSide:
+    """The scheduler side of ``mooncake``: store lookups, and the loads and saves each step sends."""
+
     def __init__(self, store: Store, context: ConnectorContext, *, save_decode_cache: bool) -> None:
         self.store = store
         self.keys = BlockKeys(context)
@@ -57,7 +58,6 @@ class SchedulerSide:
         self.windows = [spec.sliding_window for spec in context.kv_cache_groups]
         self.save_decode_cache = save_decode_cache
         self.degraded = Degradations()
-        self.stats: Counter[str] = Counter()
         self._requests: dict[str, _Request] = {}
         self._lookups: dict[str, tuple[tuple[int, int], int]] = {}  # this step's lookups
         self._final: dict[str, list[BlockTransfer]] = {}  # finished, saves not yet sent
@@ -79,8 +79,6 @@ class SchedulerSide:
         hit = self._lookup(request.block_hashes, start, end)
         tokens = (hit - start) * bs
         self._lookups[request.request_id] = ((start, end), tokens)
-        self.stats["lookups"] += 1
-        self.stats["lookup_hit_blocks"] += hit - start
         return tokens
 
     def _lookup(self, hashes: Sequence[bytes], start: int, end: int) -> int:
@@ -147,7 +145,7 @@ class SchedulerSide:
                 meta.loads.extend(state.loads)
                 state.loads = []
                 loading.add(req_id)
-        starts = _computed_tokens(output)
+        starts = output.num_computed_tokens_by_request()
         for req_id, num_tokens in output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
             if state is None:
@@ -168,8 +166,6 @@ class SchedulerSide:
             self._sending.add(req_id)
         self._final.clear()
         meta.saves = _unique(meta.saves)
-        self.stats["blocks_to_save"] += len(meta.saves)
-        self.stats["blocks_to_load"] += len(meta.loads)
         return meta
 
     def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> bool:
@@ -192,14 +188,6 @@ class SchedulerSide:
 
     def num_tracked_requests(self) -> int:
         return len(self._requests) + len(self._final) + len(self._sending)
-
-
-def _computed_tokens(output: SchedulerOutput) -> dict[str, int]:
-    """``num_computed_tokens`` of each scheduled request at the start of the step."""
-    cached = output.scheduled_cached_reqs
-    index = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-    index.update((new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs)
-    return index
 
 
 def _unique(transfers: list[BlockTransfer]) -> list[BlockTransfer]:

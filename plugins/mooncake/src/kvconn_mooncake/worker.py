@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvconn import ConnectorContext
+from kvconn import NULL_BLOCK_ID, ConnectorContext
 
 from .codes import LEASE_EXPIRED, NOT_FOUND, OK, RPC_FAIL, STORE_FULL, code_name
 from .degrade import Degradations
@@ -130,6 +130,8 @@ def _drop_repeated_keys(buckets: Buckets) -> list[tuple[BlockTransfer, BlockTran
 
 
 class WorkerSide:
+    """The worker side of ``mooncake``: one batched get before compute, one batched put after it."""
+
     def __init__(self, store: Store, context: ConnectorContext) -> None:
         self.store = store
         self.context = context
@@ -173,9 +175,9 @@ class WorkerSide:
                 continue
             bucket, limit = buckets[g], self._groups[g].num_blocks
             ids = [t.block_id for t in bucket]
-            if min(ids) <= 0 or max(ids) >= limit:  # block 0 is the engine's null block
-                buckets[g] = [t for t in bucket if 0 < t.block_id < limit]
-                bad += [t for t in bucket if not 0 < t.block_id < limit]
+            if min(ids) <= NULL_BLOCK_ID or max(ids) >= limit:  # the null block holds no data
+                buckets[g] = [t for t in bucket if NULL_BLOCK_ID < t.block_id < limit]
+                bad += [t for t in bucket if not NULL_BLOCK_ID < t.block_id < limit]
         return buckets, bad
 
     def start_load_kv(self, metadata: MooncakeMetadata) -> None:

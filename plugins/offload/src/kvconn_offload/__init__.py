@@ -16,9 +16,10 @@ from .config import OffloadConfig
 from .connector import OffloadConnector
 from .manager import Entry, OffloadManager
 from .metadata import BlockTransfer, OffloadMetadata
+from .scheduler import OffloadScheduler
 
-# The copy code imports torch: loaded on first use, so `kvconn list` stays fast.
-_LAZY = {"BlockCopier": ".copy", "CopyPlan": ".copy", "wide_rows": ".copy"}
+# The copy code and the worker side import torch: loaded on first use, so `kvconn list` stays fast.
+_LAZY = {"BlockCopier": ".copy", "CopyPlan": ".copy", "wide_rows": ".copy", "OffloadWorker": ".worker"}
 
 
 def __getattr__(name: str) -> Any:
@@ -36,5 +37,7 @@ __all__ = [
     "OffloadConnector",
     "OffloadManager",
     "OffloadMetadata",
+    "OffloadScheduler",
+    "OffloadWorker",
     "wide_rows",
 ]

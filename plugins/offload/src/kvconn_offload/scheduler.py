@@ -45,6 +45,8 @@ POOL_SLOTS_STAT = "offload_pool_slots"
 
 
 class OffloadScheduler:
+    """The scheduler side of ``offload``: the pool index, and the copies each step plans."""
+
     def __init__(self, config: OffloadConfig, context: ConnectorContext) -> None:
         self.block_size = context.block_size
         self.multiple = config.block_size_multiple
@@ -68,16 +70,16 @@ class OffloadScheduler:
         hashes, m = request.block_hashes, self.multiple
         return [hashes[(k + 1) * m - 1] for k in range(min(num_blocks, len(hashes) // m))]
 
-    def _hit_blocks(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, list[bytes]]:
-        """Offloaded blocks of the longest loadable prefix, and their keys."""
+    def _hit_blocks(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
+        """Offloaded blocks of the longest loadable prefix."""
         if self.manager is None:
-            return 0, []
+            return 0
         unit = self.block_size * self.multiple
         keys = self._keys(request, (request.num_tokens - 1) // unit)
         k = self.manager.lookup(keys)
         while k > 0 and not self._window_ok(keys, k, num_computed_tokens):
             k -= 1
-        return k, keys[:k]
+        return k
 
     def _window_ok(self, keys: Sequence[bytes], k: int, num_computed_tokens: int) -> bool:
         """Every engine block a hit of ``k`` offloaded blocks must load was saved, in every group."""
@@ -93,8 +95,7 @@ class OffloadScheduler:
         return True
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
-        k, _ = self._hit_blocks(request, num_computed_tokens)
-        hit = k * self.multiple * self.block_size - num_computed_tokens
+        hit = self._hit_blocks(request, num_computed_tokens) * self.multiple * self.block_size - num_computed_tokens
         return (hit, True) if hit > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -120,12 +121,12 @@ class OffloadScheduler:
                     continue
                 transfer.device_blocks[g].append(device)
                 transfer.host_blocks[g].append(entry.slot * m + i % m)
-        present = [key for key in used if self.manager.get(key) is not None]
-        transfer.keys = present
-        transfer.slots = [self.manager.get(key).slot for key in present]  # type: ignore[union-attr]
-        self.manager.prepare_load(present)
+        present = [(key, entry) for key in used if (entry := self.manager.get(key)) is not None]
+        transfer.keys = [key for key, _ in present]
+        transfer.slots = [entry.slot for _, entry in present]
+        self.manager.prepare_load(transfer.keys)
         self.manager.touch(keys)
-        self._loads[request.request_id] = present
+        self._loads[request.request_id] = transfer.keys
         self._new_loads.append(transfer)
 
     # ------------------------------------------------------------------ store
@@ -137,7 +138,7 @@ class OffloadScheduler:
         self._new_loads, self._new_delayed = [], []
         if self.manager is None:
             return meta
-        computed = _computed_index(scheduler_output)
+        computed = scheduler_output.num_computed_tokens_by_request()
         stored: list[bytes] = []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
@@ -223,11 +224,3 @@ class OffloadScheduler:
 
     def get_num_tracked_requests(self) -> int:
         return len(set(self._requests) | set(self._loads) | self._delayed)
-
-
-def _computed_index(output: SchedulerOutput) -> dict[str, int]:
-    """``num_computed_tokens`` at the start of the step, per scheduled request."""
-    cached = output.scheduled_cached_reqs
-    index = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-    index.update((new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs)
-    return index

@@ -10,14 +10,19 @@ carry the highest finished store job back to the scheduler side.
 
 On CPU every copy is synchronous. On CUDA copies run non-blocking on one side
 stream (so they run in issue order: a slot re-stored after a load is written
-after that load read it): a save waits on an event recorded on the compute
-stream after the layer was written; completion is polled with events; and the
-next step's compute waits for the previous store job, so no device block
-freed by preemption is overwritten while a copy still reads it.
+after that load read it). Each use of the side stream first waits for the work
+issued so far on the compute stream, so a save reads a layer only after it was
+written and a load writes blocks only after earlier compute is done with them.
+Every tensor the copies use is allocated on the side stream, so the caching
+allocator never hands its memory to the compute stream while a copy still
+runs. Completion is polled with events, and the next step's compute waits for
+the previous store job, so no device block freed by preemption is overwritten
+while a copy still reads it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -53,6 +58,8 @@ class _Load:
 
 
 class OffloadWorker:
+    """The worker side of ``offload``: owns the host pool and runs the copies the scheduler side plans."""
+
     def __init__(self, config: OffloadConfig, context: ConnectorContext) -> None:
         check_pin_mode(config.pin_memory)
         self.config = config
@@ -63,6 +70,7 @@ class OffloadWorker:
         self.num_slots = 0
         self._layers: dict[str, int] = {}
         self._group_of: list[int] = []
+        self._block_bytes: list[int] = []  # per KV-cache group: bytes of one engine block over its layers
         self._rows: list[Any] = []
         self._copier: BlockCopier | None = None
         self._stream: Any = None
@@ -98,6 +106,7 @@ class OffloadWorker:
         self._group_of = [group_of[name] for name in names]
         self._rows = [wide_rows(kv_caches[name]) for name in names]
         block_bytes = first[0].numel() * first.element_size()
+        self._block_bytes = [block_bytes * self._group_of.count(g) for g in range(len(self.context.kv_cache_groups))]
         if self.config.pool_bytes is not None:
             self.num_slots = self.config.pool_bytes // (len(names) * self.multiple * block_bytes)
             if self.num_slots < 1:
@@ -134,7 +143,8 @@ class OffloadWorker:
             torch.cuda.current_stream(self._stream.device).wait_event(self._jobs[-1][2])
         self._finishing.update(metadata.delayed_frees)
         self._store_seq = metadata.store_seq
-        self._store_plans = self._plans(metadata.stores) if metadata.store_seq else []
+        with self._on_copy_stream():
+            self._store_plans = self._plans(metadata.stores) if metadata.store_seq else []
         self._store_tags = {}
         for transfer in metadata.stores:
             self._last_store[transfer.req_id] = metadata.store_seq
@@ -145,7 +155,7 @@ class OffloadWorker:
             self._start_load(transfer)
 
     def _plans(self, transfers: list[BlockTransfer]) -> list[CopyPlan | None]:
-        """One plan per KV-cache group, over all the transfers (built on the copy stream)."""
+        """One plan per KV-cache group, over all the transfers (call it on the copy stream)."""
         device = self._rows[0].device
         plans: list[CopyPlan | None] = []
         for g in range(len(self.context.kv_cache_groups)):
@@ -182,11 +192,7 @@ class OffloadWorker:
         plan = self._store_plans[self._group_of[layer]]
         if plan is None:
             return
-        if self._stream is not None:
-            written = torch.cuda.Event()
-            written.record(torch.cuda.current_stream(self._stream.device))
-            self._stream.wait_event(written)
-        with self._on_copy_stream():
+        with self._on_copy_stream():  # after the compute stream wrote the layer
             self._copier.save(layer, self._rows[layer], plan)
 
     def wait_for_save(self) -> None:
@@ -199,13 +205,9 @@ class OffloadWorker:
         self._store_seq = 0
 
     def _count(self, what: str, plans: list[CopyPlan | None]) -> None:
-        blocks = sum(len(p) for p in plans if p is not None)
-        layers = [sum(1 for g in self._group_of if g == group) for group in range(len(plans))]
-        row_bytes = self._rows[0].shape[1] * self._rows[0].element_size()
-        self._stats[f"blocks_{what}"] = self._stats.get(f"blocks_{what}", 0) + blocks
-        self._stats[f"bytes_{what}"] = self._stats.get(f"bytes_{what}", 0) + row_bytes * sum(
-            len(p) * layers[g] for g, p in enumerate(plans) if p is not None
-        )
+        sizes = [(len(p), self._block_bytes[g]) for g, p in enumerate(plans) if p is not None]
+        self._stats[f"blocks_{what}"] = self._stats.get(f"blocks_{what}", 0) + sum(n for n, _ in sizes)
+        self._stats[f"bytes_{what}"] = self._stats.get(f"bytes_{what}", 0) + sum(n * b for n, b in sizes)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         while self._jobs and _done(self._jobs[0][2]):
@@ -243,10 +245,10 @@ class OffloadWorker:
     # ------------------------------------------------------------------- CUDA
 
     def _on_copy_stream(self) -> Any:
+        """A context that issues work on the copy stream, ordered after all compute issued so far (CUDA)."""
         if self._stream is None:
-            import contextlib
-
             return contextlib.nullcontext()
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         return torch.cuda.stream(self._stream)
 
     def _record(self) -> Any:

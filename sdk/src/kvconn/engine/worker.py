@@ -92,7 +92,7 @@ class ReferenceWorker:
         # Positions computed this step, per request, and where their KV goes.
         positions: list[tuple[str, int, int]] = []
         hashes: list[int] = []
-        starts = _computed_index(output)
+        starts = output.num_computed_tokens_by_request()
         for req_id, n in output.num_scheduled_tokens.items():
             state, start = self._requests[req_id], starts[req_id]
             hashes.extend(prefix_hashes(state.token_ids[: start + n], state.hashes)[start : start + n])
@@ -138,11 +138,3 @@ class ReferenceWorker:
 
     def num_requests(self) -> int:
         return len(self._requests)
-
-
-def _computed_index(output: SchedulerOutput) -> dict[str, int]:
-    """``num_computed_tokens`` the scheduler sent, per scheduled request."""
-    cached = output.scheduled_cached_reqs
-    index = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-    index.update((new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs)
-    return index

@@ -109,9 +109,7 @@ class MemoryConnector(KVConnector):
         meta = MemoryMetadata(loads=self._pending_loads)
         self._pending_loads = []
         bs = self.context.block_size
-        cached = scheduler_output.scheduled_cached_reqs
-        computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        computed.update((r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs)
+        computed = scheduler_output.num_computed_tokens_by_request()
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             table = block_state.get_block_ids(req_id)
             hashes = self._hashes.get(req_id)
