@@ -42,24 +42,25 @@ __all__ = ["ConnectorHost", "LoadPlan", "StepUpdate"]
 logger = logging.getLogger("kvconn.host")
 
 OnError = Literal["degrade", "raise"]
-#: (connector name, a callable taking the hook's arguments as a tuple in spec order)
-_Impl = tuple[str, Callable[[tuple[Any, ...]], Any]]
+#: (connector name, a callable taking the hook's arguments positionally, in spec order)
+_Impl = tuple[str, Callable[..., Any]]
 
 
-def _positional(
-    function: Callable[..., Any], argnames: Sequence[str], spec: Sequence[str]
-) -> Callable[[tuple[Any, ...]], Any]:
-    """Adapt an implementation taking a subset of the spec's arguments to the spec-ordered tuple."""
+def _positional(function: Callable[..., Any], argnames: Sequence[str], spec: Sequence[str]) -> Callable[..., Any]:
+    """Adapt an implementation taking a subset of the spec's arguments to all of them, in spec order.
+
+    An implementation that takes every argument in order is called as it is (no extra frame).
+    """
     positions = [spec.index(a) for a in argnames]
     if positions == list(range(len(spec))):
-        return lambda args: function(*args)
+        return function
     if not positions:
-        return lambda args: function()
+        return lambda *args: function()
     if len(positions) == 1:
         (i,) = positions
-        return lambda args: function(args[i])
+        return lambda *args: function(args[i])
     pick = operator.itemgetter(*positions)
-    return lambda args: function(*pick(args))
+    return lambda *args: function(*pick(args))
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,7 @@ class ConnectorHost:
         """Call one implementation with the hook's arguments in spec order."""
         name, call = impl
         try:
-            return True, call(args)
+            return True, call(*args)
         except Exception as exc:
             self._fail(name, hook, exc)
             return False, None
@@ -415,7 +416,7 @@ class ConnectorHost:
             else:
                 call_args = args
             try:
-                call(call_args)
+                call(*call_args)
             except Exception as exc:
                 self._fail(name, hook, exc)
 
