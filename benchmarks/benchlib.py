@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Bench", "machine", "median_time", "parse_args"]
+__all__ = ["Bench", "machine", "median_times", "parse_args"]
 
 
 def parse_args(description: str | None, argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -32,24 +32,35 @@ def parse_args(description: str | None, argv: Sequence[str] | None = None) -> ar
     return parser.parse_args(argv)
 
 
-def median_time(fn: Callable[[], object], *, repeat: int = 7, min_time: float = 0.01) -> float:
-    """Median seconds per call of ``fn`` over ``repeat`` rounds, each looping long enough to time."""
+def median_times(*fns: Callable[[], object], repeat: int = 7, min_time: float = 0.01) -> list[float]:
+    """Median seconds per call of each of ``fns``, measured side by side.
+
+    Each function is calibrated to enough calls per round to last ``min_time``;
+    then the rounds are interleaved (one round of each, ``repeat`` times), so
+    a slow spell of a shared machine lands on every function alike.
+    """
+    numbers = [_calibrate(fn, min_time) for fn in fns]
+    rounds: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, number, times in zip(fns, numbers, rounds, strict=True):
+            start = time.perf_counter()
+            for _ in range(number):
+                fn()
+            times.append((time.perf_counter() - start) / number)
+    return [statistics.median(times) for times in rounds]
+
+
+def _calibrate(fn: Callable[[], object], min_time: float) -> int:
+    """How many calls of ``fn`` last at least ``min_time``."""
     number = 1
-    while True:  # calibrate: enough calls per round to last min_time
+    while True:
         start = time.perf_counter()
         for _ in range(number):
             fn()
         elapsed = time.perf_counter() - start
         if elapsed >= min_time or number >= 1 << 20:
-            break
+            return number
         number *= 2 if elapsed <= 0 else max(2, min(10, int(min_time / elapsed) + 1))
-    rounds = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        rounds.append((time.perf_counter() - start) / number)
-    return statistics.median(rounds)
 
 
 def machine() -> dict[str, Any]:

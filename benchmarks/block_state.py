@@ -9,6 +9,8 @@ What the scheduler pays each step to offer block tables to connectors:
 * eager: the old design, a dict copying every scheduled request's table.
 
 The resolver builds fresh lists as the KV cache manager's ``get_block_ids`` does.
+All three are timed as the same kind of call (a function of the scheduled
+dict and the resolver), so the harness costs the same in each.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 from collections.abc import Callable
 from functools import partial
 
-from benchlib import Bench, median_time, parse_args
+from benchlib import Bench, median_times, parse_args
 
 from kvconn import BlockIds, KVConnectorBlockState
 
@@ -32,6 +34,10 @@ def _fixture(num_requests: int, num_blocks: int) -> tuple[dict[str, int], Callab
         return (list(tables[req_id]),)
 
     return dict.fromkeys(tables, 1), resolve
+
+
+def _floor(scheduled: dict[str, int], resolve: Callable[[str], BlockIds]) -> set[str]:
+    return set(scheduled)
 
 
 def _lazy(scheduled: dict[str, int], resolve: Callable[[str], BlockIds]) -> KVConnectorBlockState:
@@ -55,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     for n in requests:
         for b in blocks:
             scheduled, resolve = _fixture(n, b)
-            floor = median_time(partial(set, scheduled), repeat=repeat)
-            lazy = median_time(partial(_lazy, scheduled, resolve), repeat=repeat)
-            eager = median_time(partial(_eager, scheduled, resolve), repeat=repeat)
+            floor, lazy, eager = median_times(
+                *(partial(fn, scheduled, resolve) for fn in (_floor, _lazy, _eager)), repeat=repeat
+            )
             bench.row(n, b, floor * 1e6, lazy * 1e6, eager * 1e6, lazy / floor, eager / lazy)
             worst_lazy = max(worst_lazy, lazy / floor)
             if (n, b) == (1024, 128):

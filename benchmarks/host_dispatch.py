@@ -17,7 +17,7 @@ import sys
 from functools import partial
 from typing import Any
 
-from benchlib import Bench, median_time, parse_args
+from benchlib import Bench, median_times, parse_args
 from scheduler_scaling import decode_scheduler, decode_step_seconds
 
 from kvconn import (
@@ -141,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             ConnectorHost([(f"c{i}", c) for i, c in enumerate(connectors)], role=role)
             for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
         ]
-        host_s = median_time(partial(via_host, *hosts), repeat=repeat)
-        direct_s = median_time(partial(direct, connectors), repeat=repeat)
+        host_s, direct_s = median_times(partial(via_host, *hosts), partial(direct, connectors), repeat=repeat)
         extra = max(0.0, host_s - direct_s)
         worst = max(worst, extra / step_s)
         bench.row(n, direct_s * 1e6, host_s * 1e6, extra * 1e6, f"{extra / step_s:.1%}")

@@ -203,3 +203,45 @@ def test_connectors_are_hosted_only_for_the_roles_they_serve() -> None:
         assert engine.scheduler_host is not None and engine.worker_host is not None
         assert engine.scheduler_host.names == [f"{__name__}:SchedulerOnly", "dummy"]
         assert engine.worker_host.names == ["dummy"]
+
+
+class LayerRecorder(KVConnector):
+    """Worker side: records per-layer calls; fails in ``save_kv_layer`` on the layers named in ``fail_on``."""
+
+    Metadata = Named
+
+    def __init__(self, *args: Any, fail_on: tuple[str, ...] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fail_on = fail_on
+        self.calls: list[tuple[str, str]] = []
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.calls.append(("wait", layer_name))
+
+    def save_kv_layer(self, layer_name: str, metadata: Named) -> None:
+        self.calls.append(("save", f"{layer_name}:{metadata.name}"))
+        if layer_name in self.fail_on:
+            raise RuntimeError(f"boom in {layer_name}")
+
+
+def test_per_layer_hooks_skip_a_connector_for_the_rest_of_the_step_it_failed_in() -> None:
+    flaky = LayerRecorder(role="worker", fail_on=("L0",))
+    steady, idle = LayerRecorder(role="worker"), LayerRecorder(role="worker")
+    host = ConnectorHost({"flaky": flaky, "steady": steady, "idle": idle}, role="worker")
+
+    def step() -> dict[str, KVConnectorOutput]:
+        host.bind_connector_metadata({"flaky": Named(name="f"), "steady": Named(name="s")})  # none for "idle"
+        for layer in ("L0", "L1"):
+            host.wait_for_layer_load(layer)
+            host.save_kv_layer(layer, None)
+        return host.get_finished(set())
+
+    first = step()
+    assert flaky.calls == [("wait", "L0"), ("save", "L0:f")]  # sat out L1 after failing in L0
+    assert steady.calls == [("wait", "L0"), ("save", "L0:s"), ("wait", "L1"), ("save", "L1:s")]
+    assert idle.calls == [("wait", "L0"), ("wait", "L1")]  # no metadata: no save, but it may still wait
+    assert first["flaky"].failed and not first["steady"].failed
+    flaky.fail_on, flaky.calls = (), []
+    second = step()
+    assert flaky.calls == [("wait", "L0"), ("save", "L0:f"), ("wait", "L1"), ("save", "L1:f")]  # back next step
+    assert not second["flaky"].failed

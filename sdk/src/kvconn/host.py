@@ -146,6 +146,7 @@ class ConnectorHost:
         # register_kv_caches failed hold no caches and sit out every step
         self._metadata: dict[str, KVConnectorMetadata] = {}
         self._disabled: set[str] = set()
+        self._plan_layers()
 
     @classmethod
     def from_names(
@@ -198,6 +199,8 @@ class ConnectorHost:
         return sum(self.error_counts.values())
 
     # ------------------------------------------------------------------ calling
+    # Every hook call goes through _each (or the per-layer loops below): one
+    # ``try`` per connector, arguments passed positionally in spec order.
 
     def _fail(self, name: str, hook: str, exc: Exception) -> None:
         if self.on_error == "raise":
@@ -210,51 +213,37 @@ class ConnectorHost:
             )  # fmt: skip
         self.error_counts[key] += 1
         self._failed_this_step.add(name)
+        if self.role is KVConnectorRole.WORKER:
+            self._plan_layers()  # it sits out the rest of the step
 
-    def _call(self, impl: _Impl, hook: str, args: tuple[Any, ...]) -> tuple[bool, Any]:
-        """Call one implementation with the hook's arguments in spec order."""
-        name, call = impl
-        try:
-            return True, call(*args)
-        except Exception as exc:
-            self._fail(name, hook, exc)
-            return False, None
+    def _each(self, hook: str, args: tuple[Any, ...] | Callable[[str], tuple[Any, ...]]) -> Iterator[tuple[str, Any]]:
+        """Call ``hook`` on every connector implementing it, in order; yield ``(name, result)`` of the successes.
 
-    def _broadcast(
-        self, hook: str, kwargs: Mapping[str, Any] | Callable[[str], Mapping[str, Any] | None]
-    ) -> Iterator[tuple[str, Any]]:
-        """Call ``hook`` on every connector implementing it, in order; yield the successes.
-
-        ``kwargs`` may depend on the connector's name (``None``: skip it).
+        ``args`` are the spec's arguments in order, or a function of the
+        connector's name returning them. On the worker, a connector that
+        raised earlier in the step sits out the rest of it.
         """
-        for impl in self._impls[hook]:
-            name = impl[0]
-            if self.role is KVConnectorRole.WORKER and name in self._failed_this_step:
-                continue  # a worker-side connector that raised sits out the rest of the step
-            named = kwargs(name) if callable(kwargs) else kwargs
-            if named is None:
+        skip = self._failed_this_step if self.role is KVConnectorRole.WORKER else ()
+        for name, call in self._impls[hook]:
+            if name in skip:
                 continue
-            ok, result = self._call(impl, hook, tuple(named[a] for a in self._spec_args(hook)))
-            if ok:
+            try:
+                result = call(*(args(name) if callable(args) else args))
+            except Exception as exc:
+                self._fail(name, hook, exc)
+            else:
                 yield name, result
 
-    def _spec_args(self, hook: str) -> tuple[str, ...]:
-        return tuple(getattr(self._pm.hook, hook).spec.argnames)
-
-    def _notify(self, hook: str, **kwargs: Any) -> None:
+    def _notify(self, hook: str, *args: Any) -> None:
         """Call ``hook`` on every connector for its side effects."""
-        self._notify_each(hook, kwargs)
-
-    def _notify_each(self, hook: str, kwargs: Mapping[str, Any] | Callable[[str], Mapping[str, Any] | None]) -> None:
-        for _ in self._broadcast(hook, kwargs):
+        for _ in self._each(hook, args):
             pass
 
     # ------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> LoadPlan:
         """Ask each connector in order; the first that reports tokens loads."""
-        args = {"request": request, "num_computed_tokens": num_computed_tokens}
-        for name, result in self._broadcast("get_num_new_matched_tokens", args):
+        for name, result in self._each("get_num_new_matched_tokens", (request, num_computed_tokens)):
             num_tokens, load_async = result if result is not None else (0, False)
             if num_tokens is None:
                 return LoadPlan(None, False, name)
@@ -270,13 +259,9 @@ class ConnectorHost:
         """
         num_external = plan.num_tokens or 0
         loading = False
-        for name, _ in self._broadcast(
+        for name, _ in self._each(
             "update_state_after_alloc",
-            lambda name: {
-                "request": request,
-                "block_ids": block_ids,
-                "num_external_tokens": num_external if name == plan.connector else 0,
-            },
+            lambda name: (request, block_ids, num_external if name == plan.connector else 0),
         ):
             if name == plan.connector and num_external:
                 start = request.num_computed_tokens
@@ -304,10 +289,9 @@ class ConnectorHost:
         scheduler_output.kv_connector_block_state = block_state
         self._failed_this_step.clear()
         try:
-            args = {"block_state": block_state, "scheduler_output": scheduler_output}
-            self._notify("on_block_state", **args)
+            self._notify("on_block_state", block_state, scheduler_output)
             metadata: dict[str, KVConnectorMetadata] = {}
-            for name, meta in self._broadcast("build_connector_meta", args):
+            for name, meta in self._each("build_connector_meta", (scheduler_output, block_state)):
                 if name in self._failed_this_step:
                     continue
                 expected = getattr(self.connectors[name], "Metadata", KVConnectorMetadata)
@@ -329,7 +313,7 @@ class ConnectorHost:
         """Tell every connector; returns whether any delays freeing the blocks."""
         delayed = {
             name
-            for name, result in self._broadcast("request_finished", {"request": request, "block_ids": block_ids})
+            for name, result in self._each("request_finished", (request, block_ids))
             if (result[0] if isinstance(result, tuple) else result)
         }
         if delayed:
@@ -340,7 +324,8 @@ class ConnectorHost:
         """Hand each connector its worker report and merge what the engine must do."""
         update = StepUpdate()
         empty = KVConnectorOutput()
-        self._notify_each("update_connector_output", lambda name: {"connector_output": outputs.get(name, empty)})
+        for _ in self._each("update_connector_output", lambda name: (outputs.get(name, empty),)):
+            pass
         for name in self.connectors:
             out = outputs.get(name, empty)
             update.stats.update(out.stats)
@@ -395,39 +380,50 @@ class ConnectorHost:
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """A connector that fails here is disabled: every step reports it failed (loads recompute)."""
-        self._notify("register_kv_caches", kv_caches=kv_caches)
+        self._notify("register_kv_caches", kv_caches)
         self._disabled = set(self._failed_this_step)
 
     def bind_connector_metadata(self, metadata: Mapping[str, KVConnectorMetadata] | None) -> None:
         """This step's metadata; a connector without an entry sits the step out."""
         self._metadata = dict(metadata or {})
+        self._plan_layers()
 
-    # Per-layer hooks run layers x connectors times a step: positional calls, no per-call dicts.
+    def _plan_layers(self) -> None:
+        """Decide once per step (and again when a connector fails) who takes part in the per-layer hooks.
 
-    def _per_layer(self, hook: str, args: tuple[Any, ...], with_metadata: bool) -> None:
+        They run layers x connectors times a step, so each call is a plain loop
+        over a ready list: connectors that have not failed and, for the hooks
+        taking it, have metadata this step, paired with that metadata.
+        """
         failed, metadata = self._failed_this_step, self._metadata
-        for name, call in self._impls[hook]:
-            if name in failed:
-                continue
-            if with_metadata:
-                if name not in metadata:
-                    continue
-                call_args = (*args, metadata[name])
-            else:
-                call_args = args
-            try:
-                call(*call_args)
-            except Exception as exc:
-                self._fail(name, hook, exc)
+
+        def with_metadata(hook: str) -> list[tuple[str, Callable[..., Any], KVConnectorMetadata]]:
+            return [(n, c, metadata[n]) for n, c in self._impls.get(hook, ()) if n not in failed and n in metadata]
+
+        self._kv_loads = with_metadata("start_load_kv")
+        self._layer_saves = with_metadata("save_kv_layer")
+        self._layer_waits = [(n, c) for n, c in self._impls.get("wait_for_layer_load", ()) if n not in failed]
 
     def start_load_kv(self) -> None:
-        self._per_layer("start_load_kv", (), True)
+        for name, call, metadata in self._kv_loads:
+            try:
+                call(metadata)
+            except Exception as exc:
+                self._fail(name, "start_load_kv", exc)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._per_layer("wait_for_layer_load", (layer_name,), False)
+        for name, call in self._layer_waits:
+            try:
+                call(layer_name)
+            except Exception as exc:
+                self._fail(name, "wait_for_layer_load", exc)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any) -> None:
-        self._per_layer("save_kv_layer", (layer_name, kv_layer), True)
+        for name, call, metadata in self._layer_saves:
+            try:
+                call(layer_name, kv_layer, metadata)
+            except Exception as exc:
+                self._fail(name, "save_kv_layer", exc)
 
     def wait_for_save(self) -> None:
         self._notify("wait_for_save")
@@ -435,25 +431,26 @@ class ConnectorHost:
     def get_finished(self, finished_req_ids: set[str]) -> dict[str, KVConnectorOutput]:
         """Collect each connector's report for this step and end the step."""
         outputs = {name: KVConnectorOutput() for name in self.connectors}
-        for name, result in self._broadcast("get_finished", {"finished_req_ids": finished_req_ids}):
+        for name, result in self._each("get_finished", (finished_req_ids,)):
             sending, recving = result if result is not None else (None, None)
             outputs[name].finished_sending = set(sending or ())
             outputs[name].finished_recving = set(recving or ())
-        for name, errors in self._broadcast("get_block_ids_with_load_errors", {}):
+        for name, errors in self._each("get_block_ids_with_load_errors", ()):
             outputs[name].invalid_block_ids = set(errors or ())
-        for name, stats in self._broadcast("get_kv_connector_stats", {}):
+        for name, stats in self._each("get_kv_connector_stats", ()):
             outputs[name].stats = dict(stats or {})
         for name in self._failed_this_step:
             outputs[name] = msgspec.structs.replace(outputs[name], failed=True)
         self._failed_this_step = set(self._disabled)
         self._metadata = {}
+        self._plan_layers()
         return outputs
 
     # ---------------------------------------------------------------------- both
 
     def num_tracked_requests(self) -> dict[str, int]:
         """Per connector, how many requests it still tracks (if it says)."""
-        return {name: int(n) for name, n in self._broadcast("get_num_tracked_requests", {}) if n is not None}
+        return {name: int(n) for name, n in self._each("get_num_tracked_requests", ()) if n is not None}
 
     def shutdown(self) -> None:
         self._notify("shutdown")
