@@ -39,3 +39,11 @@ def test_connectors(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Make ``kvconn_test_connectors`` importable; yields its module name."""
     monkeypatch.syspath_prepend(str(HERE))
     yield "kvconn_test_connectors"
+
+
+@pytest.fixture
+def old_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM before the lazy block-state fix: ``kv_connector_block_state`` stays ``None``."""
+    import vllm.v1.core.sched.scheduler as vllm_scheduler
+
+    monkeypatch.setattr(vllm_scheduler, "KVConnectorBlockState", lambda **kwargs: None)

@@ -159,14 +159,6 @@ def test_failed_sync_load_is_recomputed_not_used(test_connectors: str) -> None:
     assert "hit0" not in scheduler.requests
 
 
-@pytest.fixture
-def old_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM before the lazy block-state fix: ``kv_connector_block_state`` stays ``None``."""
-    import vllm.v1.core.sched.scheduler as vllm_scheduler
-
-    monkeypatch.setattr(vllm_scheduler, "KVConnectorBlockState", lambda **kwargs: None)
-
-
 @pytest.mark.usefixtures("old_vllm")
 def test_fallback_tracks_live_tables_through_block_fill_and_preemption() -> None:
     # 11 usable blocks; requests growing to 5 blocks each: someone is preempted and resumed.

@@ -57,6 +57,14 @@ from .translate import (
     translate_scheduler_output,
 )
 
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # a vLLM that never runs its hybrid KV cache manager with a connector
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        """Stand-in for vLLM's marker of connectors that handle several KV-cache groups."""
+
+
 __all__ = ["KVConnVllmConnector", "KVConnVllmMetadata", "KVConnVllmStats", "KVConnVllmWorkerMetadata"]
 
 logger = logging.getLogger("kvconn.adapters.vllm")
@@ -136,8 +144,14 @@ def _tp_rank() -> int:
         return 0  # no distributed state (single process, tests)
 
 
-class KVConnVllmConnector(KVConnectorBase_V1):
-    """Hosts kvconn connectors for one vLLM role; see the module docstring."""
+class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
+    """Hosts kvconn connectors for one vLLM role; see the module docstring.
+
+    It supports vLLM's hybrid KV cache manager (``SupportsHMA``): kvconn
+    connectors always see one table per KV-cache group, with vLLM's null
+    block (id 0, as kvconn's ``NULL_BLOCK_ID``) where a sliding window freed
+    a block.
+    """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -222,18 +236,34 @@ class KVConnVllmConnector(KVConnectorBase_V1):
             return KVConnectorBlockState(
                 set(state.req_ids), state.resolve_block_ids, dict(getattr(state, "boundary_state_offloads", {}) or {})
             )
+        sliding = any(g.sliding_window is not None for g in self.context.kv_cache_groups)
         if self._tracker is None:
-            if self._step > 1:
+            if sliding:
+                logger.error(
+                    "this vLLM sends no kv_connector_block_state and the model has sliding-window KV-cache groups, "
+                    "whose tables cannot be tracked safely: connectors are offered no tables, so they save nothing "
+                    "(loads still work); use a vLLM with the lazy block state to save"
+                )
+            elif self._step > 1:
                 logger.error("vLLM stopped sending kv_connector_block_state mid-run; tracking tables from now on")
             else:
                 logger.info("this vLLM sends no kv_connector_block_state: tables are tracked from scheduler outputs")
             self._tracker = TableTracker()
         self._tracker.update(output)
+        if sliding:
+            return KVConnectorBlockState(set(), self._tracker.resolve)
         return self._tracker.block_state(output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM with one KV-cache group (its hybrid manager off)."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV cache manager: the request's table in every group."""
         self._plans.pop(request.request_id, None)
-        return self.host.request_finished(VllmRequestView(request), (list(block_ids),)), None
+        return self.host.request_finished(VllmRequestView(request), to_block_ids(block_ids)), None
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Hand each connector its report, then make vLLM act on the host's merged decision.

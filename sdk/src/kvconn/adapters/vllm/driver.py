@@ -26,7 +26,6 @@ from ...outputs import SchedulerOutput
 from ...testing.conformance.driver import (
     DriverFactory,
     DriverSpec,
-    ScenarioUnsupported,
     StepRecord,
     observed_block_state,
     tracked_by_role,
@@ -56,12 +55,6 @@ class VllmDriver:
     def __init__(self, spec: DriverSpec) -> None:
         from .harness import VllmLoop, make_scheduler
 
-        groups = spec.kv_cache_groups
-        if len(groups) != 1 or groups[0].sliding_window is not None:
-            raise ScenarioUnsupported(
-                "the vllm driver runs one full-attention KV-cache group: kvconn's vLLM adapter does not "
-                "support vLLM's hybrid KV cache manager (several groups, sliding windows)"
-            )
         self.block_size, self.num_blocks = spec.block_size, spec.num_blocks
         self.name = spec.connector
         self.scheduler = make_scheduler(
@@ -73,6 +66,7 @@ class VllmDriver:
             max_num_batched_tokens=spec.max_num_batched_tokens,
             max_model_len=2048,
             enable_prefix_caching=spec.enable_prefix_caching,
+            kv_cache_groups=spec.kv_cache_groups,
         )
         self.loop = VllmLoop(self.scheduler)
         self.adapter = self.scheduler.connector

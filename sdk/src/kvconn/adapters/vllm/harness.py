@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ...context import NULL_BLOCK_ID, KVCacheGroupSpec
 from . import CONNECTOR_CLASS, SHORT_NAME
 
 __all__ = [
@@ -41,6 +42,8 @@ __all__ = [
 EOS_TOKEN_ID = 50256  # OPT's end-of-sequence token: sampling it ends a request
 NUM_KV_HEADS, HEAD_SIZE = 2, 32
 LAYERS = ("model.decoder.layers.0.self_attn.attn", "model.decoder.layers.1.self_attn.attn")
+#: One full-attention group over the tiny model's layers: vLLM's KV cache layout for it.
+DEFAULT_GROUPS = (KVCacheGroupSpec(LAYERS),)
 
 _TINY_OPT = {
     "architectures": ["OPTForCausalLM"],
@@ -126,13 +129,21 @@ def make_scheduler(
     max_model_len: int = 1024,
     kv_load_failure_policy: str = "recompute",
     enable_prefix_caching: bool = True,
+    kv_cache_groups: Sequence[KVCacheGroupSpec] = DEFAULT_GROUPS,
     workdir: str | os.PathLike[str] | None = None,
 ) -> Any:
-    """vLLM's ``Scheduler`` with kvconn ``connector`` on its scheduler side (``scheduler.connector``)."""
+    """vLLM's ``Scheduler`` with kvconn ``connector`` on its scheduler side (``scheduler.connector``).
+
+    ``kv_cache_groups`` lays out the KV cache (layer names; a sliding window
+    makes a sliding-window group). With several groups vLLM's hybrid KV cache
+    manager runs: vLLM turns it off on CPU platforms only because its GPU
+    kernels need it, so it is switched back on here, where only the
+    scheduler runs.
+    """
     model_dir = prepare_environment(workdir)
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.structured_output import StructuredOutputManager
 
     model_config = ModelConfig(
@@ -161,19 +172,12 @@ def make_scheduler(
         device_config=DeviceConfig("cpu"),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    import torch
-
+    if len(kv_cache_groups) > 1:
+        vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                list(LAYERS),
-                FullAttentionSpec(
-                    block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float16
-                ),
-            )
-        ],
+        kv_cache_groups=[_vllm_group(group, block_size) for group in kv_cache_groups],
     )
     _init_hashing()
     return Scheduler(
@@ -183,6 +187,20 @@ def make_scheduler(
         block_size=block_size,
         log_stats=True,
     )
+
+
+def _vllm_group(group: KVCacheGroupSpec, block_size: int) -> Any:
+    """vLLM's ``KVCacheGroupSpec`` for a kvconn one: full attention, or a sliding window."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec as VllmGroupSpec
+
+    shape: dict[str, Any] = {
+        "block_size": block_size, "num_kv_heads": NUM_KV_HEADS, "head_size": HEAD_SIZE, "dtype": torch.float16,
+    }  # fmt: skip
+    if group.sliding_window is None:
+        return VllmGroupSpec(list(group.layer_names), FullAttentionSpec(**shape))
+    return VllmGroupSpec(list(group.layer_names), SlidingWindowSpec(**shape, sliding_window=group.sliding_window))
 
 
 def make_request(req_id: str, prompt_token_ids: Sequence[int], max_tokens: int = 16, block_size: int = 16) -> Any:
@@ -234,13 +252,12 @@ def make_model_runner_output(
     )
 
 
-def fake_kv_caches(num_blocks: int, block_size: int = 16) -> dict[str, Any]:
+def fake_kv_caches(num_blocks: int, block_size: int = 16, layers: Iterable[str] = LAYERS) -> dict[str, Any]:
     """Per-layer tensors shaped as vLLM 0.33 registers them: ``[blocks, heads, block_size, 2 * head]``."""
     import torch
 
-    return {
-        name: torch.zeros((num_blocks, NUM_KV_HEADS, block_size, 2 * HEAD_SIZE), dtype=torch.float16) for name in LAYERS
-    }
+    shape = (num_blocks, NUM_KV_HEADS, block_size, 2 * HEAD_SIZE)
+    return {name: torch.zeros(shape, dtype=torch.float16) for name in layers}
 
 
 class VllmLoop:
@@ -265,7 +282,9 @@ class VllmLoop:
         self.block_size = scheduler.block_size
         num_blocks = scheduler.kv_cache_config.num_blocks
         self.worker = KVConnVllmConnector(scheduler.vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
-        self.kv_caches = fake_kv_caches(num_blocks, self.block_size)
+        #: per KV-cache group, the names of its layers
+        self.group_layers = [tuple(g.layer_names) for g in scheduler.kv_cache_config.kv_cache_groups]
+        self.kv_caches = fake_kv_caches(num_blocks, self.block_size, [n for g in self.group_layers for n in g])
         self.worker.register_kv_caches(self.kv_caches)
         self.outputs: list[Any] = []
         self.last_kv_output: Any = None
@@ -277,13 +296,17 @@ class VllmLoop:
     def _compute(self, output: Any) -> None:
         for req_id, n in output.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
-            table = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             start = request.num_computed_tokens - n
             tokens = list(request.all_token_ids)
             for pos in range(start, start + n):
                 value = self.token_value(tokens, pos)
-                for kv in self.kv_caches.values():
-                    kv[table[pos // self.block_size], :, pos % self.block_size, :] = value
+                for table, layers in zip(tables, self.group_layers, strict=True):
+                    block = table[pos // self.block_size]
+                    if block == NULL_BLOCK_ID:
+                        continue  # a sliding window already dropped this position
+                    for layer in layers:
+                        self.kv_caches[layer][block, :, pos % self.block_size, :] = value
 
     def step(self, *, eos_req_ids: Iterable[str] = (), inspect: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
         """One engine step; returns ``(scheduler_output, engine_core_outputs)``.

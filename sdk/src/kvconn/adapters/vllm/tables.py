@@ -18,8 +18,8 @@ Safe: full-attention groups, preemption and resume, prefix hits, chunked
 prefill, the block-fill step. Not safe: sliding-window groups (vLLM replaces
 blocks that left the window with the null block in its cache manager without
 telling the workers, so a tracked table can name a block already reused by
-another request), and state-space (Mamba) boundary hand-offs, which are not
-offered at all.
+another request; the adapter then offers no tables at all), and state-space
+(Mamba) boundary hand-offs, which are not offered.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from typing import Any
 
 from ...block_state import BlockIds
 from ...context import NULL_BLOCK_ID, ConnectorContext, KVCacheGroupSpec
+from ...errors import ConnectorConfigError
 from ...outputs import CachedRequestData, NewRequestData, SchedulerOutput
 
 __all__ = [
@@ -106,14 +107,24 @@ def context_from_vllm(
 
     Model, KV dtype (``cache_dtype`` when it is not ``"auto"``), block size,
     KV-cache groups (layer names; sliding window in tokens for sliding-window
-    specs), TP rank/size and engine id.
+    specs), TP rank/size and engine id. Groups of another block size than the
+    cache's (state-space layers) are refused with :class:`ConnectorConfigError`.
     """
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     cache_dtype = str(getattr(cache_config, "cache_dtype", "auto"))
+    vllm_groups = getattr(kv_cache_config, "kv_cache_groups", ()) or ()
+    block_size = int(cache_config.block_size)
+    sizes = {int(getattr(g.kv_cache_spec, "block_size", block_size)) for g in vllm_groups}
+    if sizes - {block_size}:
+        raise ConnectorConfigError(
+            f"vLLM's KV-cache groups use block sizes {sorted(sizes)} (cache block size {block_size}); kvconn "
+            "connectors need one block size for every group, as attention-only models have (state-space "
+            "layers are not supported): remove kv_transfer_config for this model"
+        )
     groups = tuple(
         KVCacheGroupSpec(tuple(group.layer_names), getattr(group.kv_cache_spec, "sliding_window", None))
-        for group in getattr(kv_cache_config, "kv_cache_groups", ()) or ()
+        for group in vllm_groups
     )
     optional: dict[str, Any] = {"kv_cache_groups": groups} if groups else {}
     engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None)
@@ -122,7 +133,7 @@ def context_from_vllm(
     return ConnectorContext(
         model=str(model_config.model),
         dtype=cache_dtype if cache_dtype != "auto" else _dtype_name(model_config.dtype),
-        block_size=int(cache_config.block_size),
+        block_size=block_size,
         kv_layout=kv_layout,
         tp_rank=tp_rank,
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),

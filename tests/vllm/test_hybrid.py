@@ -1,0 +1,126 @@
+"""vLLM's hybrid KV cache manager (several KV-cache groups) with kvconn connectors.
+
+The adapter is ``SupportsHMA``, so vLLM keeps its hybrid manager on for a
+model with a full-attention and a sliding-window group: connectors see one
+table per group, with vLLM's null block where the window dropped a block.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from kvconn import NULL_BLOCK_ID, BlockIds, KVCacheGroupSpec
+from kvconn.adapters.vllm.harness import VllmLoop, make_request, make_scheduler
+
+from .test_adapter import dummy_meta
+
+WINDOW = 32
+GROUPS = (KVCacheGroupSpec(("full.0", "full.1")), KVCacheGroupSpec(("swa.0",), sliding_window=WINDOW))
+
+
+def test_the_hybrid_manager_stays_on_and_connectors_see_every_group_with_null_blocks() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+    scheduler = make_scheduler("dummy", kv_cache_groups=GROUPS)
+    adapter = scheduler.connector
+    assert isinstance(adapter, SupportsHMA)
+    assert type(scheduler.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
+    assert adapter.context.kv_cache_groups == GROUPS
+    finished: dict[str, BlockIds] = {}
+    host_finished = adapter.host.request_finished
+
+    def record_finished(request: Any, block_ids: BlockIds) -> bool:
+        finished[request.request_id] = block_ids
+        return host_finished(request, block_ids)
+
+    adapter.host.request_finished = record_finished
+    scheduler.add_request(make_request("r0", list(range(100)), max_tokens=20))
+    loop = VllmLoop(scheduler)
+    offered: list[BlockIds] = []
+    last_live: list[BlockIds] = []
+
+    def check(output: Any) -> None:
+        if "r0" not in output.num_scheduled_tokens:
+            return
+        live = scheduler.kv_cache_manager.get_block_ids("r0")
+        table = dummy_meta(output).block_ids_by_req["r0"]
+        assert table == live  # every group, as vLLM's manager holds it now
+        offered.append(table)
+        last_live[:] = [tuple(list(t) for t in live)]
+
+    loop.run(inspect=check)
+    assert all(len(t) == 2 for t in offered) and len(offered) > 3
+    full, swa = offered[-1]
+    assert NULL_BLOCK_ID not in full
+    assert swa[0] == NULL_BLOCK_ID and swa[-1] != NULL_BLOCK_ID  # the window dropped the oldest blocks
+    assert finished["r0"] == last_live[0]  # request_finished_all_groups: both groups
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 127
+
+
+@pytest.mark.parametrize("plugin", ["offload", "mooncake"])
+def test_a_shared_prefix_is_loaded_into_every_group_it_is_needed_in(plugin: str) -> None:
+    """A's blocks are saved in both groups; B's hit loads the full group's prefix and the window's blocks."""
+    scheduler = make_scheduler(plugin, num_blocks=64, kv_cache_groups=GROUPS)
+    loop = VllmLoop(scheduler)
+    prefix = list(range(5000, 5064))  # 4 full blocks
+    scheduler.add_request(make_request("a", [*prefix, 1, 2, 3], max_tokens=2))
+    loop.run()
+    expected = {pos: loop.token_value(prefix, pos) for pos in range(64)}
+    assert scheduler.reset_prefix_cache()  # no local hit left: only the plugin can supply B's prefix
+    for kv in loop.kv_caches.values():
+        kv.zero_()
+
+    scheduler.add_request(make_request("b", [*prefix, 7, 8, 9, 10], max_tokens=2))
+    loop.step()
+    assert scheduler.requests["b"].num_computed_tokens >= 64  # the hit came from the plugin
+    tables = scheduler.kv_cache_manager.get_block_ids("b")
+    loop.run()
+    for table, layers in zip(tables, loop.group_layers, strict=True):
+        loaded = [pos for pos in range(64) if table[pos // 16] != NULL_BLOCK_ID]
+        assert loaded, "no block of the prefix in this group"
+        for layer in layers:
+            kv = loop.kv_caches[layer]
+            got = {pos: float(kv[table[pos // 16], 0, pos % 16, 0]) for pos in loaded}
+            assert got == {pos: expected[pos] for pos in loaded}, f"{plugin}: layer {layer} did not get A's KV back"
+    full, swa = tables
+    assert len(full) >= 4 and NULL_BLOCK_ID not in full[:4]
+    assert NULL_BLOCK_ID in swa[:2]  # blocks before B's window were never allocated, so never loaded
+    assert scheduler.connector.host.degraded_events == 0
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+
+
+@pytest.mark.usefixtures("old_vllm")
+def test_without_vllms_block_state_sliding_window_tables_are_not_guessed(caplog: pytest.LogCaptureFixture) -> None:
+    """Tracked tables would name blocks the window freed (and vLLM reused): connectors are offered none."""
+    scheduler = make_scheduler("dummy", kv_cache_groups=GROUPS)
+    scheduler.add_request(make_request("r0", list(range(100)), max_tokens=20))
+    loop = VllmLoop(scheduler)
+    offered: list[dict[str, BlockIds]] = []
+    with caplog.at_level(logging.INFO, logger="kvconn.adapters.vllm"):
+        loop.run(inspect=lambda output: offered.append(dummy_meta(output).block_ids_by_req))
+    assert len(offered) > 3 and all(tables == {} for tables in offered)
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "sliding-window" in errors[0].getMessage()
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 127
+
+
+def test_groups_of_different_block_sizes_are_refused_with_the_reason() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec as VllmGroupSpec
+
+    from kvconn import ConnectorConfigError
+    from kvconn.adapters.vllm.translate import context_from_vllm
+
+    scheduler = make_scheduler("dummy")
+
+    def group(size: int) -> Any:
+        spec = FullAttentionSpec(block_size=size, num_kv_heads=2, head_size=32, dtype=torch.float16)
+        return VllmGroupSpec([f"layer.{size}"], spec)
+
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[group(16), group(64)])
+    with pytest.raises(ConnectorConfigError, match=r"block sizes \[16, 64\].*one block size for every group"):
+        context_from_vllm(scheduler.vllm_config, config)
