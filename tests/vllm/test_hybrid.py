@@ -124,3 +124,16 @@ def test_groups_of_different_block_sizes_are_refused_with_the_reason() -> None:
     config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[group(16), group(64)])
     with pytest.raises(ConnectorConfigError, match=r"block sizes \[16, 64\].*one block size for every group"):
         context_from_vllm(scheduler.vllm_config, config)
+
+
+@pytest.mark.parametrize("connector", ["offload", "mooncake"])
+def test_the_two_groups_conformance_scenario_runs_through_vllm(connector: str) -> None:
+    from kvconn.testing.conformance.driver import get_driver
+    from kvconn.testing.conformance.scenarios import STANDARD, run_scenario
+
+    (scenario,) = [s for s in STANDARD if s.name == "two-groups"]
+    trace = run_scenario(get_driver("vllm"), scenario, connector, None)
+    assert trace.unsupported is None and trace.error is None and trace.leak is None
+    sliding = [table[1] for record in trace.records for table in record.tables.values()]
+    assert any(NULL_BLOCK_ID in t for t in sliding)  # the window freed blocks while the connector ran
+    assert any(record.metadata is not None and record.offered for record in trace.records)
