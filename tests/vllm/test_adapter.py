@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from kvconn import NULL_BLOCK_ID
 from kvconn.adapters.vllm import harness
 from kvconn.adapters.vllm.harness import VllmLoop, make_request, make_scheduler
 
@@ -187,10 +188,12 @@ def test_fallback_tracks_live_tables_through_block_fill_and_preemption() -> None
     assert len(scheduler.connector._tracker) == 0  # finished requests were dropped
 
 
-@pytest.mark.parametrize("plugin", ["offload", "mooncake"])
-def test_second_request_loads_the_shared_prefix_from_the_plugin(plugin: str) -> None:
-    """A finishes and its full blocks are saved; vLLM's own cache is emptied; B's prefix comes from the plugin."""
-    scheduler = make_scheduler(plugin, num_blocks=64)
+def reuse_a_prefix_through(plugin: str, **options: Any) -> Any:
+    """A runs to the end (its full blocks are saved); vLLM's prefix cache is emptied and the KV zeroed;
+    B, with A's 64-token prefix, runs to the end. Returns B's tables (one per group), after checking that
+    B's prefix came from the plugin and that every non-null block of it holds A's KV in every layer.
+    """
+    scheduler = make_scheduler(plugin, num_blocks=64, **options)
     loop = VllmLoop(scheduler)
     prefix = list(range(5000, 5064))  # 4 full blocks
     scheduler.add_request(make_request("a", [*prefix, 1, 2, 3], max_tokens=2))
@@ -202,15 +205,25 @@ def test_second_request_loads_the_shared_prefix_from_the_plugin(plugin: str) -> 
 
     scheduler.add_request(make_request("b", [*prefix, 7, 8, 9, 10], max_tokens=2))
     loop.step()
-    b = scheduler.requests["b"]
-    assert b.num_computed_tokens >= 64  # 64 matched tokens came from the plugin (sync or async)
-    table = scheduler.kv_cache_manager.get_block_ids("b")[0]
+    assert scheduler.requests["b"].num_computed_tokens >= 64  # 64 matched tokens came from the plugin
+    tables = scheduler.kv_cache_manager.get_block_ids("b")
     loop.run()
-    for layer, kv in loop.kv_caches.items():
-        got = {pos: float(kv[table[pos // 16], 0, pos % 16, 0]) for pos in range(64)}
-        assert got == expected, f"{plugin}: layer {layer} did not get A's KV back"
+    for table, layers in zip(tables, loop.group_layers, strict=True):
+        loaded = [pos for pos in range(64) if table[pos // 16] != NULL_BLOCK_ID]
+        assert loaded, "no block of the prefix in this group"
+        for layer in layers:
+            kv = loop.kv_caches[layer]
+            got = {pos: float(kv[table[pos // 16], 0, pos % 16, 0]) for pos in loaded}
+            assert got == {pos: expected[pos] for pos in loaded}, f"{plugin}: layer {layer} did not get A's KV back"
     assert scheduler.connector.host.degraded_events == 0
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+    return tables
+
+
+@pytest.mark.parametrize("plugin", ["offload", "mooncake"])
+def test_second_request_loads_the_shared_prefix_from_the_plugin(plugin: str) -> None:
+    (table,) = reuse_a_prefix_through(plugin)
+    assert NULL_BLOCK_ID not in table  # one full-attention group: every prefix block was loaded
 
 
 @pytest.mark.parametrize("connector", ["dummy", "offload"])

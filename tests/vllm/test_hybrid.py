@@ -15,7 +15,7 @@ import pytest
 from kvconn import NULL_BLOCK_ID, BlockIds, KVCacheGroupSpec
 from kvconn.adapters.vllm.harness import VllmLoop, make_request, make_scheduler
 
-from .test_adapter import dummy_meta
+from .test_adapter import dummy_meta, reuse_a_prefix_through
 
 WINDOW = 32
 GROUPS = (KVCacheGroupSpec(("full.0", "full.1")), KVCacheGroupSpec(("swa.0",), sliding_window=WINDOW))
@@ -62,34 +62,10 @@ def test_the_hybrid_manager_stays_on_and_connectors_see_every_group_with_null_bl
 
 @pytest.mark.parametrize("plugin", ["offload", "mooncake"])
 def test_a_shared_prefix_is_loaded_into_every_group_it_is_needed_in(plugin: str) -> None:
-    """A's blocks are saved in both groups; B's hit loads the full group's prefix and the window's blocks."""
-    scheduler = make_scheduler(plugin, num_blocks=64, kv_cache_groups=GROUPS)
-    loop = VllmLoop(scheduler)
-    prefix = list(range(5000, 5064))  # 4 full blocks
-    scheduler.add_request(make_request("a", [*prefix, 1, 2, 3], max_tokens=2))
-    loop.run()
-    expected = {pos: loop.token_value(prefix, pos) for pos in range(64)}
-    assert scheduler.reset_prefix_cache()  # no local hit left: only the plugin can supply B's prefix
-    for kv in loop.kv_caches.values():
-        kv.zero_()
-
-    scheduler.add_request(make_request("b", [*prefix, 7, 8, 9, 10], max_tokens=2))
-    loop.step()
-    assert scheduler.requests["b"].num_computed_tokens >= 64  # the hit came from the plugin
-    tables = scheduler.kv_cache_manager.get_block_ids("b")
-    loop.run()
-    for table, layers in zip(tables, loop.group_layers, strict=True):
-        loaded = [pos for pos in range(64) if table[pos // 16] != NULL_BLOCK_ID]
-        assert loaded, "no block of the prefix in this group"
-        for layer in layers:
-            kv = loop.kv_caches[layer]
-            got = {pos: float(kv[table[pos // 16], 0, pos % 16, 0]) for pos in loaded}
-            assert got == {pos: expected[pos] for pos in loaded}, f"{plugin}: layer {layer} did not get A's KV back"
-    full, swa = tables
-    assert len(full) >= 4 and NULL_BLOCK_ID not in full[:4]
+    """B's hit loads the full group's whole prefix and, in the sliding-window group, the blocks in its window."""
+    full, swa = reuse_a_prefix_through(plugin, kv_cache_groups=GROUPS)
+    assert NULL_BLOCK_ID not in full[:4]
     assert NULL_BLOCK_ID in swa[:2]  # blocks before B's window were never allocated, so never loaded
-    assert scheduler.connector.host.degraded_events == 0
-    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 63
 
 
 @pytest.mark.usefixtures("old_vllm")
