@@ -57,6 +57,14 @@ def test_a_saving_connector_loads_what_the_baseline_computes_and_matches_its_out
     assert doc["output_verified"] is True and doc["runs"][0]["prompt_tokens_loaded"] == run.stats.prompt_tokens_loaded
 
 
+def test_degraded_events_are_counted_in_the_result() -> None:
+    workload = make_workload("shared-prefix", 2, seed=0)
+    setup = ConnectorSetup((MEMORY,), {"fail_hook": "save_kv_layer"})
+    run = run_workload(workload, NO_LOCAL_CACHE, setup)
+    assert run.stats.degraded_events > 0
+    assert run.to_dict()["degraded_events"] == run.stats.degraded_events
+
+
 def test_a_wrong_load_is_reported_as_a_mismatch() -> None:
     workload = make_workload("shared-prefix", 6, seed=0)
     sim = simulate(workload, [ConnectorSetup((f"{__name__}:LyingConnector",))], NO_LOCAL_CACHE)

@@ -254,7 +254,8 @@ def test_report_collector_counts_finished_transfers_over_all_workers() -> None:
     collector = ReportCollector(["a", "b"], world_size=2)
 
     def report(sending: set[str], invalid: frozenset[int] = frozenset()) -> bytes:
-        out = KVConnectorOutput(finished_sending=sending, invalid_block_ids=set(invalid), stats={"blocks_saved": 1})
+        stats = {"blocks_saved": 1, "load_failed": 0}
+        out = KVConnectorOutput(finished_sending=sending, invalid_block_ids=set(invalid), stats=stats)
         return encode_report(WorkerReport({"a": out}))
 
     merged, _ = collector.collect([report({"r0"}, frozenset({7}))])  # rank 0 only
@@ -262,7 +263,7 @@ def test_report_collector_counts_finished_transfers_over_all_workers() -> None:
     assert collector.pending() == 1
     merged, _ = collector.collect([report({"r0"}), report(set())])  # rank 1 catches up
     assert merged["a"].finished_sending == {"r0"} and merged["b"] == KVConnectorOutput()
-    assert merged["a"].stats == {"blocks_saved": 2}
+    assert merged["a"].stats == {"blocks_saved": 2, "load_failed": 0}  # a zero counter is reported, not dropped
     assert collector.pending() == 0
 
 

@@ -292,7 +292,8 @@ def run_workload(
                 on_progress(label, finished, len(requests))
     wall_s = time.perf_counter() - start
     outputs = [list(h.output_token_ids) if h is not None else [] for h in handles]
-    return RunResult(label, setup.names if setup else (), stats, wall_s, timer.total, samples, outputs)
+    # read engine.stats again: it sums the hosts' degraded events when read
+    return RunResult(label, setup.names if setup else (), engine.stats, wall_s, timer.total, samples, outputs)
 
 
 def _ready(after: int | None, handles: Sequence[Request | None]) -> bool:

@@ -15,7 +15,6 @@ shard of every block); invalid blocks and failures of any worker count.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import msgspec
@@ -79,7 +78,8 @@ class ReportCollector:
                 into.finished_recving |= {r for r in out.finished_recving if self._count((name, "recv", r))}
                 into.invalid_block_ids |= out.invalid_block_ids
                 into.failed = into.failed or out.failed
-                into.stats = dict(Counter(into.stats) + Counter(out.stats)) if out.stats else into.stats
+                for key, value in out.stats.items():  # summed; a zero counter is kept, as the engine keeps it
+                    into.stats[key] = into.stats.get(key, 0) + value
         return merged, failed_recving
 
     def pending(self) -> int:
