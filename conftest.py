@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+
+import pytest
+
+from kvconn.testing import memory_connector
 
 try:
     from hypothesis import settings
@@ -14,3 +19,11 @@ if settings is not None:
     settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
     if os.environ.get("CI"):
         settings.load_profile("ci")
+
+
+@pytest.fixture(autouse=True)
+def empty_memory_store() -> Iterator[None]:
+    """Every test starts and ends with an empty store of the in-process ``MemoryConnector``."""
+    memory_connector.STORE.clear()
+    yield
+    memory_connector.STORE.clear()

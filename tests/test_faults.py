@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,13 +15,6 @@ from kvconn.testing import assert_scheduler_empty, create_requests, memory_conne
 
 MEMORY = "kvconn.testing.memory_connector:MemoryConnector"
 HOOKS = sorted((SCHEDULER_HOOKS | WORKER_HOOKS) - {"shutdown", "get_num_tracked_requests"})
-
-
-@pytest.fixture(autouse=True)
-def empty_store() -> Iterator[None]:
-    memory_connector.STORE.clear()
-    yield
-    memory_connector.STORE.clear()
 
 
 def workload() -> list[list[int]]:

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvconn import KVCacheGroupSpec, KVConnector, KVConnectorBlockState, SchedulerOutput
+from kvconn import DEFAULT_KV_CACHE_GROUPS, KVCacheGroupSpec, KVConnector, KVConnectorBlockState, SchedulerOutput
 from kvconn.engine import Engine
 from kvconn.testing import assert_scheduler_empty
 from kvconn.wire import decode_model_runner_output, encode_model_runner_output
@@ -85,7 +85,7 @@ def run(workload: dict[str, Any], connectors: list[str], config: dict[str, Any])
     groups = (
         (KVCacheGroupSpec(("layer.0",)), KVCacheGroupSpec(("layer.1",), sliding_window=32))
         if workload["two_groups"]
-        else (KVCacheGroupSpec(("layer.0", "layer.1")),)
+        else DEFAULT_KV_CACHE_GROUPS
     )
     engine = Engine(
         connectors or None,

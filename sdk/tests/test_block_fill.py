@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from kvconn import KVConnector, KVConnectorBlockState, KVConnectorMetadata, SchedulerOutput
-from kvconn.testing import create_requests, create_scheduler, make_model_runner_output
+from kvconn.testing import create_requests, create_scheduler, make_model_runner_output, run_to_completion
 from kvconn.wire import decode_scheduler_output, encode_scheduler_output
 
 
@@ -92,7 +92,5 @@ def test_block_state_offers_every_scheduled_request() -> None:
     scheduler.host = ConnectorHost({"spy": Spy(role=KVConnectorRole.SCHEDULER)}, role="scheduler")
     for request in create_requests(4, num_tokens=30, block_size=16, max_tokens=8):
         scheduler.add_request(request)
-    while scheduler.has_unfinished_requests():
-        output = scheduler.schedule()
-        scheduler.update_from_output(output, make_model_runner_output(output, scheduler=scheduler))
+    run_to_completion(scheduler)
     assert seen and all(offered == scheduled for offered, scheduled in seen)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,13 +13,6 @@ from kvconn.testing import memory_connector
 
 MEMORY = f"{memory_connector.__name__}:MemoryConnector"
 SWA_GROUPS = (KVCacheGroupSpec(("layer.0",)), KVCacheGroupSpec(("layer.1",), sliding_window=32))
-
-
-@pytest.fixture(autouse=True)
-def empty_store() -> Iterator[None]:
-    memory_connector.STORE.clear()
-    yield
-    memory_connector.STORE.clear()
 
 
 def prompts(n: int = 6, prefix: int = 70, suffix: int = 25, seed: int = 1) -> list[list[int]]:

@@ -173,7 +173,6 @@ class FlakyMemory(memory_connector.MemoryConnector):
 
 
 def test_engine_recomputes_when_a_connectors_metadata_fails() -> None:
-    memory_connector.STORE.clear()
     prompt = list(range(100, 180))
     with Engine(enable_prefix_caching=False) as plain:
         expected = [plain.generate([prompt], max_tokens=6)[0] for _ in range(2)]
@@ -186,7 +185,6 @@ def test_engine_recomputes_when_a_connectors_metadata_fails() -> None:
             FlakyMemory.down = False
     assert [first, second] == expected
     assert engine.stats.failed_load_blocks > 0 and engine.stats.degraded_events > 0
-    memory_connector.STORE.clear()
 
 
 class SchedulerOnly(KVConnector):

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from kvconn import ConnectorNotFoundError, ConnectorRequest, KVConnector, KVConnectorMetadata
 from kvconn.simulate import ConnectorSetup, EngineOptions, run_workload, simulate
-from kvconn.testing import memory_connector
 from kvconn.workloads import Workload, WorkloadRequest, make_workload
 
 MEMORY = "kvconn.testing.memory_connector:MemoryConnector"
@@ -28,13 +25,6 @@ class LyingConnector(KVConnector):
 
     def build_connector_meta(self, scheduler_output: object, block_state: object) -> KVConnectorMetadata:
         return KVConnectorMetadata()
-
-
-@pytest.fixture(autouse=True)
-def _empty_store() -> Iterator[None]:
-    memory_connector.STORE.clear()
-    yield
-    memory_connector.STORE.clear()
 
 
 def test_a_saving_connector_loads_what_the_baseline_computes_and_matches_its_output() -> None:

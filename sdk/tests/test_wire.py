@@ -15,6 +15,7 @@ from kvconn.wire import (
     decode_model_runner_output,
     decode_scheduler_output,
     encode_metadata,
+    encode_model_runner_output,
     encode_scheduler_output,
 )
 
@@ -87,4 +88,4 @@ def test_metadata_of_the_wrong_type_or_an_unknown_connector_names_it() -> None:
 
 def test_model_runner_output_round_trips() -> None:
     original = ModelRunnerOutput(["a"], {"a": [5]}, {"x": KVConnectorOutput(finished_sending={"a"}, stats={"n": 1.0})})
-    assert decode_model_runner_output(msgspec.msgpack.encode(original)) == original
+    assert decode_model_runner_output(encode_model_runner_output(original)) == original

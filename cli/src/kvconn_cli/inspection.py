@@ -23,6 +23,7 @@ import msgspec
 
 import kvconn
 from kvconn.manager import implemented_hooks
+from kvconn.registry import connector_roles
 
 __all__ = [
     "ConfigField",
@@ -132,9 +133,8 @@ def import_connector_class(name: str) -> type:
 
 
 def _capabilities(cls: type) -> dict[str, Any]:
-    roles = getattr(cls, "roles", frozenset(kvconn.KVConnectorRole))
     return {
-        "roles": sorted(kvconn.KVConnectorRole(r).value for r in roles),
+        "roles": sorted(r.value for r in connector_roles(cls)),
         "saves": bool(getattr(cls, "saves", False)),
         "loads": bool(getattr(cls, "loads", False)),
         "api_version": str(getattr(cls, "api_version", "")),

@@ -9,9 +9,9 @@ import torch.
 
 from __future__ import annotations
 
-from .block_state import BlockIds, KVConnectorBlockState
+from .block_state import BlockIds, KVConnectorBlockState, block_ids_in_range
 from .connector import KVConnector, KVConnectorRole, NoConfig
-from .context import NULL_BLOCK_ID, ConnectorContext, KVCacheGroupSpec
+from .context import DEFAULT_KV_CACHE_GROUPS, NULL_BLOCK_ID, ConnectorContext, KVCacheGroupSpec
 from .errors import (
     BlockStateSerializationError,
     ConnectorConfigError,
@@ -33,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "API_VERSION",
+    "DEFAULT_KV_CACHE_GROUPS",
     "NULL_BLOCK_ID",
     "BlockIds",
     "BlockStateSerializationError",
@@ -60,6 +61,7 @@ __all__ = [
     "StepUpdate",
     "WireError",
     "available_connectors",
+    "block_ids_in_range",
     "hookimpl",
     "hookspec",
     "load_connector",

@@ -20,12 +20,20 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import NoReturn
 
+from .context import NULL_BLOCK_ID
 from .errors import BlockStateSerializationError
 
-__all__ = ["BlockIds", "KVConnectorBlockState"]
+__all__ = ["BlockIds", "KVConnectorBlockState", "block_ids_in_range"]
 
 #: One list of block ids per KV-cache group.
 BlockIds = tuple[list[int], ...]
+
+
+def block_ids_in_range(block_ids: BlockIds, start: int, end: int, block_size: int) -> list[int]:
+    """Ids of the blocks holding tokens ``[start, end)``, over all groups, null blocks left out."""
+    first, last = start // block_size, -(-end // block_size)
+    return [b for table in block_ids for b in table[first:last] if b != NULL_BLOCK_ID]
+
 
 _SERIALIZATION_HELP = (
     "KVConnectorBlockState is scheduler-local and cannot be pickled or encoded: "
@@ -98,7 +106,7 @@ class KVConnectorBlockState:
         return f"KVConnectorBlockState(req_ids={sorted(self.req_ids)!r})"
 
     def __reduce_ex__(self, protocol: object) -> NoReturn:
-        raise BlockStateSerializationError(_SERIALIZATION_HELP)
+        raise self.serialization_error()
 
     def __copy__(self) -> KVConnectorBlockState:
         return type(self)(self.req_ids, self.resolve_block_ids, self.boundary_state_offloads)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["NULL_BLOCK_ID", "ConnectorContext", "KVCacheGroupSpec"]
+__all__ = ["DEFAULT_KV_CACHE_GROUPS", "NULL_BLOCK_ID", "ConnectorContext", "KVCacheGroupSpec"]
 
 
 class KVCacheGroupSpec(msgspec.Struct, frozen=True):
@@ -19,8 +19,22 @@ class KVCacheGroupSpec(msgspec.Struct, frozen=True):
     layer_names: tuple[str, ...]
     sliding_window: int | None = None
 
+    def first_needed_block(self, num_computed_tokens: int, block_size: int) -> int:
+        """Index of the first block the next token can read once ``num_computed_tokens`` are computed.
+
+        ``0`` for full attention. In a sliding-window group the entries before it
+        are the null block: engine and connectors must agree on this boundary,
+        or a connector saves or loads blocks the engine has freed.
+        """
+        if self.sliding_window is None:
+            return 0
+        return max(0, (num_computed_tokens - self.sliding_window + 1) // block_size)
+
 
 NULL_BLOCK_ID = 0
+
+#: The reference engine's default layout: one full-attention group of two layers.
+DEFAULT_KV_CACHE_GROUPS = (KVCacheGroupSpec(("layer.0", "layer.1")),)
 
 
 class ConnectorContext(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,7 +48,7 @@ class ConnectorContext(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "kvconn-reference"
     dtype: str = "float16"
     block_size: int = 16
-    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = (KVCacheGroupSpec(("layer.0", "layer.1")),)
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = DEFAULT_KV_CACHE_GROUPS
     kv_layout: str = "NHD"
     tp_rank: int = 0
     tp_size: int = 1

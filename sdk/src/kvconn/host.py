@@ -24,17 +24,17 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import msgspec
 import pluggy
 
-from .block_state import BlockIds, KVConnectorBlockState
+from .block_state import BlockIds, KVConnectorBlockState, block_ids_in_range
 from .connector import KVConnectorRole
-from .context import NULL_BLOCK_ID, ConnectorContext
+from .context import ConnectorContext
 from .errors import ConnectorError, ConnectorLoadError
 from .hookspecs import SCHEDULER_HOOKS, WORKER_HOOKS
 from .manager import KVConnPluginManager
 from .metadata import KVConnectorMetadata
 from .outputs import KVConnectorOutput, SchedulerOutput
+from .registry import connector_roles, instantiate_connector, load_connector_class
 from .request import ConnectorRequest
 
 __all__ = ["ConnectorHost", "LoadPlan", "StepUpdate"]
@@ -126,6 +126,8 @@ class ConnectorHost:
         self.context = context or ConnectorContext()
         self.on_error: OnError = on_error
         self.connectors: dict[str, object] = {}
+        #: each connector's ``Metadata`` class (what its workers decode)
+        self.metadata_types: dict[str, type[KVConnectorMetadata]] = {}
         self._pm = KVConnPluginManager()
         for name, connector in items:
             self._register(name, connector)
@@ -164,8 +166,6 @@ class ConnectorHost:
         maps each name to its config. Connectors that do not serve ``role``
         (a scheduler-only connector on a worker) are left out.
         """
-        from .registry import load_connector, load_connector_class
-
         name_list = [names] if isinstance(names, str) else list(names)
         configs: Mapping[str, Any] = {name_list[0]: config} if len(name_list) == 1 else (config or {})
         unknown = set(configs) - set(name_list)
@@ -173,10 +173,12 @@ class ConnectorHost:
             raise ValueError(f"config given for connectors that are not loaded: {sorted(unknown)}")
         ctx = context or ConnectorContext()
         role = KVConnectorRole(role)
-        serving = [
-            n for n in name_list if role in getattr(load_connector_class(n), "roles", frozenset(KVConnectorRole))
+        classes = [(n, load_connector_class(n)) for n in name_list]
+        loaded = [
+            (n, instantiate_connector(c, n, role=role, config=configs.get(n), context=ctx))
+            for n, c in classes
+            if role in connector_roles(c)
         ]
-        loaded = [(n, load_connector(n, role=role, config=configs.get(n), context=ctx)) for n in serving]
         return cls(loaded, role=role, context=ctx, on_error=on_error)
 
     def _register(self, name: str, connector: object) -> None:
@@ -188,6 +190,7 @@ class ConnectorHost:
         except pluggy.PluginValidationError as exc:
             raise ConnectorLoadError(f"connector {name!r} has an invalid hook implementation: {exc}") from exc
         self.connectors[name] = connector
+        self.metadata_types[name] = getattr(connector, "Metadata", KVConnectorMetadata)
 
     @property
     def names(self) -> list[str]:
@@ -234,8 +237,8 @@ class ConnectorHost:
             else:
                 yield name, result
 
-    def _notify(self, hook: str, *args: Any) -> None:
-        """Call ``hook`` on every connector for its side effects."""
+    def _notify(self, hook: str, args: tuple[Any, ...] | Callable[[str], tuple[Any, ...]] = ()) -> None:
+        """Call ``hook`` on every connector for its side effects (``args`` as for :meth:`_each`)."""
         for _ in self._each(hook, args):
             pass
 
@@ -265,16 +268,10 @@ class ConnectorHost:
         ):
             if name == plan.connector and num_external:
                 start = request.num_computed_tokens
-                self._loads[name][request.request_id] = _Load(
-                    self._blocks_in_range(block_ids, start, start + num_external), plan.load_async
-                )
+                blocks = block_ids_in_range(block_ids, start, start + num_external, self.context.block_size)
+                self._loads[name][request.request_id] = _Load(blocks, plan.load_async)
                 loading = True
         return loading
-
-    def _blocks_in_range(self, block_ids: BlockIds, start: int, end: int) -> list[int]:
-        size = self.context.block_size
-        first, last = start // size, -(-end // size)
-        return [b for table in block_ids for b in table[first:last] if b != NULL_BLOCK_ID]
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
@@ -289,12 +286,12 @@ class ConnectorHost:
         scheduler_output.kv_connector_block_state = block_state
         self._failed_this_step.clear()
         try:
-            self._notify("on_block_state", block_state, scheduler_output)
+            self._notify("on_block_state", (block_state, scheduler_output))
             metadata: dict[str, KVConnectorMetadata] = {}
             for name, meta in self._each("build_connector_meta", (scheduler_output, block_state)):
                 if name in self._failed_this_step:
                     continue
-                expected = getattr(self.connectors[name], "Metadata", KVConnectorMetadata)
+                expected = self.metadata_types[name]
                 if not isinstance(meta, expected):
                     self._fail(
                         name,
@@ -324,8 +321,7 @@ class ConnectorHost:
         """Hand each connector its worker report and merge what the engine must do."""
         update = StepUpdate()
         empty = KVConnectorOutput()
-        for _ in self._each("update_connector_output", lambda name: (outputs.get(name, empty),)):
-            pass
+        self._notify("update_connector_output", lambda name: (outputs.get(name, empty),))
         for name in self.connectors:
             out = outputs.get(name, empty)
             update.stats.update(out.stats)
@@ -380,7 +376,7 @@ class ConnectorHost:
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """A connector that fails here is disabled: every step reports it failed (loads recompute)."""
-        self._notify("register_kv_caches", kv_caches)
+        self._notify("register_kv_caches", (kv_caches,))
         self._disabled = set(self._failed_this_step)
 
     def bind_connector_metadata(self, metadata: Mapping[str, KVConnectorMetadata] | None) -> None:
@@ -440,7 +436,7 @@ class ConnectorHost:
         for name, stats in self._each("get_kv_connector_stats", ()):
             outputs[name].stats = dict(stats or {})
         for name in self._failed_this_step:
-            outputs[name] = msgspec.structs.replace(outputs[name], failed=True)
+            outputs[name].failed = True
         self._failed_this_step = set(self._disabled)
         self._metadata = {}
         self._plan_layers()

@@ -32,6 +32,8 @@ __all__ = [
     "ConnectorEntry",
     "available_connectors",
     "build_config",
+    "connector_roles",
+    "instantiate_connector",
     "load_connector",
     "load_connector_class",
 ]
@@ -184,6 +186,11 @@ def _config_message(name: str, config_type: type[msgspec.Struct], detail: str) -
     return f"invalid config for connector {name!r}: {where}: {what[0].lower() + what[1:]}"
 
 
+def connector_roles(cls: type) -> frozenset[KVConnectorRole]:
+    """The roles a connector class serves (both, unless it says otherwise)."""
+    return frozenset(KVConnectorRole(r) for r in getattr(cls, "roles", KVConnectorRole))
+
+
 def load_connector(
     name: str,
     *,
@@ -195,9 +202,20 @@ def load_connector(
 
     ``name`` is an installed connector name or ``"package.module:ClassName"``.
     """
+    return instantiate_connector(load_connector_class(name), name, role=role, config=config, context=context)
+
+
+def instantiate_connector(
+    cls: type,
+    name: str,
+    *,
+    role: KVConnectorRole | str,
+    config: Mapping[str, Any] | msgspec.Struct | None = None,
+    context: ConnectorContext | None = None,
+) -> Any:
+    """Configure and instantiate an already loaded connector class (see :func:`load_connector`)."""
     role = KVConnectorRole(role)
-    cls = load_connector_class(name)
-    roles = getattr(cls, "roles", frozenset(KVConnectorRole))
+    roles = connector_roles(cls)
     if role not in roles:
         raise ConnectorLoadError(
             f"connector {name!r} does not serve the {role.value} role (roles: {sorted(r.value for r in roles)})"

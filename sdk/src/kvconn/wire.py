@@ -21,6 +21,7 @@ from .metadata import KVConnectorMetadata
 from .outputs import ModelRunnerOutput, SchedulerOutput
 
 __all__ = [
+    "decode_metadata",
     "decode_model_runner_output",
     "decode_scheduler_output",
     "enc_hook",
@@ -63,7 +64,6 @@ def enc_hook(obj: Any) -> Any:
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=enc_hook)
 _wire_decoder = msgspec.msgpack.Decoder(_WireSchedulerOutput)
-_mro_encoder = msgspec.msgpack.Encoder()
 _mro_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
 
 
@@ -109,13 +109,14 @@ def decode_scheduler_output(
     output = SchedulerOutput(**values)
     if raw is not None:
         types = metadata_types or {}
-        output.kv_connector_metadata = {name: _decode_metadata(name, blob, types) for name, blob in raw.items()}
+        output.kv_connector_metadata = {name: decode_metadata(name, blob, types) for name, blob in raw.items()}
     return output
 
 
-def _decode_metadata(
-    name: str, blob: msgspec.Raw, types: Mapping[str, type[KVConnectorMetadata]]
+def decode_metadata(
+    name: str, blob: bytes | msgspec.Raw, types: Mapping[str, type[KVConnectorMetadata]]
 ) -> KVConnectorMetadata:
+    """Decode one connector's metadata as its ``Metadata`` type from ``types``; errors name the connector."""
     meta_type = types.get(name)
     if meta_type is None:
         raise WireError(
@@ -132,7 +133,7 @@ def _decode_metadata(
 
 
 def encode_model_runner_output(output: ModelRunnerOutput) -> bytes:
-    return _mro_encoder.encode(output)
+    return _encoder.encode(output)
 
 
 def decode_model_runner_output(data: bytes) -> ModelRunnerOutput:

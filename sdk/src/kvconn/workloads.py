@@ -123,12 +123,14 @@ def multi_turn(
         for c in range(min(num_conversations, num_requests - len(requests))):
             if turn:
                 prompts[c] = prompts[c] + _tokens(rng, max_tokens) + _tokens(rng, rng.randint(*user_tokens))
-            requests.append(WorkloadRequest(prompts[c], max_tokens, starts[c]))
+            requests.append(
+                WorkloadRequest(prompts[c], max_tokens, starts[c], _previous_turn(requests, num_conversations))
+            )
     return Workload(
         "multi-turn",
         f"{num_conversations} conversations of up to {turns} turns ({num_requests} requests)",
         seed,
-        _chain_turns(requests, num_conversations),
+        requests,
     )
 
 
@@ -141,14 +143,10 @@ def _arrivals(rng: random.Random, n: int, gap: int) -> list[int]:
     return steps
 
 
-def _chain_turns(requests: list[WorkloadRequest], num_conversations: int) -> list[WorkloadRequest]:
-    """Point each turn's ``after`` at the same conversation's previous turn (requests are turn-major)."""
-    return [
-        WorkloadRequest(
-            r.prompt, r.max_tokens, r.arrival_step, i - num_conversations if i >= num_conversations else None
-        )
-        for i, r in enumerate(requests)
-    ]
+def _previous_turn(requests: Sequence[WorkloadRequest], num_threads: int) -> int | None:
+    """Index of the previous turn of the request about to be appended (requests are turn-major)."""
+    i = len(requests)
+    return i - num_threads if i >= num_threads else None
 
 
 def long_document(
@@ -169,12 +167,13 @@ def long_document(
         for d in range(num_documents):
             if len(requests) == num_requests:
                 break
-            requests.append(WorkloadRequest(documents[d] + _tokens(rng, rng.randint(*question_tokens)), max_tokens))
+            question = documents[d] + _tokens(rng, rng.randint(*question_tokens))
+            requests.append(WorkloadRequest(question, max_tokens, after=_previous_turn(requests, num_documents)))
     return Workload(
         "long-document",
         f"{num_documents} documents asked up to {questions} questions each ({num_requests} requests)",
         seed,
-        _chain_turns(requests, num_documents),
+        requests,
     )
 
 

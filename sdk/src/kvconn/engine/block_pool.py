@@ -93,6 +93,3 @@ class BlockPool:
             if self._cached.get((block.group, block.block_hash)) is block:
                 del self._cached[(block.group, block.block_hash)]
             block.block_hash, block.group = None, -1
-
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)

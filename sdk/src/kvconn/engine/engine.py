@@ -15,7 +15,6 @@ from typing import Any
 from ..connector import KVConnectorRole
 from ..context import ConnectorContext
 from ..host import ConnectorHost, OnError
-from ..metadata import KVConnectorMetadata
 from ..wire import (
     decode_model_runner_output,
     decode_scheduler_output,
@@ -82,12 +81,8 @@ class Engine:
             head_dim=head_dim,
         )
         # Decode every connector's metadata, even one with no worker side (its workers ignore it).
-        self._metadata_types: dict[str, type[KVConnectorMetadata]] = {
-            name: getattr(c, "Metadata", KVConnectorMetadata)
-            for name, c in (self.scheduler_host.connectors.items() if self.scheduler_host else ())
-        }
+        self._metadata_types = self.scheduler_host.metadata_types if self.scheduler_host else {}
         self._ids = itertools.count()
-        self.wire_bytes = 0
 
     @property
     def stats(self) -> EngineStats:
@@ -110,7 +105,6 @@ class Engine:
         """One engine step: schedule, send, execute, send back, update."""
         output = self.scheduler.schedule()
         wire = encode_scheduler_output(output)
-        self.wire_bytes += len(wire)
         worker_output = self.worker.execute_model(decode_scheduler_output(wire, self._metadata_types))
         returned = decode_model_runner_output(encode_model_runner_output(worker_output))
         self.scheduler.update_from_output(output, returned)

@@ -56,10 +56,7 @@ class KVCacheManager:
 
     def _first_needed_block(self, group: int, num_computed_tokens: int) -> int:
         """Blocks before this index are outside the window of the next token."""
-        window = self.groups[group].sliding_window
-        if window is None:
-            return 0
-        return max(0, (num_computed_tokens - window + 1) // self.block_size)
+        return self.groups[group].first_needed_block(num_computed_tokens, self.block_size)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[list[Block]], int]:
         """Longest prefix of ``request`` in the local cache: per-group blocks and tokens.

@@ -41,12 +41,15 @@ class ReferenceModel:
         width = 2 * num_kv_heads * head_dim
         self._freqs = torch.linspace(0.5, 3.0, width, dtype=torch.float32, device=device) / 7919.0
 
-    def kv_values(self, hashes: Sequence[int], layer_index: int) -> Any:
-        """KV for positions with these prefix hashes: ``[n, 2, num_kv_heads, head_dim]``."""
+    def kv_inputs(self, hashes: Sequence[int]) -> Any:
+        """The per-position input of :meth:`kv_values` (the same for every layer)."""
         torch = self.torch
-        x = torch.tensor([h % 1_000_003 for h in hashes], dtype=torch.float32, device=self.device)
-        values = torch.sin(x[:, None] * self._freqs[None, :] + (layer_index + 1) * 0.7)
-        return values.view(len(hashes), 2, self.num_kv_heads, self.head_dim).to(self.dtype)
+        return torch.tensor([h % 1_000_003 for h in hashes], dtype=torch.float32, device=self.device)
+
+    def kv_values(self, inputs: Any, layer_index: int) -> Any:
+        """KV of layer ``layer_index`` for the positions of ``inputs``: ``[n, 2, num_kv_heads, head_dim]``."""
+        values = self.torch.sin(inputs[:, None] * self._freqs[None, :] + (layer_index + 1) * 0.7)
+        return values.view(len(inputs), 2, self.num_kv_heads, self.head_dim).to(self.dtype)
 
     def next_token(self, layer_reads: Sequence[Any]) -> int:
         """Sample from the per-layer reductions of the KV read for the last position."""

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import msgspec
 
 from ..block_state import KVConnectorBlockState
-from ..context import ConnectorContext, KVCacheGroupSpec
+from ..context import DEFAULT_KV_CACHE_GROUPS, ConnectorContext, KVCacheGroupSpec
 from ..host import NO_LOAD, ConnectorHost, LoadPlan
 from ..outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from .block_pool import Block
@@ -40,7 +40,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_num_seqs: int = 64
     max_model_len: int = 16384
     enable_prefix_caching: bool = True
-    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = (KVCacheGroupSpec(("layer.0", "layer.1")),)
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = DEFAULT_KV_CACHE_GROUPS
 
     def __post_init__(self) -> None:
         for field in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):

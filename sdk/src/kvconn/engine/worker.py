@@ -81,7 +81,6 @@ class ReferenceWorker:
                     table.extend(added)
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        torch = self.model.torch
         self._update_states(output)
         host = self.host
         if host is not None:
@@ -95,7 +94,7 @@ class ReferenceWorker:
         starts = output.num_computed_tokens_by_request()
         for req_id, n in output.num_scheduled_tokens.items():
             state, start = self._requests[req_id], starts[req_id]
-            hashes.extend(prefix_hashes(state.token_ids[: start + n], state.hashes)[start : start + n])
+            hashes.extend(prefix_hashes(state.token_ids, state.hashes)[start : start + n])
             positions.append((req_id, start, n))
         sampling = [
             (req_id, start + n - 1)
@@ -103,25 +102,22 @@ class ReferenceWorker:
             if start + n == len(self._requests[req_id].token_ids)
         ]
         reads: dict[str, list[Any]] = {req_id: [] for req_id, _ in sampling}
+        # Where this step's KV goes and what sampling reads depend on the group, not the layer.
+        windows = {group: window for _, group, window in self.layers}
+        inputs = self.model.kv_inputs(hashes) if hashes else None
+        writes = {group: self._write_index(positions, group) for group in windows} if hashes else {}
+        spans = {group: self._read_spans(sampling, group, window) for group, window in windows.items()}
 
-        for layer_index, (name, group, window) in enumerate(self.layers):
+        for layer_index, (name, group, _) in enumerate(self.layers):
             if host is not None:
                 host.wait_for_layer_load(name)
             kv = self.kv_caches[name]
-            if hashes:
-                blocks, offsets = [], []
-                for req_id, start, n in positions:
-                    table = self._requests[req_id].tables[group]
-                    for p in range(start, start + n):
-                        blocks.append(table[p // bs])
-                        offsets.append(p % bs)
-                kv[torch.tensor(blocks), :, torch.tensor(offsets)] = self.model.kv_values(hashes, layer_index)
-            for req_id, last in sampling:
-                first = 0 if window is None else max(0, last - window + 1)
-                ids = self._requests[req_id].tables[group][first // bs : last // bs + 1]
-                context = kv[torch.tensor(ids)].transpose(1, 2).reshape(len(ids) * bs, -1)
-                lo = first % bs
-                reads[req_id].append(context[lo : lo + last - first + 1].float().sum())
+            if inputs is not None:
+                blocks, offsets = writes[group]
+                kv[blocks, :, offsets] = self.model.kv_values(inputs, layer_index)
+            for req_id, ids, lo, length in spans[group]:
+                context = kv[ids].transpose(1, 2).reshape(len(ids) * bs, -1)
+                reads[req_id].append(context[lo : lo + length].float().sum())
             if host is not None:
                 host.save_kv_layer(name, kv)
 
@@ -135,6 +131,29 @@ class ReferenceWorker:
             sampled_token_ids=sampled,
             kv_connector_output=connector_output,
         )
+
+    def _write_index(self, positions: list[tuple[str, int, int]], group: int) -> tuple[Any, Any]:
+        """Block and in-block offset of every position computed this step, in ``group``'s tables."""
+        bs, blocks, offsets = self.block_size, [], []
+        for req_id, start, n in positions:
+            table = self._requests[req_id].tables[group]
+            for p in range(start, start + n):
+                blocks.append(table[p // bs])
+                offsets.append(p % bs)
+        torch = self.model.torch
+        return torch.tensor(blocks), torch.tensor(offsets)
+
+    def _read_spans(
+        self, sampling: list[tuple[str, int]], group: int, window: int | None
+    ) -> list[tuple[str, Any, int, int]]:
+        """Per sampling request: the blocks its last token reads in ``group``, the first offset, the length."""
+        bs, torch = self.block_size, self.model.torch
+        spans = []
+        for req_id, last in sampling:
+            first = 0 if window is None else max(0, last - window + 1)
+            ids = self._requests[req_id].tables[group][first // bs : last // bs + 1]
+            spans.append((req_id, torch.tensor(ids), first % bs, last - first + 1))
+        return spans
 
     def num_requests(self) -> int:
         return len(self._requests)

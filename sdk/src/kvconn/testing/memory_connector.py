@@ -71,7 +71,6 @@ class MemoryConnector(KVConnector):
         self._pending_loads: list[Transfer] = []
         self._hashes: dict[str, list[bytes]] = {}
         self._loading: set[str] = set()
-        self._done_loading: set[str] = set()
         self._failed: set[int] = set()
         self.kv_caches: dict[str, Any] = {}
         if self.config.fail_hook:
@@ -138,13 +137,13 @@ class MemoryConnector(KVConnector):
 
     def start_load_kv(self, metadata: MemoryMetadata) -> None:
         for t in metadata.loads:
-            for layer, kv in self.kv_caches.items():
-                if self._group_of[layer] == t.group:
-                    if self.config.fail_from_block is not None and t.index >= self.config.fail_from_block:
-                        kv[t.block_id].fill_(7.0)
-                        self._failed.add(t.block_id)
-                    else:
-                        kv[t.block_id].copy_(STORE[(layer, t.group, t.block_hash)])
+            for layer in self.context.kv_cache_groups[t.group].layer_names:
+                kv = self.kv_caches[layer]
+                if self.config.fail_from_block is not None and t.index >= self.config.fail_from_block:
+                    kv[t.block_id].fill_(7.0)
+                    self._failed.add(t.block_id)
+                else:
+                    kv[t.block_id].copy_(STORE[(layer, t.group, t.block_hash)])
             if self.config.load_async:
                 self._loading.add(t.req_id)
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..connector import KVConnectorRole
-from ..context import ConnectorContext, KVCacheGroupSpec
+from ..context import DEFAULT_KV_CACHE_GROUPS, ConnectorContext, KVCacheGroupSpec
 from ..engine.request import Request
 from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..host import ConnectorHost, OnError
@@ -48,7 +48,7 @@ def create_scheduler(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
-        **({"kv_cache_groups": tuple(kv_cache_groups)} if kv_cache_groups else {}),
+        kv_cache_groups=tuple(kv_cache_groups or DEFAULT_KV_CACHE_GROUPS),
     )
     context = context or ConnectorContext(block_size=block_size, kv_cache_groups=scheduler_config.kv_cache_groups)
     host = (

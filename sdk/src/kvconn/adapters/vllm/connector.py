@@ -39,18 +39,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from ...block_state import KVConnectorBlockState
+from ...block_state import KVConnectorBlockState, block_ids_in_range
 from ...connector import KVConnectorRole as KVConnRole
 from ...errors import ConnectorConfigError, KVConnError, WireError
 from ...host import NO_LOAD, ConnectorHost, LoadPlan
 from ...metadata import KVConnectorMetadata as KVConnMetadata
 from ...outputs import KVConnectorOutput
-from ...wire import encode_metadata
+from ...wire import decode_metadata, encode_metadata
 from .reports import ReportCollector, WorkerReport, encode_report
 from .tables import TableTracker
 from .translate import (
     VllmRequestView,
-    block_ids_in_range,
     check_kv_caches,
     context_from_vllm,
     to_block_ids,
@@ -171,11 +170,10 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         self._loads: dict[str, dict[str, LoadSpec]] = {name: {} for name in self.host.names}
         self._failed_loads: dict[str, LoadSpec] = {}
         self._tracker: TableTracker | None = None
+        self._sliding = any(g.sliding_window is not None for g in self.context.kv_cache_groups)
+        self._builders = [n for n, c in self.host.connectors.items() if hasattr(c, "build_connector_meta")]
         self._collector = ReportCollector(self.host.names, int(vllm_config.parallel_config.world_size))
         # worker side
-        self._metadata_types = {
-            name: getattr(c, "Metadata", KVConnMetadata) for name, c in self.host.connectors.items()
-        }
         self._bound: KVConnVllmMetadata = KVConnVllmMetadata()
         self._undecoded: set[str] = set()
         self._report: WorkerReport | None = None
@@ -225,8 +223,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             for req_id in [r for r, (_, is_async) in reqs.items() if not is_async]:
                 del reqs[req_id]
         failed, self._failed_loads = self._failed_loads, {}
-        conns = self.host.connectors
-        dropped = [n for n, c in conns.items() if n not in encoded and hasattr(c, "build_connector_meta")]
+        dropped = [n for n in self._builders if n not in encoded]
         return KVConnVllmMetadata(connectors=encoded, loads=loads, failed_loads=failed, dropped=dropped)
 
     def _block_state(self, scheduler_output: Any, output: Any) -> KVConnectorBlockState:
@@ -236,9 +233,8 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             return KVConnectorBlockState(
                 set(state.req_ids), state.resolve_block_ids, dict(getattr(state, "boundary_state_offloads", {}) or {})
             )
-        sliding = any(g.sliding_window is not None for g in self.context.kv_cache_groups)
         if self._tracker is None:
-            if sliding:
+            if self._sliding:
                 logger.error(
                     "this vLLM sends no kv_connector_block_state and the model has sliding-window KV-cache groups, "
                     "whose tables cannot be tracked safely: connectors are offered no tables, so they save nothing "
@@ -249,9 +245,9 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 logger.info("this vLLM sends no kv_connector_block_state: tables are tracked from scheduler outputs")
             self._tracker = TableTracker()
-        self._tracker.update(output)
-        if sliding:
+        if self._sliding:
             return KVConnectorBlockState(set(), self._tracker.resolve)
+        self._tracker.update(output)
         return self._tracker.block_state(output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -304,10 +300,9 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         decoded: dict[str, KVConnMetadata] = {}
         for name, blob in self._bound.connectors.items():
             try:
-                decoded[name] = msgspec.msgpack.decode(blob, type=self._metadata_types[name])
-            except (KeyError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-                err = WireError(f"metadata of connector {name!r} could not be decoded on this worker: {exc!r}")
-                logger.warning("%s; it sits this step out", err)
+                decoded[name] = decode_metadata(name, blob, self.host.metadata_types)
+            except WireError as exc:
+                logger.warning("%s; it sits this step out on this worker", exc)
         self.host.bind_connector_metadata(decoded)
         self._undecoded = set(self._bound.connectors) - set(decoded)
 

@@ -17,8 +17,6 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 from typing import Any
 
-import msgspec
-
 from ...block_state import BlockIds, KVConnectorBlockState
 from ...errors import ConnectorLoadError
 from ...metadata import KVConnectorMetadata
@@ -30,6 +28,7 @@ from ...testing.conformance.driver import (
     observed_block_state,
     tracked_by_role,
 )
+from ...wire import decode_metadata
 from .reports import decode_report
 
 __all__ = ["VllmDriver", "load_driver"]
@@ -70,9 +69,7 @@ class VllmDriver:
         )
         self.loop = VllmLoop(self.scheduler)
         self.adapter = self.scheduler.connector
-        self.metadata_type: type[KVConnectorMetadata] = getattr(
-            self.adapter.host.connectors[self.name], "Metadata", KVConnectorMetadata
-        )
+        self.metadata_type = self.adapter.host.metadata_types[self.name]
         self._finished_calls: Counter[str] = Counter()
         self._withhold: frozenset[str] = frozenset()
         self._built: tuple[SchedulerOutput, KVConnectorMetadata | None, frozenset[str], list[str]] | None = None
@@ -120,7 +117,8 @@ class VllmDriver:
         output, metadata, offered, resolved = self._built
         sent = self.loop.outputs[-1].kv_connector_metadata
         encoded = sent.connectors.get(self.name) if metadata is not None else None
-        decoded = msgspec.msgpack.decode(encoded, type=self.metadata_type) if encoded is not None else None
+        types = {self.name: self.metadata_type}
+        decoded = decode_metadata(self.name, encoded, types) if encoded is not None else None
         worker_meta = self.loop.last_kv_output.kv_connector_worker_meta
         reports = [decode_report(blob).outputs.get(self.name) for blob in worker_meta.reports] if worker_meta else []
         requests = self.scheduler.requests

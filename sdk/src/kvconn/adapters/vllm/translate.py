@@ -22,13 +22,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...block_state import BlockIds
-from ...context import NULL_BLOCK_ID, ConnectorContext, KVCacheGroupSpec
+from ...context import ConnectorContext, KVCacheGroupSpec
 from ...errors import ConnectorConfigError
 from ...outputs import CachedRequestData, NewRequestData, SchedulerOutput
 
 __all__ = [
     "VllmRequestView",
-    "block_ids_in_range",
     "context_from_vllm",
     "VLLM_KV_LAYOUT",
     "check_kv_caches",
@@ -88,12 +87,6 @@ class VllmRequestView:
 def to_block_ids(tables: Sequence[Sequence[int]]) -> BlockIds:
     """A fresh ``tuple[list[int], ...]`` (plugins may keep or mutate it safely)."""
     return tuple([int(b) for b in table] for table in tables)
-
-
-def block_ids_in_range(block_ids: BlockIds, start: int, end: int, block_size: int) -> list[int]:
-    """Ids of the (non-null) blocks holding tokens ``[start, end)``, over all groups."""
-    first, last = start // block_size, -(-end // block_size)
-    return [b for table in block_ids for b in table[first:last] if b != NULL_BLOCK_ID]
 
 
 def _dtype_name(dtype: Any) -> str:

@@ -17,17 +17,15 @@ class StepView:
     """One step of a trace, classified.
 
     ``fill``: cached requests that got no new block on a step that completes
-    their last block (the block-fill step). ``grow``: cached, not resumed,
-    requests whose table grew. ``resumed``: back from preemption with a new
-    table. ``refs``: the block ids the connector's metadata carries, per request.
+    their last block (the block-fill step). ``grow``: cached requests, not back
+    from preemption, whose table grew. ``refs``: the block ids the connector's
+    metadata carries, per request.
     """
 
     index: int
     refs: BlockRefs
     fill: set[str] = field(default_factory=set)
     grow: set[str] = field(default_factory=set)
-    resumed: set[str] = field(default_factory=set)
-    new: set[str] = field(default_factory=set)
 
 
 def live_ids(table: BlockIds | None) -> set[int]:
@@ -54,12 +52,12 @@ def step_views(trace: Trace) -> list[StepView]:
         refs = (
             block_refs(meta, requests=requests, num_blocks=trace.num_blocks, tokens=tokens) if meta is not None else {}
         )
-        view = StepView(index, refs, new={n.req_id for n in out.scheduled_new_reqs})
+        view = StepView(index, refs)
         for i, req_id in enumerate(cached.req_ids):
             added_blocks = cached.new_block_ids[i]
             if cached.resumed_from_preemption[i]:
-                view.resumed.add(req_id)
-            elif added_blocks is not None and any(added_blocks):
+                continue  # a new table, neither grown nor filled
+            if added_blocks is not None and any(added_blocks):
                 view.grow.add(req_id)
             elif (cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id]) % bs == 0:
                 view.fill.add(req_id)

@@ -15,7 +15,7 @@ from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 from ...block_state import BlockIds, KVConnectorBlockState
-from ...context import KVCacheGroupSpec
+from ...context import DEFAULT_KV_CACHE_GROUPS, KVCacheGroupSpec
 from ...errors import ConnectorLoadError
 from ...host import ConnectorHost
 from ...metadata import KVConnectorMetadata
@@ -52,7 +52,7 @@ class DriverSpec:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 16
     enable_prefix_caching: bool = True
-    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = (KVCacheGroupSpec(("layer.0", "layer.1")),)
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = DEFAULT_KV_CACHE_GROUPS
 
 
 @dataclass

@@ -22,7 +22,7 @@ from ...engine.worker import ReferenceWorker
 from ...host import ConnectorHost, LoadPlan
 from ...metadata import KVConnectorMetadata
 from ...outputs import SchedulerOutput
-from ...registry import load_connector_class
+from ...registry import connector_roles, load_connector_class
 from ...wire import (
     decode_model_runner_output,
     decode_scheduler_output,
@@ -65,7 +65,7 @@ class ReferenceDriver:
         self.num_blocks = spec.num_blocks
         cls = load_connector_class(spec.connector)
         self.metadata_type: type[KVConnectorMetadata] = getattr(cls, "Metadata", KVConnectorMetadata)
-        roles = frozenset(getattr(cls, "roles", frozenset(KVConnectorRole)))
+        roles = connector_roles(cls)
         config = SchedulerConfig(
             block_size=spec.block_size,
             num_blocks=spec.num_blocks,
@@ -189,8 +189,6 @@ class ReferenceDriver:
         encoded = encode_metadata(self.name, metadata) if metadata is not None else None
         sent = decode_scheduler_output(encode_scheduler_output(output), {self.name: self.metadata_type})
         decoded = (sent.kv_connector_metadata or {}).get(self.name)
-        if self.worker_host is None:
-            sent.kv_connector_metadata = None
         runner_output = self.worker.execute_model(sent)
         returned = decode_model_runner_output(encode_model_runner_output(runner_output))
         self.scheduler.update_from_output(output, returned)

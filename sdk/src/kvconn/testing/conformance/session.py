@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from ...connector import KVConnectorRole
-from ...registry import build_config, load_connector_class
+from ...registry import build_config, connector_roles, load_connector_class
 from .catalog import Check
 from .driver import DriverFactory, get_driver
 from .results import CheckResult, CheckSkipped, ConformanceFailure, Violation
@@ -38,7 +37,7 @@ class Session:
         self.factory: DriverFactory = get_driver(driver)
         self.cls = load_connector_class(connector)
         build_config(self.cls, self.config, name=connector)
-        roles = frozenset(KVConnectorRole(r) for r in getattr(self.cls, "roles", KVConnectorRole))
+        roles = connector_roles(self.cls)
         self.capabilities = frozenset(
             {r.value for r in roles}
             | ({"saves"} if getattr(self.cls, "saves", False) else set())

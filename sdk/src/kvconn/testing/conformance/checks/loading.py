@@ -12,7 +12,7 @@ from ....context import ConnectorContext
 from ....errors import ConnectorConfigError
 from ....host import ConnectorHost
 from ....metadata import KVConnectorMetadata
-from ....registry import ENTRY_POINT_GROUP, build_config
+from ....registry import ENTRY_POINT_GROUP, build_config, connector_roles
 from ..catalog import check
 from ..results import ConformanceFailure, Violation
 from ..session import Session
@@ -59,14 +59,14 @@ def imports(session: Session) -> None:
     config = getattr(cls, "Config", None)
     if config is not None and not (isinstance(config, type) and issubclass(config, msgspec.Struct)):
         raise Violation(f"Config is {config!r}, not a msgspec Struct")
-    roles = getattr(cls, "roles", frozenset(KVConnectorRole))
+    roles = connector_roles(cls)
     if not roles:
         raise Violation("roles is empty: the connector serves no side of the engine")
     for attr in ("saves", "loads"):
         if not isinstance(getattr(cls, attr, False), bool):
             raise Violation(f"{attr} is {getattr(cls, attr)!r}, not a bool")
     for role in roles:
-        instance = _instantiate(session, KVConnectorRole(role))
+        instance = _instantiate(session, role)
         ConnectorHost({session.connector: instance}, role=role).shutdown()
 
 
@@ -107,8 +107,8 @@ def config_defaults(session: Session) -> None:
         config = build_config(session.cls, None, name=session.connector)
     except ConnectorConfigError as exc:
         raise Violation(f"an empty config is rejected: {exc}") from None
-    for role in getattr(session.cls, "roles", KVConnectorRole):
-        instance = _instantiate(session, KVConnectorRole(role), config)
+    for role in connector_roles(session.cls):
+        instance = _instantiate(session, role, config)
         shutdown = getattr(instance, "shutdown", None)
         if callable(shutdown):
             shutdown()
