@@ -89,3 +89,14 @@ class HandoffConnector(kvconn.KVConnector):
 
 class SlowHandoffConnector(HandoffConnector):
     """The same under another name (a second connector in one host)."""
+
+
+class SchedulerOnlyConnector(kvconn.KVConnector):
+    """Serves the scheduler role only: it builds metadata no worker runs a connector for."""
+
+    roles = frozenset({kvconn.KVConnectorRole.SCHEDULER})
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
+    ) -> KVConnectorMetadata:
+        return KVConnectorMetadata()

@@ -286,3 +286,21 @@ def test_kvconn_validate_engine_vllm_runs_the_checks_through_vllm() -> None:
     (report,) = json.loads(result.stdout)["connectors"]
     assert report["failed"] == 0 and report["passed"] >= 9
     assert "load_error" not in report
+
+
+def test_a_scheduler_only_connector_sends_workers_nothing(
+    test_connectors: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    only = f"{test_connectors}:SchedulerOnlyConnector"
+    scheduler = make_scheduler(["dummy", only])
+    scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=3))
+    loop = VllmLoop(scheduler)
+    assert loop.worker.host.names == ["dummy"]
+    with caplog.at_level(logging.WARNING, logger="kvconn.adapters.vllm"):
+        loop.run()
+    assert all(set(o.kv_connector_metadata.connectors) == {"dummy"} for o in loop.outputs)
+    assert all(o.kv_connector_metadata.dropped == [] for o in loop.outputs)
+    adapter_warnings = [r for r in caplog.records if r.name == "kvconn.adapters.vllm"]
+    assert not adapter_warnings  # no worker complains about metadata it cannot decode

@@ -45,6 +45,7 @@ from ...errors import ConnectorConfigError, KVConnError, WireError
 from ...host import NO_LOAD, ConnectorHost, LoadPlan
 from ...metadata import KVConnectorMetadata as KVConnMetadata
 from ...outputs import KVConnectorOutput
+from ...registry import connector_roles
 from ...wire import decode_metadata, encode_metadata
 from .reports import ReportCollector, WorkerReport, encode_report
 from .tables import TableTracker
@@ -171,7 +172,11 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_loads: dict[str, LoadSpec] = {}
         self._tracker: TableTracker | None = None
         self._sliding = any(g.sliding_window is not None for g in self.context.kv_cache_groups)
-        self._builders = [n for n, c in self.host.connectors.items() if hasattr(c, "build_connector_meta")]
+        # Metadata goes to workers only for connectors that run there (scheduler-only ones are left out).
+        self._sent = {n for n, c in self.host.connectors.items() if KVConnRole.WORKER in connector_roles(type(c))}
+        self._builders = [
+            n for n, c in self.host.connectors.items() if n in self._sent and hasattr(c, "build_connector_meta")
+        ]
         self._collector = ReportCollector(self.host.names, int(vllm_config.parallel_config.world_size))
         # worker side
         self._bound: KVConnVllmMetadata = KVConnVllmMetadata()
@@ -214,6 +219,8 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         metadata = self.host.build_connector_meta(output, self._block_state(scheduler_output, output))
         encoded: dict[str, bytes] = {}
         for name, meta in metadata.items():
+            if name not in self._sent:
+                continue
             try:
                 encoded[name] = encode_metadata(name, meta)
             except KVConnError as exc:  # its workers get no metadata and fail its loads
