@@ -6,6 +6,9 @@ DISTS := sdk cli plugins/dummy plugins/offload plugins/mooncake
 EXISTING := $(wildcard $(addsuffix /pyproject.toml,$(DISTS)))
 PACKAGES := $(notdir $(patsubst %/__init__.py,%,$(wildcard sdk/src/*/__init__.py cli/src/*/__init__.py plugins/*/src/*/__init__.py)))
 STAMP := $(VENV)/.installed
+# Pinned: the CPU build from local disk; plain `torch` would pull a multi-GB CUDA build.
+# scripts/install-vllm-venv.sh gets it through the environment (same default when run alone).
+TORCH := torch==2.13.0
 
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
@@ -19,11 +22,11 @@ $(STAMP): pyproject.toml $(EXISTING) scripts/install-system-deps.sh
 	scripts/install-system-deps.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# Pinned: the CPU build from local disk; plain `torch` would pull a multi-GB CUDA build.
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q --group dev $(foreach d,$(dir $(EXISTING)),-e $(d))
-	# The real Mooncake client for the store tests (CPU wheel; libibverbs1/librdmacm1 come from install-system-deps.sh).
-	$(PIP) install -q -e 'plugins/mooncake[store]' -e 'cli[plot]'
+	$(PIP) install -q $(TORCH)
+	# With extras: the real Mooncake client for the store tests (CPU wheel; libibverbs1/librdmacm1 come from
+	# install-system-deps.sh), and the CLI's plots.
+	$(PIP) install -q --group dev $(foreach d,$(filter-out plugins/mooncake/ cli/,$(dir $(EXISTING))),-e $(d)) \
+		-e 'plugins/mooncake[store]' -e 'cli[plot]'
 	touch $(STAMP)
 
 # The main job on embedded defaults: list the connectors, validate them all, and
@@ -45,7 +48,7 @@ pytest: install
 
 # vLLM's real scheduler, in its own venv (2.2 GB) so the main one stays light.
 $(VLLM_STAMP): scripts/install-vllm-venv.sh $(EXISTING)
-	scripts/install-vllm-venv.sh $(VLLM_VENV)
+	TORCH='$(TORCH)' scripts/install-vllm-venv.sh $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check pytest $(foreach d,$(dir $(EXISTING)),-e $(d))
 	touch $(VLLM_STAMP)
 

@@ -2,10 +2,12 @@
 # Create a CPU-only virtualenv holding vLLM 0.33.0 (enough for the v1 Scheduler
 # + KV connector machinery; no CUDA, no triton).
 # Usage: scripts/install-vllm-venv.sh [VENV_PATH]   (default: <repo>/.venv-vllm)
+# $TORCH: the torch requirement (the Makefile passes its pin; this default is the same).
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-$REPO_ROOT/.venv-vllm}"
+TORCH="${TORCH:-torch==2.13.0}"
 PY="$VENV/bin/python"
 
 if [ -x "$PY" ] && "$PY" -c "import vllm" >/dev/null 2>&1; then
@@ -16,7 +18,7 @@ fi
 python3 -m venv "$VENV"
 "$PY" -m pip install --quiet --upgrade pip
 # Exact pin: resolves to a local CPU wheel. Plain `torch` would pull a multi-GB CUDA build.
-"$PY" -m pip install --quiet "torch==2.13.0"
+"$PY" -m pip install --quiet "$TORCH"
 # --no-deps: vllm's own requirement list drags in CUDA/triton wheels.
 "$PY" -m pip install --quiet --no-deps "vllm==0.33.0"
 "$PY" -m pip install --quiet \

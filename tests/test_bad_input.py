@@ -57,7 +57,6 @@ class Case(NamedTuple):
 
 
 MEMORY = "kvconn.testing.memory_connector:MemoryConnector"
-OFFLOAD_BAD = {"num_blocks": -3}
 
 CATALOGUE: dict[str, Case] = {
     "config: wrong type": Case(

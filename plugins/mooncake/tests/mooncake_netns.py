@@ -100,9 +100,13 @@ class CmdResult:
         return self
 
 
+def _ip_path() -> str:
+    """The iproute2 ``ip`` executable (``/usr/sbin`` is not on every PATH)."""
+    return shutil.which("ip") or "/usr/sbin/ip"
+
+
 def _ip(*args: str, check: bool = True, timeout: float = _IP_TIMEOUT) -> subprocess.CompletedProcess:
-    ip = shutil.which("ip") or "/usr/sbin/ip"
-    cp = subprocess.run([ip, *args], capture_output=True, text=True, timeout=timeout)
+    cp = subprocess.run([_ip_path(), *args], capture_output=True, text=True, timeout=timeout)
     if check and cp.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)} failed: {cp.stderr.strip()}")
     return cp
@@ -218,8 +222,13 @@ class NetNS:
     subnet: int  # the <n> in 10.77.<n>.0/24
 
     def exec_argv(self, argv: Sequence[str]) -> list[str]:
-        ip = shutil.which("ip") or "/usr/sbin/ip"
-        return [ip, "netns", "exec", self.name, *argv]
+        return _exec_argv(self.name, argv)
+
+
+def _exec_argv(ns: NetNS | str, argv: Sequence[str]) -> list[str]:
+    """``argv`` run inside ``ns`` (a namespace or its name) by ``ip netns exec``."""
+    name = ns.name if isinstance(ns, NetNS) else ns
+    return [_ip_path(), "netns", "exec", name, *argv]
 
 
 @contextlib.contextmanager
@@ -353,11 +362,10 @@ def run_in_netns(
     input: str | None = None,
 ) -> CmdResult:
     """Run ``argv`` inside the namespace; kill its process group on timeout."""
-    name = ns.name if isinstance(ns, NetNS) else ns
-    ip = shutil.which("ip") or "/usr/sbin/ip"
+    cmd = _exec_argv(ns, argv)
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        [ip, "netns", "exec", name, *argv],
+        cmd,
         stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -387,6 +395,23 @@ def _code_file(code: str) -> str:
     return path
 
 
+def _remove(paths: Sequence[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _python_argv(
+    code: str | None, script: str | None, args: Sequence[str], python: str | None
+) -> tuple[list[str], list[str]]:
+    """The argv running ``code`` (via a temp file) or ``script``, and the temp files to remove after it."""
+    if (code is None) == (script is None):
+        raise ValueError("pass exactly one of code= or script=")
+    python = python or default_python()
+    path = script or _code_file(code or "")
+    return [python, path, *args], [] if script else [path]
+
+
 def run_python(
     ns: NetNS | str,
     code: str | None = None,
@@ -399,16 +424,11 @@ def run_python(
     cwd: str | None = None,
 ) -> CmdResult:
     """Run a Python snippet (``code``) or file (``script``) inside ``ns``."""
-    if (code is None) == (script is None):
-        raise ValueError("pass exactly one of code= or script=")
-    python = python or default_python()
-    path = script or _code_file(code or "")
+    argv, temp_files = _python_argv(code, script, args, python)
     try:
-        return run_in_netns(ns, [python, path, *args], env=env, timeout=timeout, cwd=cwd)
+        return run_in_netns(ns, argv, env=env, timeout=timeout, cwd=cwd)
     finally:
-        if script is None:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        _remove(temp_files)
 
 
 class NetnsProcess:
@@ -426,14 +446,12 @@ class NetnsProcess:
         cwd: str | None = None,
         _cleanup: Sequence[str] = (),
     ):
-        name = ns.name if isinstance(ns, NetNS) else ns
-        ip = shutil.which("ip") or "/usr/sbin/ip"
         self._out = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in __exit__
         self._err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
         self._cleanup = list(_cleanup)
         self._t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            [ip, "netns", "exec", name, *argv],
+            _exec_argv(ns, argv),
             stdin=subprocess.DEVNULL,
             stdout=self._out,
             stderr=self._err,
@@ -486,9 +504,7 @@ class NetnsProcess:
         _killpg(self.proc, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
-        for p in self._cleanup:
-            with contextlib.suppress(OSError):
-                os.unlink(p)
+        _remove(self._cleanup)
         self._cleanup.clear()
 
     def __enter__(self) -> NetnsProcess:
@@ -518,12 +534,8 @@ def spawn_python(
     cwd: str | None = None,
 ) -> NetnsProcess:
     """Background variant of :func:`run_python`."""
-    if (code is None) == (script is None):
-        raise ValueError("pass exactly one of code= or script=")
-    python = python or default_python()
-    path = script or _code_file(code or "")
-    cleanup = [] if script else [path]
-    return NetnsProcess(ns, [python, path, *args], env=env, cwd=cwd, _cleanup=cleanup)
+    argv, temp_files = _python_argv(code, script, args, python)
+    return NetnsProcess(ns, argv, env=env, cwd=cwd, _cleanup=temp_files)
 
 
 _FREE_PORTS_CODE = r"""

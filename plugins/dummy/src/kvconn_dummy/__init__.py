@@ -8,6 +8,7 @@ engine did.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 import msgspec
@@ -49,6 +50,11 @@ class DummyConnector(kvconn.KVConnector):
         if self.config.record_calls:
             self.calls.append((hook, detail))
 
+    def _record_sorted(self, hook: str, names: Iterable[str]) -> None:
+        """Record ``names`` sorted (a stable log); the sort runs only when calls are recorded."""
+        if self.config.record_calls:
+            self.calls.append((hook, sorted(names)))
+
     # scheduler side
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         self._record("get_num_new_matched_tokens", request.request_id)
@@ -62,7 +68,7 @@ class DummyConnector(kvconn.KVConnector):
         self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
     ) -> DummyMetadata:
         tables = {req_id: block_state.get_block_ids(req_id) for req_id in scheduler_output.num_scheduled_tokens}
-        self._record("build_connector_meta", sorted(tables))
+        self._record_sorted("build_connector_meta", tables)
         return DummyMetadata(block_ids_by_req={r: t for r, t in tables.items() if t is not None})
 
     def request_finished(self, request: ConnectorRequest) -> bool:
@@ -75,11 +81,11 @@ class DummyConnector(kvconn.KVConnector):
 
     # worker side
     def start_load_kv(self, metadata: DummyMetadata) -> None:
-        self._record("start_load_kv", sorted(metadata.block_ids_by_req))
+        self._record_sorted("start_load_kv", metadata.block_ids_by_req)
 
     def save_kv_layer(self, layer_name: str) -> None:
         self._record("save_kv_layer", layer_name)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[None, None]:
-        self._record("get_finished", sorted(finished_req_ids))
+        self._record_sorted("get_finished", finished_req_ids)
         return None, None

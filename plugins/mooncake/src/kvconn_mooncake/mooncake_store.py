@@ -61,10 +61,6 @@ class MooncakeStore:
 
     # ------------------------------------------------------------ connection
 
-    @property
-    def connected(self) -> bool:
-        return self._client is not None
-
     def _master_reachable(self) -> bool:
         try:
             socket.create_connection(self.settings.master_host_port, timeout=_PROBE_TIMEOUT_S).close()

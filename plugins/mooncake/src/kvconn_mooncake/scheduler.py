@@ -55,7 +55,7 @@ class SchedulerSide:
         self.store = store
         self.keys = BlockKeys(context)
         self.block_size = context.block_size
-        self.windows = [spec.sliding_window for spec in context.kv_cache_groups]
+        self.groups = context.kv_cache_groups
         self.save_decode_cache = save_decode_cache
         self.degraded = Degradations()
         self._requests: dict[str, _Request] = {}
@@ -83,7 +83,7 @@ class SchedulerSide:
 
     def _lookup(self, hashes: Sequence[bytes], start: int, end: int) -> int:
         """The end of the longest run of blocks from ``start`` that every group can load."""
-        groups = range(len(self.windows))
+        groups = range(len(self.groups))
         keys = [self.keys.key(g, hashes[i]) for g in groups for i in range(start, end)]
         codes = self.store.batch_is_exist(keys)
         errors = sum(1 for c in codes if c < 0)
@@ -94,19 +94,20 @@ class SchedulerSide:
         present = [[codes[g * width + i] == 1 for i in range(width)] for g in groups]
         hit = end
         for g in groups:
-            if self.windows[g] is None:
+            if self.groups[g].sliding_window is None:
                 hit = min(hit, start + next((i for i, ok in enumerate(present[g]) if not ok), width))
         while hit > start and not all(
-            present[g][i - start] for g in groups if self.windows[g] is not None for i in self._window(g, start, hit)
+            present[g][i - start]
+            for g in groups
+            if self.groups[g].sliding_window is not None
+            for i in self._window(g, start, hit)
         ):
             hit -= 1
         return hit
 
     def _window(self, group: int, start: int, end: int) -> range:
         """Blocks of ``[start, end)`` a sliding-window group needs once ``end`` blocks are computed."""
-        window = self.windows[group]
-        assert window is not None
-        first = max(0, (end * self.block_size - window + 1) // self.block_size)
+        first = self.groups[group].first_needed_block(end * self.block_size, self.block_size)
         return range(max(start, first), end)
 
     # -------------------------------------------------------------- requests

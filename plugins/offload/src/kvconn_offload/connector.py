@@ -30,7 +30,6 @@ class OffloadConnector(kvconn.KVConnector):
 
     Config = OffloadConfig
     Metadata = OffloadMetadata
-    roles = frozenset(KVConnectorRole)
     saves = True
     loads = True
     api_version = "1.0"
@@ -103,8 +102,9 @@ class OffloadConnector(kvconn.KVConnector):
 
     # both
     def get_num_tracked_requests(self) -> int:
-        side = self.scheduler if self.scheduler is not None else self.worker
-        return side.get_num_tracked_requests() if side is not None else 0
+        if self.scheduler is not None:
+            return self.scheduler.get_num_tracked_requests()
+        return self._work.get_num_tracked_requests()
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -50,7 +50,7 @@ class OffloadScheduler:
     def __init__(self, config: OffloadConfig, context: ConnectorContext) -> None:
         self.block_size = context.block_size
         self.multiple = config.block_size_multiple
-        self.windows = [g.sliding_window for g in context.kv_cache_groups]
+        self.groups = context.kv_cache_groups
         self.policy = config.eviction
         slots = config.num_slots
         self.manager: OffloadManager | None = OffloadManager(slots, policy=self.policy) if slots else None
@@ -66,16 +66,20 @@ class OffloadScheduler:
 
     # ----------------------------------------------------------------- lookup
 
-    def _keys(self, request: ConnectorRequest, num_blocks: int) -> list[bytes]:
+    def _keys(self, request: ConnectorRequest, start: int, end: int) -> list[bytes]:
+        """Keys of the offloaded blocks ``start <= k < end`` whose last engine block has a hash.
+
+        Only that range is built, so a decode step's store plan costs its new blocks, not the context.
+        """
         hashes, m = request.block_hashes, self.multiple
-        return [hashes[(k + 1) * m - 1] for k in range(min(num_blocks, len(hashes) // m))]
+        return [hashes[(k + 1) * m - 1] for k in range(start, min(end, len(hashes) // m))]
 
     def _hit_blocks(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
         """Offloaded blocks of the longest loadable prefix."""
         if self.manager is None:
             return 0
         unit = self.block_size * self.multiple
-        keys = self._keys(request, (request.num_tokens - 1) // unit)
+        keys = self._keys(request, 0, (request.num_tokens - 1) // unit)
         k = self.manager.lookup(keys)
         while k > 0 and not self._window_ok(keys, k, num_computed_tokens):
             k -= 1
@@ -86,8 +90,8 @@ class OffloadScheduler:
         assert self.manager is not None
         bs, m = self.block_size, self.multiple
         end = k * m
-        for g, window in enumerate(self.windows):
-            first = 0 if window is None else max(0, (end * bs - window + 1) // bs)
+        for g, group in enumerate(self.groups):
+            first = group.first_needed_block(end * bs, bs)
             for i in range(max(first, num_computed_tokens // bs), end):
                 entry = self.manager.get(keys[i // m])
                 if entry is None or not entry.valid[g] >> (i % m) & 1:
@@ -107,7 +111,7 @@ class OffloadScheduler:
         bs, m = self.block_size, self.multiple
         first = request.num_computed_tokens // bs
         end = (request.num_computed_tokens + num_external_tokens) // bs
-        keys = self._keys(request, -(-end // m))
+        keys = self._keys(request, 0, -(-end // m))
         used = keys[first // m :]
         transfer = BlockTransfer(request.request_id, [[] for _ in block_ids], [[] for _ in block_ids])
         for g, table in enumerate(block_ids):
@@ -167,7 +171,7 @@ class OffloadScheduler:
         assert manager is not None
         bs, m = self.block_size, self.multiple
         first, end = num_computed // (bs * m), (num_computed + num_tokens) // (bs * m)
-        keys = self._keys(request, end)[first:]
+        keys = self._keys(request, first, end)
         if all(manager.get(key) is not None for key in keys):
             return None
         table = block_state.get_block_ids(request.request_id)

@@ -115,7 +115,9 @@ class OffloadWorker:
                     f"hold no offloaded block of {len(names) * self.multiple * block_bytes} bytes; raise it"
                 )
         else:
-            self.num_slots = self.config.num_slots or 0
+            slots = self.config.num_slots
+            assert slots is not None, "pool_bytes unset: the config alone sizes the pool"
+            self.num_slots = slots
         on_device = first.device.type == "cuda"
         mode = self.config.pin_memory
         self.pinned = mode == "always" or (mode == "auto" and on_device and torch.cuda.is_available())
