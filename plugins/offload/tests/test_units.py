@@ -12,6 +12,7 @@ from kvconn import ConnectorConfigError, KVConnectorBlockState, KVConnectorOutpu
 from kvconn.engine.request import Request
 from kvconn.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from kvconn_offload import OffloadManager, OffloadMetadata
+from kvconn_offload.scheduler import STORES_DONE_STAT
 
 
 @pytest.mark.parametrize(
@@ -96,7 +97,7 @@ def test_finished_request_keeps_its_blocks_until_its_store_is_done() -> None:
     assert meta.block_ids_by_request() == {"a": ([3, 5],)}  # the partial third block is not stored
     meta = msgspec.msgpack.decode(msgspec.msgpack.encode(meta), type=OffloadMetadata)
     assert sched.request_finished(req) is True  # store job 1 not reported done yet
-    sched.update_connector_output(KVConnectorOutput(stats={"offload_stores_done": 1}))
+    sched.update_connector_output(KVConnectorOutput(stats={STORES_DONE_STAT: 1}))
     assert sched.get_num_tracked_requests() == 1
     nxt = sched.build_connector_meta(*_step(Request("b", [1], 1, 16), 0, 1, ([],)))
     assert nxt.delayed_frees == ["a"]

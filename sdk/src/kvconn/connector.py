@@ -49,6 +49,12 @@ class KVConnector:
     loads: ClassVar[bool] = False
     #: ``"MAJOR.MINOR"`` of the kvconn hook API the connector was written for.
     api_version: ClassVar[str] = API_VERSION
+    #: ``True`` when the scheduler-side and worker-side instances meet only through
+    #: this process's memory (an in-process store), so they work only where the
+    #: engine runs its scheduler and workers in one process. An engine whose
+    #: workers run in other processes refuses such a connector at start-up, rather
+    #: than run it with no hits. A property may decide it from the config.
+    in_process_state: bool = False
 
     def __init__(
         self,

@@ -11,6 +11,29 @@ hooks are implementations without a decorator; other classes mark them with
 Hooks are called by :class:`kvconn.ConnectorHost`, one connector at a time and
 in the order the connectors were given, so that one connector's failure never
 stops another (see its error policy).
+
+The worker step contract
+------------------------
+Every engine kvconn runs in (the reference engine, vLLM through
+:mod:`kvconn.adapters.vllm`) calls a worker-side connector in this order
+within one step, whatever order the engine calls its own methods in:
+
+1. ``start_load_kv(metadata)``: exactly once, first, before any layer of the
+   step, on every step the scheduler sent this connector metadata for (also
+   when it loads nothing and when no token is computed);
+2. per layer the model computes this step, in model order:
+   ``wait_for_layer_load(layer)``, then the layer writes its KV for the step,
+   then ``save_kv_layer(layer, kv_layer, metadata)``; a step without a forward
+   has no layer calls;
+3. ``wait_for_save()``: exactly once, after the last layer;
+4. ``get_finished(finished_req_ids)``, then ``get_block_ids_with_load_errors()``,
+   then ``get_kv_connector_stats()``: once each, ending the step.
+
+So a save set up in ``start_load_kv`` is in place before the first
+``save_kv_layer``, and a block read by ``save_kv_layer`` still holds this
+step's KV until ``wait_for_save`` returns (the engine may overwrite a freed
+block right after). :class:`kvconn.testing.step_contract.StepContractConnector`
+checks the order in any engine.
 """
 
 from __future__ import annotations
@@ -149,7 +172,13 @@ class KVConnectorSpec:
 
     @hookspec
     def get_kv_connector_stats(self) -> dict[str, float] | None:
-        """Counters since the last call (``blocks_saved``, ``bytes_loaded``, ...)."""
+        """Counters since the last call (``blocks_saved``, ``bytes_loaded``, ...).
+
+        Engines sum counters over steps and workers. A key starting with ``_``
+        is private: it reaches this connector's scheduler side (in
+        ``update_connector_output``) but is neither summed nor shown, so use it
+        for gauges and state such as a pool size or a sequence number.
+        """
 
     # -------------------------------------------------------------------- both
 

@@ -52,6 +52,11 @@ class MooncakeConnector(KVConnector):
         self._worker = WorkerSide(store, self.context) if self.role is KVConnectorRole.WORKER else None
 
     @property
+    def in_process_state(self) -> bool:  # type: ignore[override]
+        """The embedded store lives in this process: its scheduler and workers must share it."""
+        return self.backend == "embedded"
+
+    @property
     def scheduler_side(self) -> SchedulerSide:
         if self._scheduler is None:
             raise RuntimeError(f"{self!r} serves the worker role: scheduler hooks are not available")

@@ -40,8 +40,9 @@ __all__ = ["POOL_SLOTS_STAT", "STORES_DONE_STAT", "OffloadScheduler"]
 logger = logging.getLogger("kvconn_offload")
 
 #: Worker stats keys the scheduler side reads (beyond the engine's summed counters).
-STORES_DONE_STAT = "offload_stores_done"
-POOL_SLOTS_STAT = "offload_pool_slots"
+#: Private (``_``) keys: gauges, which engines neither sum nor show (see ``get_kv_connector_stats``).
+STORES_DONE_STAT = "_stores_done"
+POOL_SLOTS_STAT = "_pool_slots"
 
 
 class OffloadScheduler:

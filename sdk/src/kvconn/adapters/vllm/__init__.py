@@ -8,11 +8,14 @@ vLLM's ``KVConnectorFactory`` does, imports :mod:`.connector`.
 
 :func:`register` is the ``vllm.general_plugins`` entry point: it registers the
 connector under the short name ``"kvconn"`` (idempotent; vLLM calls plugins
-once per process, but several entry paths may call it).
+once per process, but several entry paths may call it), and sends kvconn's log
+records through vLLM's logging configuration (:func:`route_logs_to_vllm`).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
@@ -23,6 +26,7 @@ __all__ = [
     "KVConnVllmStats",
     "KVConnVllmWorkerMetadata",
     "register",
+    "route_logs_to_vllm",
 ]
 
 #: The name under which :func:`register` makes the connector known to vLLM.
@@ -37,8 +41,31 @@ def register() -> None:
     """Register ``"kvconn"`` with vLLM's ``KVConnectorFactory`` unless already there."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
+    route_logs_to_vllm()
     if SHORT_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(SHORT_NAME, __name__, CONNECTOR_CLASS)
+
+
+def route_logs_to_vllm(names: Iterable[str] = ()) -> None:
+    """Send the ``kvconn`` logger's records, and those of ``names``, to vLLM's handlers at vLLM's level.
+
+    kvconn and its plugins log under their package names, outside vLLM's
+    ``vllm`` logger; with no handler they reach only Python's last-resort
+    handler (warnings and up, bare text), so their INFO lines never show under
+    vLLM. A logger that already has handlers was configured by the operator
+    and is left alone; so is everything when vLLM's logging is not configured.
+    """
+    vllm_logger = logging.getLogger("vllm")
+    if not vllm_logger.handlers:
+        return
+    for name in ("kvconn", *names):
+        target = logging.getLogger(name)
+        if target.handlers:
+            continue
+        for handler in vllm_logger.handlers:
+            target.addHandler(handler)
+        target.setLevel(vllm_logger.level)
+        target.propagate = False
 
 
 def __getattr__(name: str) -> Any:

@@ -47,6 +47,7 @@ from ...metadata import KVConnectorMetadata as KVConnMetadata
 from ...outputs import KVConnectorOutput
 from ...registry import connector_roles
 from ...wire import decode_metadata, encode_metadata
+from . import route_logs_to_vllm
 from .reports import ReportCollector, WorkerReport, encode_report
 from .tables import TableTracker
 from .translate import (
@@ -135,6 +136,32 @@ def _host_options(extra: dict[str, Any]) -> tuple[str | list[str], Any, Any]:
     return names, extra.get("kvconn_config"), on_error
 
 
+#: vLLM executors that run the workers in the scheduler's process.
+_IN_PROCESS_EXECUTORS = frozenset({"uni", "external_launcher"})
+
+
+def _refuse_split_in_process_state(host: ConnectorHost, vllm_config: Any) -> None:
+    """Refuse connectors whose two sides share memory when vLLM runs its workers in other processes.
+
+    Run anyway, such a connector's scheduler never sees what its workers store:
+    no hit, ever, and no error. Refusing at start-up says what to change.
+    """
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    if backend in _IN_PROCESS_EXECUTORS:
+        return
+    split = [name for name, c in host.connectors.items() if getattr(c, "in_process_state", False)]
+    if not split:
+        return
+    host.shutdown()
+    raise ConnectorConfigError(
+        f"kvconn connector(s) {split} keep their state in one process (in_process_state, e.g. mooncake's embedded "
+        f"store), but this vLLM runs its workers in other processes (distributed_executor_backend={backend!r}), "
+        "so the scheduler would never see what the workers store: give the connector a shared backend (mooncake: "
+        "set master_server_address or MOONCAKE_MASTER), or run vLLM in one process "
+        "(VLLM_ENABLE_V1_MULTIPROCESSING=0 and tensor_parallel_size=1)"
+    )
+
+
 def _tp_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -155,6 +182,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        route_logs_to_vllm()
         names, config, on_error = _host_options(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         is_worker = role == KVConnectorRole.WORKER
         self.context = context_from_vllm(vllm_config, kv_cache_config, tp_rank=_tp_rank() if is_worker else 0)
@@ -165,6 +193,8 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             context=self.context,
             on_error=on_error,
         )
+        _refuse_split_in_process_state(self.host, vllm_config)
+        route_logs_to_vllm({type(c).__module__.partition(".")[0] for c in self.host.connectors.values()})
         # scheduler side
         self._step = 0
         self._plans: dict[str, tuple[LoadPlan, int]] = {}
@@ -184,6 +214,8 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         self._report: WorkerReport | None = None
         self._invalid: set[int] = set()
         self._stats: dict[str, float] = {}
+        self._saved = True  # no step open until metadata is bound
+        self._late_layer_logged = False
 
     # ------------------------------------------------------------ scheduler side
 
@@ -302,6 +334,14 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         self.host.register_kv_caches(check_kv_caches(kv_caches, self.context))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Begin the step, and start its loads here: kvconn's worker step contract.
+
+        vLLM calls its own ``start_load_kv`` before the forward only when the
+        step has synchronous loads, and otherwise after it, after every
+        ``save_kv_layer``. kvconn guarantees plugins ``start_load_kv`` first
+        (:mod:`kvconn.hookspecs`), so the step starts as soon as its metadata
+        is bound, before any layer, whatever order vLLM uses.
+        """
         super().bind_connector_metadata(connector_metadata)
         self._bound = connector_metadata if isinstance(connector_metadata, KVConnVllmMetadata) else KVConnVllmMetadata()
         decoded: dict[str, KVConnMetadata] = {}
@@ -312,21 +352,38 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.warning("%s; it sits this step out on this worker", exc)
         self.host.bind_connector_metadata(decoded)
         self._undecoded = set(self._bound.connectors) - set(decoded)
+        self._saved = False
+        self.host.start_load_kv()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.host.start_load_kv()
+        """Nothing to do: the step's loads started when its metadata was bound."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.host.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        if self._saved:  # a layer after the step's wait_for_save (vLLM's draft model): outside the contract
+            if not self._late_layer_logged:
+                self._late_layer_logged = True
+                logger.warning(
+                    "vLLM saved layer %r after the step's wait_for_save; such layers are not saved", layer_name
+                )
+            return
         self.host.save_kv_layer(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        self.host.wait_for_save()
+        """Once a step: vLLM calls it after ``get_finished`` too when a draft model runs (deferred finalize)."""
+        if not self._saved:
+            self._saved = True
+            self.host.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Collect the step's reports; the merged sets go to vLLM only without worker metadata."""
+        """Collect the step's reports; the merged sets go to vLLM only without worker metadata.
+
+        The step's saves are complete first (the contract's order), even when
+        vLLM defers its ``wait_for_save`` past this call.
+        """
+        self.wait_for_save()
         outputs = self.host.get_finished(set(finished_req_ids))
         bound = self._bound
         for name, loads in bound.loads.items():
@@ -339,7 +396,8 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         self._invalid |= {b for blocks, _ in bound.failed_loads.values() for b in blocks}
         for name, out in outputs.items():
             for key, value in out.stats.items():
-                self._stats[f"{name}.{key}"] = self._stats.get(f"{name}.{key}", 0) + value
+                if not key.startswith("_"):  # private gauges reach the connector's scheduler side only
+                    self._stats[f"{name}.{key}"] = self._stats.get(f"{name}.{key}", 0) + value
         self._report = WorkerReport(outputs, failed_async)
         self._bound = KVConnVllmMetadata()
         if _HAS_WORKER_META:

@@ -265,16 +265,18 @@ class VllmLoop:
 
     Each :meth:`step` does what vLLM's engine core and model runner do around
     a connector: ``schedule()``, pickle the output (the multiprocess
-    executor's ``MessageQueue``), bind the metadata, ``start_load_kv``, per
-    layer ``wait_for_layer_load`` / write / ``save_kv_layer``, ``wait_for_save``,
-    ``get_finished``, errors, stats, worker metadata, then
+    executor's ``MessageQueue``), run the worker side of the step through
+    vLLM's own model-runner code (:meth:`run_worker`), then
     ``update_from_output``. The "model" writes, for each computed token, a
     value derived from the token ids up to it, so a block's bytes depend on
     its whole prefix and a load can be checked against a save.
     """
 
     def __init__(self, scheduler: Any) -> None:
+        from types import SimpleNamespace
+
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
 
         from .connector import KVConnVllmConnector
 
@@ -285,6 +287,12 @@ class VllmLoop:
         #: per KV-cache group, the names of its layers
         self.group_layers = [tuple(g.layer_names) for g in scheduler.kv_cache_config.kv_cache_groups]
         self.kv_caches = fake_kv_caches(num_blocks, self.block_size, [n for g in self.group_layers for n in g])
+        self._group_of = {layer: i for i, layers in enumerate(self.group_layers) for layer in layers}
+        # What vLLM's attention layers expose to its KV-transfer decorator: each layer's cache.
+        layers = scheduler.vllm_config.compilation_config.static_forward_context
+        layers.update({name: SimpleNamespace(kv_cache=kv) for name, kv in self.kv_caches.items()})
+        self._attention = maybe_transfer_kv_layer(self._layer_forward)
+        self._output: Any = None
         self.worker.register_kv_caches(self.kv_caches)
         self.outputs: list[Any] = []
         self.last_kv_output: Any = None
@@ -293,20 +301,19 @@ class VllmLoop:
         """What the fake model writes for the token at ``position`` (depends on the prefix)."""
         return float(hash(tuple(token_ids[: position + 1])) % 997)
 
-    def _compute(self, output: Any) -> None:
+    def _layer_forward(self, layer_name: str) -> None:
+        """One attention layer of the fake model: write this step's KV into ``layer_name``'s cache."""
+        output, kv = self._output, self.kv_caches[layer_name]
+        group = self._group_of[layer_name]
         for req_id, n in output.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
-            tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            table = self.scheduler.kv_cache_manager.get_block_ids(req_id)[group]
             start = request.num_computed_tokens - n
             tokens = list(request.all_token_ids)
             for pos in range(start, start + n):
-                value = self.token_value(tokens, pos)
-                for table, layers in zip(tables, self.group_layers, strict=True):
-                    block = table[pos // self.block_size]
-                    if block == NULL_BLOCK_ID:
-                        continue  # a sliding window already dropped this position
-                    for layer in layers:
-                        self.kv_caches[layer][block, :, pos % self.block_size, :] = value
+                block = table[pos // self.block_size]
+                if block != NULL_BLOCK_ID:  # else a sliding window already dropped this position
+                    kv[block, :, pos % self.block_size, :] = self.token_value(tokens, pos)
 
     def step(self, *, eos_req_ids: Iterable[str] = (), inspect: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
         """One engine step; returns ``(scheduler_output, engine_core_outputs)``.
@@ -318,37 +325,44 @@ class VllmLoop:
         if inspect is not None:
             inspect(output)
         sent = pickle.loads(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
-        kv_output = self.last_kv_output = self.run_worker(sent, compute=lambda: self._compute(output))
+        self._output = output  # the fake model reads the scheduler's live requests
+        kv_output = self.last_kv_output = self.run_worker(sent)
         self.outputs.append(output)
         runner_output = make_model_runner_output(
             output, self.scheduler, eos_req_ids=eos_req_ids, kv_connector_output=kv_output
         )
         return output, self.scheduler.update_from_output(output, runner_output)
 
-    def run_worker(self, output: Any, compute: Callable[[], None] | None = None) -> Any:
-        """The worker side of one step, as vLLM's ``KVConnectorModelRunnerMixin`` drives it."""
-        from vllm.v1.outputs import KVConnectorOutput
+    def run_worker(self, output: Any) -> Any:
+        """The worker side of one step, driven by vLLM's own model-runner code, not by an order written here.
 
-        worker = self.worker
-        worker.bind_connector_metadata(output.kv_connector_metadata)
-        worker.start_load_kv(None)
-        for layer in self.kv_caches:
-            worker.wait_for_layer_load(layer)
-        if compute is not None and output.total_num_scheduled_tokens:
-            compute()
-        for layer, kv in self.kv_caches.items():
-            worker.save_kv_layer(layer, kv, None)
-        worker.wait_for_save()
-        results = worker.get_transfer_results(output.finished_req_ids)
-        kv_output = KVConnectorOutput(
-            finished_sending=results.finished_sending or None,
-            finished_recving=results.finished_recving or None,
-            invalid_block_ids=worker.get_block_ids_with_load_errors(),
-            kv_connector_stats=worker.get_kv_connector_stats(),
-            kv_connector_worker_meta=worker.build_connector_worker_meta(),
-        )
-        worker.clear_connector_metadata()
-        return kv_output
+        vLLM's ``KVConnectorModelRunnerMixin`` binds the metadata and calls
+        ``start_load_kv`` (before the forward only when the step has sync
+        loads, else after it), ``wait_for_save``, ``get_transfer_results`` and
+        the rest; each layer runs through vLLM's ``maybe_transfer_kv_layer``
+        decorator (``wait_for_layer_load``, the layer, ``save_kv_layer``), as
+        its attention layers do. A step with no scheduled tokens takes vLLM's
+        no-forward path.
+        """
+        from vllm.distributed.kv_transfer import kv_transfer_state
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin as Runner
+
+        config = self.scheduler.vllm_config
+        previous, kv_transfer_state._KV_CONNECTOR_AGENT = kv_transfer_state._KV_CONNECTOR_AGENT, self.worker
+        try:
+            if not output.total_num_scheduled_tokens:
+                return Runner.kv_connector_no_forward(output, config).kv_connector_output
+            attn_metadata = dict.fromkeys(self.kv_caches, output)  # any non-None per-layer metadata
+            with (
+                set_forward_context(attn_metadata, config, slot_mapping={}),
+                Runner.maybe_get_kv_connector_output(output) as kv_output,
+            ):
+                for layer in self.kv_caches:
+                    self._attention(layer)
+            return kv_output
+        finally:
+            kv_transfer_state._KV_CONNECTOR_AGENT = previous
 
     def run(self, *, max_steps: int = 1000, inspect: Callable[[Any], None] | None = None) -> None:
         """Step until the scheduler has nothing left (requests or held blocks)."""

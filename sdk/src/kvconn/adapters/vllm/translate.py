@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 
-#: ``ConnectorContext.kv_layout`` under vLLM 0.33: ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``.
+#: ``ConnectorContext.kv_layout`` under vLLM: ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``.
 VLLM_KV_LAYOUT = "vllm-BHNC"
 
 
@@ -174,16 +174,15 @@ def translate_scheduler_output(output: Any, step: int) -> SchedulerOutput:
 def check_kv_caches(kv_caches: Mapping[str, Any], context: ConnectorContext) -> dict[str, Any]:
     """vLLM's per-layer KV caches, checked, for the plugins (same tensors, no copy).
 
-    vLLM 0.33 hands ``register_kv_caches`` one tensor per attention layer of
-    shape ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (K and V
-    concatenated on the last axis), which ``ConnectorContext.kv_layout``
-    reports as ``"vllm-BHNC"``. Block ids index axis 0, as in kvconn's
-    reference layout ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
-    (``"NHD"``), and each block is one contiguous slab, so plugins that move
-    whole blocks (offload, mooncake) work unchanged; a plugin that reads
-    token positions must look at ``kv_layout``. No view in the reference
-    layout is offered: it cannot be contiguous over vLLM's memory. Other
-    shapes (MLA, state-space layers) are refused with a clear error.
+    vLLM hands ``register_kv_caches`` one tensor per attention layer of shape
+    ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, which
+    ``ConnectorContext.kv_layout`` reports as ``"vllm-BHNC"``; how K and V
+    share the last two axes depends on the attention backend (docs/vllm.md).
+    kvconn relies on what every accepted backend has in common: axis 0 is the
+    block id, as in the reference layout, and the tensor is contiguous, so each
+    block is one contiguous slab that plugins moving whole blocks (offload,
+    mooncake) copy as bytes. Other shapes (MLA, state-space layers) and
+    layouts whose blocks are not contiguous are refused with a clear error.
     """
     for name, kv in kv_caches.items():
         if kv.dim() != 4 or kv.shape[2] != context.block_size or kv.shape[3] % 2:
@@ -192,5 +191,12 @@ def check_kv_caches(kv_caches: Mapping[str, Any], context: ConnectorContext) -> 
                 f"[num_blocks, num_kv_heads, block_size={context.block_size}, 2 * head_size]; layer {name!r} "
                 f"has shape {list(kv.shape)} (MLA and state-space layers are not supported): "
                 f"remove kv_transfer_config or use a model with standard attention"
+            )
+        if not kv.is_contiguous():
+            raise ValueError(
+                f"kvconn's vLLM adapter moves KV blocks as contiguous slabs, but layer {name!r} has shape "
+                f"{list(kv.shape)} with strides {list(kv.stride())}: its blocks are not contiguous (this attention "
+                f"backend's KV-cache layout is not block-contiguous); use a backend with a layer-major, "
+                f"block-contiguous layout (vLLM's LBHNC) or remove kv_transfer_config"
             )
     return dict(kv_caches)

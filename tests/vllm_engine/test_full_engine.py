@@ -1,0 +1,99 @@
+"""kvconn connectors inside full vLLM engines: the tokens of a connector-less run, and real loads.
+
+Every run sends the same untidy workload (see :mod:`engine_run`) through a real
+``vllm.LLM`` (model forwards on vLLM's CPU kernels) and compares every
+generated token with the connector-less run. The second pass over the prompts
+comes after a flood that evicted them from vLLM's cache, so only a connector
+can serve their prefix: each run must have loaded tokens
+(``vllm:external_prefix_cache_hits``). The step-contract checker rides along
+in the runs that name it: vLLM's own model runner drives the hooks, and the
+checker raises (the run fails) at the first hook out of kvconn's order.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+CONTRACT = "kvconn.testing.step_contract:StepContractConnector"
+
+pytestmark = pytest.mark.slow
+
+
+def assert_exact_with_loads(result: dict[str, Any], baseline: dict[str, Any]) -> None:
+    assert result["first"] == baseline["first"], "a connector changed the first pass's tokens"
+    assert result["again"] == baseline["again"], "tokens after loading the prefix differ from a connector-less run"
+    assert result["external_hits"] > 0, "the connector loaded nothing: the test would not see a wrong load"
+
+
+def test_the_workload_needs_a_connector_and_is_sensitive_to_kv(baseline: dict[str, Any]) -> None:
+    """Without a connector the evicted prefix is recomputed; the tiny model's tokens vary (they can catch bad KV)."""
+    assert baseline["external_hits"] == 0 and baseline["preemptions"] > 0
+    assert all(len(set(tokens)) > 4 for tokens in baseline["first"] + baseline["again"])
+
+
+@pytest.mark.parametrize(
+    ("connector", "short_name"),
+    [
+        pytest.param(["offload", CONTRACT], False, id="offload"),
+        pytest.param("offload", True, id="offload-by-vllm-short-name"),
+        pytest.param(["dummy", "mooncake", CONTRACT], False, id="dummy+mooncake-embedded"),
+    ],
+)
+def test_in_process_engine_is_exact_and_loads(
+    tiny_model: str, baseline: dict[str, Any], run_engine: Any, connector: Any, short_name: bool
+) -> None:
+    """vLLM with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler and worker in one process."""
+    result = run_engine({"model": tiny_model, "connector": connector, "short_name": short_name}).ok()
+    assert_exact_with_loads(result, baseline)
+
+
+def test_multiprocess_engine_is_exact_and_loads(tiny_model: str, baseline: dict[str, Any], run_engine: Any) -> None:
+    """vLLM's default: the engine core and its worker are separate processes; metadata crosses vLLM's queue."""
+    result = run_engine({"model": tiny_model, "connector": ["offload", CONTRACT]}, multiprocess=True).ok()
+    assert_exact_with_loads(result, baseline)
+
+
+def test_tensor_parallel_2_is_exact_and_loads(tiny_model: str, baseline: dict[str, Any], run_engine: Any) -> None:
+    """Two worker processes, each with its own kvconn worker side; their reports merge in the scheduler."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"tensor parallelism on vLLM's CPU backend needs a core per worker; this machine allows {cpus}")
+    # vLLM binds each CPU worker's threads to a NUMA node; with one node, bind them to a core each by hand.
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
+    result = run_engine({"model": tiny_model, "connector": ["offload", CONTRACT], "tp": 2}, multiprocess=True, env=env)
+    assert_exact_with_loads(result.ok(), baseline)
+
+
+def test_mooncake_embedded_store_is_refused_when_workers_run_in_other_processes(
+    tiny_model: str, run_engine: Any
+) -> None:
+    """Run anyway it would get 0 hits in silence: its store would live in the worker process only."""
+    run = run_engine({"model": tiny_model, "connector": "mooncake"}, multiprocess=True)
+    assert run.rc != 0 and run.result is None
+    assert "keep their state in one process" in run.log and "set master_server_address or MOONCAKE_MASTER" in run.log
+
+
+@pytest.mark.parametrize(
+    "connectors", [["mooncake", CONTRACT], ["offload", "mooncake"]], ids=["mooncake", "offload+mooncake"]
+)
+def test_mooncake_on_a_real_master_in_a_multiprocess_engine(
+    tiny_model: str, baseline: dict[str, Any], netns_harness: Any, run_engine: Any, connectors: list[str]
+) -> None:
+    """The real store, shared by vLLM's scheduler and worker processes, inside a network namespace."""
+    h = netns_harness
+    with h.netns() as ns, h.mooncake_master(ns) as master:
+        mooncake = {
+            "master_server_address": master.master_addr,
+            "metadata_server": master.metadata_url,
+            "local_hostname": "127.0.0.1",
+            "protocol": "tcp",
+            "global_segment_size": 64 << 20,
+        }
+        config = {name: mooncake if name == "mooncake" else None for name in connectors}
+        result = run_engine(
+            {"model": tiny_model, "connector": connectors, "config": config}, multiprocess=True, netns=ns
+        )
+    assert_exact_with_loads(result.ok(), baseline)
