@@ -117,7 +117,7 @@ def kvconn_transfer_config(
 
 
 def make_scheduler(
-    connector: str | Sequence[str],
+    connector: str | Sequence[str] | None,
     config: Any = None,
     *,
     on_error: str = "raise",
@@ -132,7 +132,7 @@ def make_scheduler(
     kv_cache_groups: Sequence[KVCacheGroupSpec] = DEFAULT_GROUPS,
     workdir: str | os.PathLike[str] | None = None,
 ) -> Any:
-    """vLLM's ``Scheduler`` with kvconn ``connector`` on its scheduler side (``scheduler.connector``).
+    """vLLM's ``Scheduler`` with kvconn ``connector`` on its scheduler side (``scheduler.connector``; none for ``None``).
 
     ``kv_cache_groups`` lays out the KV cache (layer names; a sliding window
     makes a sliding-window group). With several groups vLLM's hybrid KV cache
@@ -164,7 +164,9 @@ def make_scheduler(
             is_encoder_decoder=model_config.is_encoder_decoder,
         ),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
-        kv_transfer_config=KVTransferConfig(
+        kv_transfer_config=None
+        if connector is None
+        else KVTransferConfig(
             kv_role="kv_both",
             kv_load_failure_policy=kv_load_failure_policy,
             **kvconn_transfer_config(connector, config, on_error=on_error, short_name=short_name),
