@@ -181,3 +181,64 @@ def test_copier_round_trip_is_bit_exact(row_elems: int, scattered: bool) -> None
     assert torch.equal(back[device], kv[device])
     with pytest.raises(IndexError, match="out of range"):
         copier.save(1, wide_rows(kv[:10]), plan)  # block ids past the cache: refused, never clipped
+
+
+NO_CUDA = "needs a CUDA device (torch.cuda.is_available() is False); scripts/gpu-check.sh runs it on a GPU machine"
+SLOW_KERNEL = 50_000_000  # GPU cycles (tens of ms): a copy not ordered after it would see the old bytes
+
+
+def _cuda_worker() -> tuple[Any, dict[str, torch.Tensor]]:
+    worker = load_connector("offload", role="worker", config={"pool_blocks": 4})
+    kv = {f"layer.{i}": torch.zeros(8, 2, 16, 2, 8, dtype=torch.float16, device="cuda") for i in range(2)}
+    worker.register_kv_caches(kv)
+    assert worker.worker.pinned and worker.worker.pool.is_pinned() and worker.worker._stream is not None
+    return worker, kv
+
+
+def _until_received(worker: Any, req_id: str) -> None:
+    for _ in range(10_000):
+        if req_id in worker.get_finished()[1]:
+            return
+        torch.cuda.synchronize()
+    raise AssertionError(f"load of {req_id} never reported finished")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_saves_run_after_the_layer_compute_and_loads_land_before_they_are_reported() -> None:
+    worker, kv = _cuda_worker()
+    values = {name: torch.randn(2, 2, 16, 2, 8, device="cuda").half() for name in kv}
+    worker.start_load_kv(OffloadMetadata(store_seq=1, stores=[_transfer("a", [1, 2], [0, 1])]))
+    for name, t in kv.items():
+        torch.cuda._sleep(SLOW_KERNEL)  # the layer's compute is slow...
+        t[1:3] = values[name]  # ...and writes the blocks just before the save is issued
+        worker.save_kv_layer(name)
+    worker.wait_for_save()
+    torch.cuda.synchronize()
+    worker.get_finished()
+    assert worker.get_kv_connector_stats()["blocks_saved"] == 2
+    worker.start_load_kv(OffloadMetadata(loads=[_transfer("b", [5, 6], [0, 1])]))
+    _until_received(worker, "b")
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert all(torch.equal(kv[name][5:7], values[name]) for name in kv)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_next_step_compute_waits_for_the_running_store() -> None:
+    worker, kv = _cuda_worker()
+    values = {name: torch.randn(2, 2, 16, 2, 8, device="cuda").half() for name in kv}
+    for name, t in kv.items():
+        t[1:3] = values[name]
+    worker.start_load_kv(OffloadMetadata(store_seq=1, stores=[_transfer("a", [1, 2], [0, 1])]))
+    with torch.cuda.stream(worker.worker._stream):
+        torch.cuda._sleep(SLOW_KERNEL)  # the store's copies start late
+    for name in kv:
+        worker.save_kv_layer(name)
+    worker.wait_for_save()
+    worker.start_load_kv(OffloadMetadata())  # next step: its compute must not overwrite blocks still being read
+    for t in kv.values():
+        t[1:3] = 0  # e.g. blocks freed and reused by the next step's compute
+    torch.cuda.synchronize()
+    worker.get_finished()
+    worker.start_load_kv(OffloadMetadata(loads=[_transfer("b", [5, 6], [0, 1])]))
+    _until_received(worker, "b")
+    assert all(torch.equal(kv[name][5:7], values[name]) for name in kv)

@@ -2,8 +2,8 @@
 
 Every layer's KV cache is viewed as ``[num_blocks, row]`` rows of the widest
 integer-like dtype that divides a block's bytes (16-byte ``complex128`` words
-for usual shapes): the copies move bytes, never values, and wide elements make
-torch's index kernels run at memcpy speed. The pool is ``[num_layers,
+for usual shapes): the copies move bytes, never values, and wide elements keep
+torch's index kernels (the CUDA path) fast. The pool is ``[num_layers,
 num_host_blocks, row]``.
 
 A copy is one pass over the bytes per *run* of consecutive host blocks. On
@@ -88,7 +88,10 @@ class CopyPlan:
         )
 
     def check(self, num_device_blocks: int, num_host_blocks: int) -> None:
-        """Raise ``IndexError`` unless every block id is inside the tensors (numpy's ``clip`` would not)."""
+        """Raise ``IndexError`` unless every block id is inside the tensors.
+
+        numpy's ``clip`` would copy the wrong block, and CUDA would assert on the device.
+        """
         lo, hi, host_lo, host_hi = self.bounds
         if lo < 0 or hi >= num_device_blocks or host_lo < 0 or host_hi >= num_host_blocks:
             raise IndexError(
@@ -121,6 +124,7 @@ class BlockCopier:
 
     def save(self, layer: int, kv_rows: Any, plan: CopyPlan) -> None:
         """Device rows -> host blocks of ``layer``."""
+        plan.check(kv_rows.shape[0], self.pool.shape[1])
         if kv_rows.device.type != "cpu":
             pool = self.pool[layer]
             gathered = kv_rows.index_select(0, plan.device)
@@ -138,6 +142,7 @@ class BlockCopier:
 
     def load(self, layer: int, kv_rows: Any, plan: CopyPlan) -> None:
         """Host blocks of ``layer`` -> device rows."""
+        plan.check(kv_rows.shape[0], self.pool.shape[1])
         if kv_rows.device.type != "cpu":
             pool = self.pool[layer]
             staging = self._stage(len(plan), kv_rows)
@@ -155,10 +160,8 @@ class BlockCopier:
                 kv[device[start:end]] = staging
 
     def _host_views(self, layer: int, kv_rows: Any, plan: CopyPlan) -> tuple[Any, Any, Any]:
-        """numpy byte views of ``kv_rows`` and the layer's pool, and the plan's device ids, bounds checked."""
-        kv, pool = _bytes_view(kv_rows), self._bytes[layer]
-        plan.check(kv.shape[0], pool.shape[0])
-        return kv, pool, plan.device.numpy()
+        """numpy byte views of ``kv_rows`` and the layer's pool, and the plan's device ids."""
+        return _bytes_view(kv_rows), self._bytes[layer], plan.device.numpy()
 
     @staticmethod
     def _one_pass(plan: CopyPlan, kv: Any) -> bool:
