@@ -93,7 +93,7 @@ def inner(args: argparse.Namespace) -> dict[str, Any]:
         def plugin_save(meta: MooncakeMetadata = saves) -> None:
             worker.start_load_kv(meta)
             worker.wait_for_save()
-            worker.get_finished(set())
+            worker.get_finished()
 
         def per_block(call: Callable[[str, int, int], int], keys: list[str] = single) -> None:
             for key, ptr in zip(keys, ptrs, strict=True):

@@ -69,18 +69,20 @@ def main(argv: list[str] | None = None) -> int:
         "scheduler scaling (decode step: schedule + update_from_output)",
         ["running", "context", "blocks held", "step us", "us/request"],
     )
-    per_request: dict[tuple[int, int], float] = {}
-    grid = [(r, base_context) for r in running_sizes] + [(base_running, c) for c in context_sizes]
-    for running, context in dict.fromkeys(grid):
-        times = []
-        for _ in range(repeat):
+    grid = list(dict.fromkeys([(r, base_context) for r in running_sizes] + [(base_running, c) for c in context_sizes]))
+    times: dict[tuple[int, int], list[float]] = {point: [] for point in grid}
+    held: dict[tuple[int, int], int] = {}
+    for _ in range(repeat):  # interleaved rounds: a slow spell of the shared machine lands on every size alike
+        for running, context in grid:
             scheduler = decode_scheduler(running, context)
-            times.append(decode_step_seconds(scheduler, steps))
-        step = min(times)
-        kv = scheduler.kv_cache_manager
-        held = sum(len(table) for r in scheduler.requests for table in kv.get_block_ids(r))
+            times[(running, context)].append(decode_step_seconds(scheduler, steps))
+            kv = scheduler.kv_cache_manager
+            held[(running, context)] = sum(len(table) for r in scheduler.requests for table in kv.get_block_ids(r))
+    per_request: dict[tuple[int, int], float] = {}
+    for running, context in grid:
+        step = min(times[(running, context)])
         per_request[(running, context)] = step / running
-        bench.row(running, context, held, step * 1e6, step / running * 1e6)
+        bench.row(running, context, held[(running, context)], step * 1e6, step / running * 1e6)
 
     def flat(what: str, growth: float) -> None:
         bench.target(what, growth < 1.5, f"{growth:.2f}x the per-request cost")
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         f"step cost grows with scheduled requests ({large // small}x requests: per-request cost stays flat)",
         per_request[(large, base_context)] / per_request[(small, base_context)],
     )
-    bench.notes.append(f"minimum over repeats of the mean step time over {steps} decode steps")
+    bench.notes.append(f"minimum over {repeat} interleaved rounds of the mean step time over {steps} decode steps")
     return bench.finish(args)
 
 

@@ -91,3 +91,24 @@ def test_an_unknown_connector_fails_before_any_run() -> None:
             make_workload("multi-turn", 2), [ConnectorSetup(("no-such",))], on_progress=lambda *a: calls.append(a[0])
         )
     assert calls == []
+
+
+def test_timed_rounds_follow_one_warm_up_round_and_rotate_the_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvconn.simulate as sim_module
+
+    order: list[str] = []
+
+    def recording(*args: object, **kwargs: object) -> object:
+        result = run_workload(*args, **kwargs)  # type: ignore[arg-type]
+        order.append(result.label)
+        return result
+
+    monkeypatch.setattr(sim_module, "run_workload", recording)
+    sim = simulate(make_workload("shared-prefix", 4, seed=1), [ConnectorSetup((MEMORY,))], NO_LOCAL_CACHE, repeats=3)
+    label = "kvconn.testing.memory_connector:MemoryConnector"
+    # round 0 is the warm-up; the baseline does not always go first
+    assert order == ["no connector", label, label, "no connector", "no connector", label, label, "no connector"]
+    for run in (sim.baseline, *sim.runs):
+        assert len(run.wall_s_repeats) == 3 and run.wall_s == sorted(run.wall_s_repeats)[1]
+        assert run.steps_per_s_min <= run.steps_per_s
+    assert sim.verified

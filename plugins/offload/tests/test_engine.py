@@ -129,3 +129,23 @@ def test_evicted_slot_is_reported_as_a_load_error_and_recomputed(prefix: list[in
     assert engine.generate([[*prefix, 7]], max_tokens=3) == expected
     assert engine.stats.failed_load_blocks == 1
     assert_scheduler_empty(engine.scheduler)
+
+
+NO_CUDA = "needs a CUDA device (torch.cuda.is_available() is False); scripts/gpu-check.sh runs it on a GPU machine"
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA))]
+)
+def test_prefix_loaded_into_the_engine_device_kv_cache_is_bit_exact(prefix: list[int], device: str) -> None:
+    """On CUDA: pinned pool, copies on the side stream ordered by events, and the engine's outputs unchanged."""
+    expected, expected_kv, _ = _pair(None, prefix, device=device)
+    out, kv, engine = _pair("offload", prefix, {"pool_blocks": 64}, device=device)
+    assert out == expected and engine.stats.prompt_tokens_loaded == 256
+    assert engine.stats.blocks_saved > 0 and engine.stats.degraded_events == 0
+    assert engine.worker_host is not None
+    worker = engine.worker_host.connectors["offload"].worker  # type: ignore[attr-defined]
+    assert worker.pinned == (device == "cuda") and worker.pool.is_pinned() == (device == "cuda")
+    assert (worker._stream is not None) == (device == "cuda")
+    for name, ref in expected_kv.items():
+        assert kv[name].device.type == device and torch.equal(kv[name].view(torch.int16), ref.view(torch.int16))

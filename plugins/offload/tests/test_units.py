@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import msgspec
 import pytest
@@ -11,7 +12,8 @@ import torch
 from kvconn import ConnectorConfigError, KVConnectorBlockState, KVConnectorOutput, load_connector
 from kvconn.engine.request import Request
 from kvconn.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from kvconn_offload import OffloadManager, OffloadMetadata
+from kvconn_offload import BlockCopier, BlockTransfer, CopyPlan, OffloadManager, OffloadMetadata, wide_rows
+from kvconn_offload.copy import MAX_RUNS
 from kvconn_offload.scheduler import STORES_DONE_STAT
 
 
@@ -105,3 +107,139 @@ def test_finished_request_keeps_its_blocks_until_its_store_is_done() -> None:
     assert sched.get_num_tracked_requests() == 0
     # the store is complete: a request with the same prefix hits both blocks
     assert sched.get_num_new_matched_tokens(Request("c", list(range(100, 140)), 4, 16), 0) == (32, True)
+
+
+def _worker_with_caches() -> tuple[Any, dict[str, torch.Tensor]]:
+    worker = load_connector("offload", role="worker", config={"pool_blocks": 4})
+    gen = torch.Generator().manual_seed(0)
+    kv = {f"layer.{i}": torch.randn(8, 2, 16, 2, 8, generator=gen).half() for i in range(2)}
+    kv["layer.0"][5:].zero_()
+    kv["layer.1"][5:].zero_()
+    worker.register_kv_caches(kv)
+    return worker, kv
+
+
+def _transfer(req_id: str, device: list[int], slots: list[int]) -> BlockTransfer:
+    return BlockTransfer(req_id, [device], [slots], slots=slots, keys=[bytes([s]) * 32 for s in slots])
+
+
+def _worker_step(worker: Any, meta: OffloadMetadata, *, saves_first: bool = False) -> tuple[set[str], set[str]]:
+    """One worker step in kvconn's order, or (``saves_first``) with the layers saved before the step is set up."""
+    if saves_first:
+        for name in ("layer.0", "layer.1"):
+            worker.save_kv_layer(name)
+    worker.start_load_kv(meta)
+    if not saves_first:
+        for name in ("layer.0", "layer.1"):
+            worker.save_kv_layer(name)
+    worker.wait_for_save()
+    return worker.get_finished()
+
+
+def test_saves_before_the_step_is_set_up_mark_no_slot_stored() -> None:
+    worker, kv = _worker_with_caches()
+    _worker_step(worker, OffloadMetadata(store_seq=1, stores=[_transfer("a", [1, 2], [0, 1])]), saves_first=True)
+    stats = worker.get_kv_connector_stats()
+    assert stats.get("blocks_saved", 0) == 0 and stats.get("bytes_saved", 0) == 0  # no copy was made
+    _, recving = _worker_step(worker, OffloadMetadata(loads=[_transfer("b", [5, 6], [0, 1])]))
+    assert recving == {"b"} and worker.get_block_ids_with_load_errors() == {5, 6}  # recomputed, not loaded
+    assert not kv["layer.0"][5:7].any() and worker.get_kv_connector_stats().get("blocks_loaded", 0) == 0
+    # in kvconn's order the same store is kept and loads back bit-exact
+    _worker_step(worker, OffloadMetadata(store_seq=2, stores=[_transfer("a", [1, 2], [0, 1])]))
+    assert worker.get_kv_connector_stats()["blocks_saved"] == 2
+    _worker_step(worker, OffloadMetadata(loads=[_transfer("b", [5, 6], [0, 1])]))
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert all(torch.equal(t[5:7], t[1:3]) for t in kv.values())
+
+
+def test_one_step_loads_several_requests_and_reports_only_stale_slots() -> None:
+    worker, kv = _worker_with_caches()
+    stores = [_transfer("a", [1, 2], [0, 1]), _transfer("b", [3], [2])]
+    _worker_step(worker, OffloadMetadata(store_seq=1, stores=stores))
+    stale = BlockTransfer("d", [[7]], [[3]], slots=[3], keys=[b"never stored"])
+    loads = [_transfer("c", [5], [0]), _transfer("e", [6], [2]), stale]
+    _, recving = _worker_step(worker, OffloadMetadata(loads=loads))
+    assert recving == {"c", "d", "e"} and worker.get_block_ids_with_load_errors() == {7}
+    assert worker.get_kv_connector_stats()["blocks_loaded"] == 2
+    assert all(torch.equal(t[5], t[1]) and torch.equal(t[6], t[3]) and not t[7].any() for t in kv.values())
+
+
+@pytest.mark.parametrize("row_elems", [64, 1 << 15])  # short runs: staged fallback; long rows: one pass per run
+@pytest.mark.parametrize("scattered", [False, True])
+def test_copier_round_trip_is_bit_exact(row_elems: int, scattered: bool) -> None:
+    gen = torch.Generator().manual_seed(row_elems)
+    kv = torch.randn(64, row_elems, generator=gen).half()
+    pool = torch.zeros(2, 96, row_elems, dtype=torch.float16)
+    copier = BlockCopier(wide_rows(pool, 2))
+    device = torch.randperm(64, generator=gen)[:40].tolist()
+    host = torch.randperm(96, generator=gen)[:40].tolist() if scattered else list(range(40))
+    plan = CopyPlan.build(device, host)
+    assert (len(plan.runs) > MAX_RUNS) == scattered
+    copier.save(1, wide_rows(kv), plan)
+    assert torch.equal(pool[1, host], kv[device]) and not pool[0].any()
+    back = torch.zeros_like(kv)
+    copier.load(1, wide_rows(back), plan)
+    assert torch.equal(back[device], kv[device])
+    with pytest.raises(IndexError, match="out of range"):
+        copier.save(1, wide_rows(kv[:10]), plan)  # block ids past the cache: refused, never clipped
+
+
+NO_CUDA = "needs a CUDA device (torch.cuda.is_available() is False); scripts/gpu-check.sh runs it on a GPU machine"
+SLOW_KERNEL = 50_000_000  # GPU cycles (tens of ms): a copy not ordered after it would see the old bytes
+
+
+def _cuda_worker() -> tuple[Any, dict[str, torch.Tensor]]:
+    worker = load_connector("offload", role="worker", config={"pool_blocks": 4})
+    kv = {f"layer.{i}": torch.zeros(8, 2, 16, 2, 8, dtype=torch.float16, device="cuda") for i in range(2)}
+    worker.register_kv_caches(kv)
+    assert worker.worker.pinned and worker.worker.pool.is_pinned() and worker.worker._stream is not None
+    return worker, kv
+
+
+def _until_received(worker: Any, req_id: str) -> None:
+    for _ in range(10_000):
+        if req_id in worker.get_finished()[1]:
+            return
+        torch.cuda.synchronize()
+    raise AssertionError(f"load of {req_id} never reported finished")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_saves_run_after_the_layer_compute_and_loads_land_before_they_are_reported() -> None:
+    worker, kv = _cuda_worker()
+    values = {name: torch.randn(2, 2, 16, 2, 8, device="cuda").half() for name in kv}
+    worker.start_load_kv(OffloadMetadata(store_seq=1, stores=[_transfer("a", [1, 2], [0, 1])]))
+    for name, t in kv.items():
+        torch.cuda._sleep(SLOW_KERNEL)  # the layer's compute is slow...
+        t[1:3] = values[name]  # ...and writes the blocks just before the save is issued
+        worker.save_kv_layer(name)
+    worker.wait_for_save()
+    torch.cuda.synchronize()
+    worker.get_finished()
+    assert worker.get_kv_connector_stats()["blocks_saved"] == 2
+    worker.start_load_kv(OffloadMetadata(loads=[_transfer("b", [5, 6], [0, 1])]))
+    _until_received(worker, "b")
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert all(torch.equal(kv[name][5:7], values[name]) for name in kv)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_next_step_compute_waits_for_the_running_store() -> None:
+    worker, kv = _cuda_worker()
+    values = {name: torch.randn(2, 2, 16, 2, 8, device="cuda").half() for name in kv}
+    for name, t in kv.items():
+        t[1:3] = values[name]
+    worker.start_load_kv(OffloadMetadata(store_seq=1, stores=[_transfer("a", [1, 2], [0, 1])]))
+    with torch.cuda.stream(worker.worker._stream):
+        torch.cuda._sleep(SLOW_KERNEL)  # the store's copies start late
+    for name in kv:
+        worker.save_kv_layer(name)
+    worker.wait_for_save()
+    worker.start_load_kv(OffloadMetadata())  # next step: its compute must not overwrite blocks still being read
+    for t in kv.values():
+        t[1:3] = 0  # e.g. blocks freed and reused by the next step's compute
+    torch.cuda.synchronize()
+    worker.get_finished()
+    worker.start_load_kv(OffloadMetadata(loads=[_transfer("b", [5, 6], [0, 1])]))
+    _until_received(worker, "b")
+    assert all(torch.equal(kv[name][5:7], values[name]) for name in kv)

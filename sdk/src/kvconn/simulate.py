@@ -19,6 +19,13 @@ Every request's generated tokens are compared with the baseline's: the
 reference model's next token depends on the KV it reads, so a wrong or stale
 load shows up as a mismatch.
 
+Timings are fair on a shared machine: one untimed warm-up round runs the
+baseline and every setup once (imports, first calls of torch at each size),
+then ``repeats`` timed rounds run them all in turn, the order rotated each
+round, so a slow spell lands on every run alike and no run always goes first.
+Figures are the median round's (by wall time), with the slowest round's
+steps/s beside them.
+
 The engine options matter: with a large local prefix cache the connector has
 nothing to do. :class:`EngineOptions` defaults to a local prefix cache that
 holds only a fraction of the workload's prefixes, as in real serving, where
@@ -28,6 +35,7 @@ the GPU cache is much smaller than the working set.
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -132,6 +140,8 @@ class RunResult:
     outputs: list[list[int]]
     #: indices of requests whose tokens differ from the baseline (empty: verified)
     mismatched: list[int] = field(default_factory=list)
+    #: wall seconds of every timed repeat; the other fields are the median repeat's (by wall time)
+    wall_s_repeats: list[float] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -139,7 +149,14 @@ class RunResult:
 
     @property
     def steps_per_s(self) -> float:
+        """Of the median repeat."""
         return self.steps / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def steps_per_s_min(self) -> float:
+        """The slowest repeat."""
+        slowest = max(self.wall_s_repeats or [self.wall_s])
+        return self.steps / slowest if slowest > 0 else 0.0
 
     @property
     def connector_ms_per_step(self) -> float:
@@ -162,6 +179,8 @@ class RunResult:
             "hit_rate": self.hit_rate,
             "wall_s": self.wall_s,
             "steps_per_s": self.steps_per_s,
+            "steps_per_s_min": self.steps_per_s_min,
+            "wall_s_repeats": self.wall_s_repeats,
             "connector_s": self.connector_s,
             "connector_ms_per_step": self.connector_ms_per_step,
             "output_verified": self.verified,
@@ -308,37 +327,68 @@ def _preflight(setup: ConnectorSetup) -> None:
     ConnectorHost.from_names(list(setup.names), role="scheduler", config=setup.config).shutdown()
 
 
-def _warm_up(options: EngineOptions) -> None:
-    """A short run with full-size steps, so the first timed run does not pay for torch's start-up.
-
-    Importing torch and its first calls at a given batch size cost far more
-    than later steps; without this the baseline (always run first) would look slow.
-    """
-    with Engine(**options.scheduler_options()) as engine:
-        engine.generate([[i % 251 + 1] * options.max_num_batched_tokens for i in range(2)], max_tokens=4)
-
-
 def simulate(
     workload: Workload,
     setups: Sequence[ConnectorSetup],
     options: EngineOptions | None = None,
     *,
     on_progress: ProgressCallback | None = None,
+    repeats: int = 3,
 ) -> Simulation:
-    """Run ``workload`` without connectors, then with each setup; compare every request's tokens.
+    """Run ``workload`` without connectors and with each setup; compare every request's tokens.
 
-    Connectors that cannot be loaded raise the SDK's errors
-    (:class:`~kvconn.ConnectorNotFoundError`, ...) before anything runs long.
+    One untimed warm-up round, then ``repeats`` interleaved timed rounds (see
+    the module docstring); a setup is verified only if every repeat produced
+    the baseline's tokens. Connectors that cannot be loaded raise the SDK's
+    errors (:class:`~kvconn.ConnectorNotFoundError`, ...) before anything runs long.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     options = options or EngineOptions()
     for setup in setups:
         _preflight(setup)
-    _warm_up(options)
-    baseline = run_workload(workload, options, on_progress=on_progress)
-    runs = []
-    for setup in setups:
-        run = run_workload(workload, options, setup, on_progress=on_progress)
-        run.mismatched = [i for i, (a, b) in enumerate(zip(run.outputs, baseline.outputs, strict=True)) if a != b]
-        runs.append(run)
+    order: list[ConnectorSetup | None] = [None, *setups]
+    rounds: list[list[RunResult]] = [[] for _ in order]
+    for r in range(1 + repeats):  # round 0: the warm-up, not kept
+        for i in _rotated(range(len(order)), r):
+            progress = _round_progress(on_progress, r, 1 + repeats)
+            run = run_workload(workload, options, order[i], on_progress=progress)
+            if r:
+                rounds[i].append(run)
+    baseline, *runs = (_merged(results) for results in rounds)
+    for run, results in zip(runs, rounds[1:], strict=True):
+        run.mismatched = sorted(
+            {
+                i
+                for result in results
+                for i, (a, b) in enumerate(zip(result.outputs, baseline.outputs, strict=True))
+                if a != b
+            }
+        )
     reusable = reusable_prompt_tokens([r.prompt for r in workload.requests], options.block_size)
     return Simulation(workload, options, reusable, baseline, runs)
+
+
+def _rotated(items: range, by: int) -> list[int]:
+    by %= len(items)
+    return [*items[by:], *items[:by]]
+
+
+def _round_progress(on_progress: ProgressCallback | None, round_: int, rounds: int) -> ProgressCallback | None:
+    """Progress over all rounds: requests finished so far out of ``rounds`` times the workload."""
+    if on_progress is None:
+        return None
+    report = on_progress
+
+    def progress(label: str, finished: int, total: int) -> None:
+        report(label, round_ * total + finished, rounds * total)
+
+    return progress
+
+
+def _merged(results: list[RunResult]) -> RunResult:
+    """One setup's timed repeats as one result: the median repeat (by wall time), with every repeat's times."""
+    median = statistics.median_low(r.wall_s for r in results)
+    chosen = next(r for r in results if r.wall_s == median)
+    chosen.wall_s_repeats = [r.wall_s for r in results]
+    return chosen

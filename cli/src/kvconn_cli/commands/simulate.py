@@ -61,6 +61,10 @@ def simulate(
             "--prefix-cache/--no-prefix-cache", help="Local prefix caching (off: every hit comes from a connector)."
         ),
     ] = True,
+    repeats: Annotated[
+        int,
+        typer.Option("--repeats", min=1, help="Timed rounds after one warm-up round (figures: min / median)."),
+    ] = 3,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object on stdout.")] = False,
     plot: Annotated[
         Path | None, typer.Option("--plot", help="Draw tokens computed vs loaded and the hit rate to a PNG.")
@@ -90,7 +94,7 @@ def simulate(
     work = make_workload(workload.value, requests, seed)
     try:
         with _Progress(len(setups) + 1, requests) as progress:
-            result = run_simulation(work, setups, options, on_progress=progress.update)
+            result = run_simulation(work, setups, options, on_progress=progress.update, repeats=repeats)
     except (kvconn.ConnectorNotFoundError, kvconn.ConnectorConfigError) as exc:
         raise UsageError(str(exc)) from None
     except kvconn.KVConnError as exc:
@@ -228,8 +232,8 @@ def _render(result: Simulation, plot: Path | None) -> None:
         ("blocks saved / loaded", lambda r: f"{r.stats.blocks_saved:,} / {r.stats.blocks_loaded:,}"),
         ("bytes saved / loaded", lambda r: f"{_bytes(r.stats.bytes_saved)} / {_bytes(r.stats.bytes_loaded)}"),
         ("steps", lambda r: f"{r.steps:,}"),
-        ("steps/s", lambda r: f"{r.steps_per_s:.1f}"),
-        ("connector time / step", lambda r: f"{r.connector_ms_per_step:.2f} ms"),
+        ("steps/s (min / median)", lambda r: f"{r.steps_per_s_min:,.0f} / {r.steps_per_s:,.0f}"),
+        ("connector time / step (median)", lambda r: f"{r.connector_ms_per_step:.2f} ms"),
         ("preemptions", lambda r: str(r.stats.preemptions)),
         ("degraded events", lambda r: str(r.stats.degraded_events)),
         ("output verified", lambda r: _verdict(r, result.baseline)),
@@ -239,7 +243,8 @@ def _render(result: Simulation, plot: Path | None) -> None:
     console.print(table)
     console.print(
         "connector time: wall time inside the ConnectorHost calls of scheduler and worker (SDK dispatch and the "
-        "connectors' hook code, including synchronous copies); steps/s: whole engine steps on this machine.",
+        "connectors' hook code, including synchronous copies); steps/s: whole engine steps on this machine. "
+        f"Times: {len(result.baseline.wall_s_repeats)} timed rounds after one warm-up round, every run in turn.",
         style="dim",
     )
     if plot is not None:

@@ -1,12 +1,20 @@
 """Worker side: the host pool and the copies.
 
-The pool is allocated once in ``register_kv_caches``. Per step:
-``start_load_kv`` plans this step's store and starts its loads (async loads:
-their requests are not computed until reported in ``finished_recving``);
-``save_kv_layer`` copies each layer's stored blocks once the layer is
-computed; ``wait_for_save`` closes the step's store job; ``get_finished``
-reports finished loads and delayed frees whose stores are done, and the stats
-carry the highest finished store job back to the scheduler side.
+The pool is allocated once in ``register_kv_caches``. Per step (kvconn's
+worker contract): ``start_load_kv`` plans this step's store and starts all its
+loads as one batch (one plan per KV-cache group across every request, so runs
+of host slots coalesce across requests; async loads: their requests are not
+computed until reported in ``finished_recving``); ``save_kv_layer`` copies each
+layer's stored blocks once the layer is computed; ``wait_for_save`` closes the
+step's store job; ``get_finished`` reports finished loads and delayed frees
+whose stores are done, and the stats carry the highest finished store job back
+to the scheduler side.
+
+A slot is trusted (loadable) only when its copy was made in every layer: a
+``save_kv_layer`` that arrives before the step was set up copies nothing, and
+its job then completes without trusting any slot, so a later load of them is
+reported as a load error (recomputed), never served from unwritten memory.
+The stats count copies made, not copies planned.
 
 On CPU every copy is synchronous. On CUDA copies run non-blocking on one side
 stream (so they run in issue order: a slot re-stored after a load is written
@@ -78,6 +86,7 @@ class OffloadWorker:
         self._store_seq = 0
         self._store_plans: list[CopyPlan | None] = []
         self._store_tags: dict[int, bytes] = {}
+        self._saved_layers: set[int] = set()  # layers this step's store job copied
         self._jobs: deque[tuple[int, dict[int, bytes], Any]] = deque()  # store jobs in flight: seq, tags, event
         self._done_seq = 0
         self._last_store: dict[str, int] = {}
@@ -148,13 +157,14 @@ class OffloadWorker:
         with self._on_copy_stream():
             self._store_plans = self._plans(metadata.stores) if metadata.store_seq else []
         self._store_tags = {}
+        self._saved_layers = set()
         for transfer in metadata.stores:
             self._last_store[transfer.req_id] = metadata.store_seq
             for slot, key in zip(transfer.slots, transfer.keys, strict=True):
                 self._slot_keys.pop(slot, None)  # untrusted until the job completes
                 self._store_tags[slot] = key
-        for transfer in metadata.loads:
-            self._start_load(transfer)
+        if metadata.loads:
+            self._start_loads(metadata.loads)
 
     def _plans(self, transfers: list[BlockTransfer]) -> list[CopyPlan | None]:
         """One plan per KV-cache group, over all the transfers (call it on the copy stream)."""
@@ -166,26 +176,34 @@ class OffloadWorker:
             plans.append(CopyPlan.build(dev, host, device) if dev else None)
         return plans
 
-    def _start_load(self, transfer: BlockTransfer) -> None:
+    def _start_loads(self, transfers: list[BlockTransfer]) -> None:
+        """Copy every request's loaded blocks in one batch; each load completes with the batch's event."""
         assert self._copier is not None
-        self._errors.update(transfer.failed_blocks)
-        stale = {
-            slot for slot, key in zip(transfer.slots, transfer.keys, strict=True) if self._slot_keys.get(slot) != key
-        }
-        if stale:  # evicted, overwritten or never stored: report, never load wrong KV
-            for g, (dev, host) in enumerate(zip(transfer.device_blocks, transfer.host_blocks, strict=True)):
-                bad = [h // self.multiple in stale for h in host]
-                self._errors.update(d for d, b in zip(dev, bad, strict=True) if b)
-                transfer.device_blocks[g] = [d for d, b in zip(dev, bad, strict=True) if not b]
-                transfer.host_blocks[g] = [h for h, b in zip(host, bad, strict=True) if not b]
+        for transfer in transfers:
+            self._drop_stale(transfer)
         with self._on_copy_stream():
-            plans = self._plans([transfer])
+            plans = self._plans(transfers)
             for layer, rows in enumerate(self._rows):
                 plan = plans[self._group_of[layer]]
                 if plan is not None:
                     self._copier.load(layer, rows, plan)
             self._count("loaded", plans)
-            self._loads.append(_Load(transfer.req_id, self._record()))
+            event = self._record()
+        self._loads.extend(_Load(transfer.req_id, event) for transfer in transfers)
+
+    def _drop_stale(self, transfer: BlockTransfer) -> None:
+        """Remove the blocks of slots not holding their key (evicted, overwritten, never stored): load errors."""
+        self._errors.update(transfer.failed_blocks)
+        stale = {
+            slot for slot, key in zip(transfer.slots, transfer.keys, strict=True) if self._slot_keys.get(slot) != key
+        }
+        if not stale:
+            return
+        for g, (dev, host) in enumerate(zip(transfer.device_blocks, transfer.host_blocks, strict=True)):
+            bad = [h // self.multiple in stale for h in host]
+            self._errors.update(d for d, b in zip(dev, bad, strict=True) if b)
+            transfer.device_blocks[g] = [d for d, b in zip(dev, bad, strict=True) if not b]
+            transfer.host_blocks[g] = [h for h, b in zip(host, bad, strict=True) if not b]
 
     def save_kv_layer(self, layer_name: str) -> None:
         if not self._store_seq or self._copier is None:
@@ -196,14 +214,33 @@ class OffloadWorker:
             return
         with self._on_copy_stream():  # after the compute stream wrote the layer
             self._copier.save(layer, self._rows[layer], plan)
+        self._saved_layers.add(layer)
 
     def wait_for_save(self) -> None:
-        """Close this step's store job; its copies may still run (CUDA)."""
+        """Close this step's store job; its copies may still run (CUDA).
+
+        The job's slots are trusted only if every layer that had blocks to
+        save was copied; otherwise the job still completes (so delayed frees
+        proceed) but trusts nothing and counts nothing.
+        """
         if not self._store_seq:
             return
-        self._count("saved", self._store_plans)
+        needed = {layer for layer, g in enumerate(self._group_of) if self._store_plans[g] is not None}
+        tags = self._store_tags
+        if needed <= self._saved_layers:
+            self._count("saved", self._store_plans)
+        else:
+            logger.warning(
+                "offload: store job %d: save_kv_layer did not run for %d of %d layers after start_load_kv; "
+                "its %d blocks are not kept (the engine broke kvconn's worker step order)",
+                self._store_seq,
+                len(needed - self._saved_layers),
+                len(needed),
+                len(tags),
+            )
+            tags = {}
         with self._on_copy_stream():
-            self._jobs.append((self._store_seq, self._store_tags, self._record()))
+            self._jobs.append((self._store_seq, tags, self._record()))
         self._store_seq = 0
 
     def _count(self, what: str, plans: list[CopyPlan | None]) -> None:

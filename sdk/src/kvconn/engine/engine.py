@@ -39,6 +39,7 @@ class Engine:
         on_error: the hosts' error policy (``"degrade"`` or ``"raise"``).
         model, dtype: engine facts connectors may namespace keys with.
         num_kv_heads, head_dim: KV-cache tensor shape of each layer.
+        device: where the KV caches live (``"cuda"`` runs connectors against accelerator memory).
         **scheduler_options: fields of :class:`SchedulerConfig`.
     """
 
@@ -53,6 +54,7 @@ class Engine:
         num_kv_heads: int = 2,
         head_dim: int = 8,
         tp_rank: int = 0,
+        device: str = "cpu",
         **scheduler_options: Any,
     ) -> None:
         scheduler_config = SchedulerConfig(**scheduler_options)
@@ -79,6 +81,7 @@ class Engine:
             host=self.worker_host,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
+            device=device,
         )
         # Decode every connector's metadata, even one with no worker side (its workers ignore it).
         self._metadata_types = self.scheduler_host.metadata_types if self.scheduler_host else {}

@@ -4,6 +4,15 @@ Per step, exactly as a model runner does with a connector: bind metadata,
 ``start_load_kv``; then per layer ``wait_for_layer_load``, write this step's
 KV through the block table, read the context for sampling, ``save_kv_layer``;
 then ``wait_for_save`` and ``get_finished``.
+
+The cost is a few batched torch ops per layer whatever the number of
+requests (the indices are built once a step per KV-cache group): a write
+scatters every computed position of every request, a read gathers every
+sampling request's context blocks and sums their bit patterns per token,
+then per request with one ``index_add_``. Integer sums are exact in any
+order, so what a request reads does not depend on which other requests
+share its step nor on torch's thread count, and any changed bit of the KV it
+reads changes it.
 """
 
 from __future__ import annotations
@@ -27,7 +36,13 @@ class _RequestState:
 
 
 class ReferenceWorker:
-    """Holds ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` KV caches per layer."""
+    """Holds ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` KV caches per layer.
+
+    ``torch_threads`` sets torch's intra-op thread count (process-wide) when
+    the worker is created: its ops are small, and on a busy machine torch's
+    default threads wait on each other (steps/s fell from ~1,000 to ~20 on
+    2 shared cores). ``None`` leaves the count alone.
+    """
 
     def __init__(
         self,
@@ -39,9 +54,12 @@ class ReferenceWorker:
         head_dim: int = 8,
         vocab_size: int = 32_000,
         device: str = "cpu",
+        torch_threads: int | None = 1,
     ) -> None:
         import torch
 
+        if torch_threads is not None and torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
         self.context = context
         self.host = host
         self.block_size = context.block_size
@@ -58,6 +76,10 @@ class ReferenceWorker:
             name: torch.zeros((num_blocks, 2, self.block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
             for name, _, _ in self.layers
         }
+        # The same memory as integers of the element's width: reads sum bit patterns.
+        width = self.kv_caches[self.layers[0][0]].element_size()
+        bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+        self._bits = {name: kv.view(bits) for name, kv in self.kv_caches.items()}
         self._requests: dict[str, _RequestState] = {}
         if host is not None:
             host.register_kv_caches(self.kv_caches)
@@ -82,12 +104,11 @@ class ReferenceWorker:
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(output)
-        host = self.host
+        host, torch = self.host, self.model.torch
         if host is not None:
             host.bind_connector_metadata(output.kv_connector_metadata)
             host.start_load_kv()
 
-        bs = self.block_size
         # Positions computed this step, per request, and where their KV goes.
         positions: list[tuple[str, int, int]] = []
         hashes: list[int] = []
@@ -101,12 +122,12 @@ class ReferenceWorker:
             for req_id, start, n in positions
             if start + n == len(self._requests[req_id].token_ids)
         ]
-        reads: dict[str, list[Any]] = {req_id: [] for req_id, _ in sampling}
         # Where this step's KV goes and what sampling reads depend on the group, not the layer.
         windows = {group: window for _, group, window in self.layers}
         inputs = self.model.kv_inputs(hashes) if hashes else None
         writes = {group: self._write_index(positions, group) for group in windows} if hashes else {}
-        spans = {group: self._read_spans(sampling, group, window) for group, window in windows.items()}
+        spans = {group: self._read_index(sampling, group, window) for group, window in windows.items()}
+        reads: list[Any] = []  # per layer: [len(sampling)] int64 sums of the context each request reads
 
         for layer_index, (name, group, _) in enumerate(self.layers):
             if host is not None:
@@ -115,9 +136,11 @@ class ReferenceWorker:
             if inputs is not None:
                 blocks, offsets = writes[group]
                 kv[blocks, :, offsets] = self.model.kv_values(inputs, layer_index)
-            for req_id, ids, lo, length in spans[group]:
-                context = kv[ids].transpose(1, 2).reshape(len(ids) * bs, -1)
-                reads[req_id].append(context[lo : lo + length].float().sum())
+            if sampling:
+                ids, segment = spans[group]
+                per_token = self._bits[name][ids].flatten(3).sum(-1, dtype=torch.int64).sum(1).view(-1)
+                sums = per_token.new_zeros(len(sampling) + 1).index_add_(0, segment, per_token)
+                reads.append(sums[:-1])
             if host is not None:
                 host.save_kv_layer(name, kv)
 
@@ -125,7 +148,8 @@ class ReferenceWorker:
         if host is not None:
             host.wait_for_save()
             connector_output = host.get_finished(set(output.finished_req_ids))
-        sampled = {req_id: [self.model.next_token(reads[req_id])] for req_id, _ in sampling}
+        per_request = torch.stack(reads, dim=1).tolist() if sampling else []
+        sampled = {req_id: [self.model.next_token(r)] for (req_id, _), r in zip(sampling, per_request, strict=True)}
         return ModelRunnerOutput(
             req_ids=list(output.num_scheduled_tokens),
             sampled_token_ids=sampled,
@@ -137,23 +161,35 @@ class ReferenceWorker:
         bs, blocks, offsets = self.block_size, [], []
         for req_id, start, n in positions:
             table = self._requests[req_id].tables[group]
-            for p in range(start, start + n):
-                blocks.append(table[p // bs])
-                offsets.append(p % bs)
+            blocks += [table[p // bs] for p in range(start, start + n)]
+            offsets += [p % bs for p in range(start, start + n)]
         torch = self.model.torch
         return torch.tensor(blocks), torch.tensor(offsets)
 
-    def _read_spans(
-        self, sampling: list[tuple[str, int]], group: int, window: int | None
-    ) -> list[tuple[str, Any, int, int]]:
-        """Per sampling request: the blocks its last token reads in ``group``, the first offset, the length."""
+    def _read_index(self, sampling: list[tuple[str, int]], group: int, window: int | None) -> tuple[Any, Any]:
+        """The blocks the sampling requests read in ``group``, and per token slot of them the request it counts for.
+
+        Slot ``i * block_size + j`` of the gathered blocks belongs to request
+        ``segment[...]``; slots outside a request's span (before its window,
+        after its last token) count for ``len(sampling)``, a bucket dropped.
+        """
         bs, torch = self.block_size, self.model.torch
-        spans = []
-        for req_id, last in sampling:
+        ids: list[int] = []
+        owners: list[int] = []
+        counts: list[int] = []
+        none = len(sampling)
+        for r, (req_id, last) in enumerate(sampling):
             first = 0 if window is None else max(0, last - window + 1)
-            ids = self._requests[req_id].tables[group][first // bs : last // bs + 1]
-            spans.append((req_id, torch.tensor(ids), first % bs, last - first + 1))
-        return spans
+            table = self._requests[req_id].tables[group][first // bs : last // bs + 1]
+            ids += table
+            lo, length = first % bs, last - first + 1
+            owners += [none, r, none]
+            counts += [lo, length, len(table) * bs - lo - length]
+
+        def index(values: list[int]) -> Any:
+            return torch.tensor(values, dtype=torch.long, device=self.model.device)
+
+        return index(ids), index(owners).repeat_interleave(index(counts))
 
     def num_requests(self) -> int:
         return len(self._requests)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The offload connector's CUDA path, in one run of a few minutes on a machine with a GPU (run it first there):
+#   1. correctness against CUDA KV caches: pinned pool, copies on a side stream ordered after compute by events,
+#      no device block overwritten while a store still reads it, and the reference engine's outputs unchanged
+#      (the CUDA tests of plugins/offload; they skip without CUDA, so here a skip is a failure);
+#   2. benchmarks/offload_bandwidth.py --device cuda: the worker hooks' pinned D2H (save) / H2D (load) bandwidth
+#      against torch's own pinned copy_ of the same bytes, side by side (target >= 0.9).
+# Usage: scripts/gpu-check.sh [OUT_DIR]   (default: a new temporary directory; PYTHON=... picks the interpreter,
+# default .venv/bin/python). Each part has its own time limit: the whole check ends within 5 minutes.
+# Needs a CUDA build of torch with the repository's packages installed (make install, then a CUDA torch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+OUT=${1:-}
+if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "gpu-check: no CUDA device: $PYTHON has no torch, a CPU-only torch, or sees no GPU" \
+    "(torch.cuda.is_available() is False). Run this on a machine with an NVIDIA GPU and a CUDA build of torch;" \
+    "the CPU paths are covered by 'make pytest'." >&2
+  exit 2
+fi
+if [ -z "$OUT" ]; then OUT=$(mktemp -d -t kvconn-gpu-check.XXXXXX); fi
+mkdir -p "$OUT"
+"$PYTHON" -c 'import torch; print(f"gpu-check: torch {torch.__version__} (CUDA {torch.version.cuda}) on {torch.cuda.get_device_name()}")'
+echo "== 1/2 correctness of offload against CUDA KV caches"
+timeout 120 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -k cuda \
+  plugins/offload/tests/test_units.py plugins/offload/tests/test_engine.py \
+  | tee "$OUT/correctness.txt"
+if grep -q "SKIPPED" "$OUT/correctness.txt"; then
+  echo "gpu-check: a CUDA test skipped although CUDA is available: see $OUT/correctness.txt" >&2
+  exit 1
+fi
+echo "== 2/2 pinned bandwidth of the worker hooks vs torch's pinned copy_"
+timeout 150 "$PYTHON" benchmarks/offload_bandwidth.py --device cuda --json "$OUT/offload_bandwidth_cuda.json" \
+  | tee "$OUT/offload_bandwidth_cuda.txt"
+echo "gpu-check: done; figures in $OUT/ (record them in benchmarks/RESULTS.md with this command)"
