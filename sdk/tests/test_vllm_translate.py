@@ -1,4 +1,4 @@
-"""The vLLM adapter's boundary checks that need no vLLM: KV-cache tensors and logging."""
+"""The vLLM adapter's parts that need no vLLM: KV-cache checks, logging, merging worker reports."""
 
 from __future__ import annotations
 
@@ -63,3 +63,16 @@ def test_loggers_the_operator_configured_are_left_alone(
     kvconn_logger.addHandler(own)
     route_logs_to_vllm()
     assert kvconn_logger.handlers == [own]
+
+
+def test_reports_of_several_workers_sum_counters_and_take_the_smallest_private_gauge() -> None:
+    """Tensor parallelism: offload's store sequence number must be one every worker has reached, not a sum."""
+    from kvconn import KVConnectorOutput
+    from kvconn.adapters.vllm.reports import ReportCollector, WorkerReport, encode_report
+
+    def report(saved: int, stores_done: int) -> bytes:
+        stats = {"blocks_saved": saved, "_stores_done": stores_done, "_pool_slots": 64}
+        return encode_report(WorkerReport({"offload": KVConnectorOutput(stats=stats)}))
+
+    merged, _ = ReportCollector(["offload"], world_size=2).collect([report(3, 7), report(3, 5)])
+    assert merged["offload"].stats == {"blocks_saved": 6, "_stores_done": 5, "_pool_slots": 64}

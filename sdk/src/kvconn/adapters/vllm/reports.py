@@ -11,6 +11,9 @@ step; the scheduler side merges them with a :class:`ReportCollector`.
 Merging follows vLLM's own ``KVOutputAggregator``: a transfer counts as
 finished once ``world_size`` workers reported it (each rank holds its own
 shard of every block); invalid blocks and failures of any worker count.
+Counters are summed over the workers; a private (``_``) stats key is a gauge,
+and the scheduler side gets the smallest value the workers reported: the
+state every worker has reached (a store sequence number, a pool size).
 """
 
 from __future__ import annotations
@@ -78,8 +81,13 @@ class ReportCollector:
                 into.finished_recving |= {r for r in out.finished_recving if self._count((name, "recv", r))}
                 into.invalid_block_ids |= out.invalid_block_ids
                 into.failed = into.failed or out.failed
-                for key, value in out.stats.items():  # summed; a zero counter is kept, as the engine keeps it
-                    into.stats[key] = into.stats.get(key, 0) + value
+                for key, value in out.stats.items():  # a zero counter is kept, as the engine keeps it
+                    if key not in into.stats:
+                        into.stats[key] = value
+                    elif key.startswith("_"):
+                        into.stats[key] = min(into.stats[key], value)
+                    else:
+                        into.stats[key] += value
         return merged, failed_recving
 
     def pending(self) -> int:
