@@ -8,7 +8,6 @@ and asserts the text the author reads.
 from __future__ import annotations
 
 import json
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 from kvconn_cli.app import app
 from kvconn_cli.output import SCHEMA_VERSION
 
-from .conftest import RunKvconn
+from .conftest import RunKvconn, write_distribution
 
 #: Connectors with an author's mistake each, importable as ``authors_mistakes:<Class>``.
 _MISTAKES = '''
@@ -107,29 +106,18 @@ def test_a_forgotten_entry_point_prints_the_pyproject_lines(
     make_env: Callable[..., dict[str, str]],
 ) -> None:
     project = tmp_path / "kvconn-forgot"
-    package = project / "src" / "kvconn_forgot"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text(
-        "import kvconn\n\n\nclass ForgotConnector(kvconn.KVConnector):\n    api_version = '1.0'\n\n"
-        "    def get_num_tracked_requests(self) -> int:\n        return 0\n"
-    )
-    (project / "pyproject.toml").write_text(
-        textwrap.dedent(
-            """
-            [build-system]
-            requires = ["hatchling"]
-            build-backend = "hatchling.build"
+    connector = """
+        import kvconn
 
-            [project]
-            name = "kvconn-forgot"
-            version = "0.3.0"
-            dependencies = ["kvconn-sdk"]
 
-            [tool.hatch.build.targets.wheel]
-            packages = ["src/kvconn_forgot"]
-            """
-        )
-    )
+        class ForgotConnector(kvconn.KVConnector):
+            api_version = "1.0"
+
+            def get_num_tracked_requests(self) -> int:
+                return 0
+    """
+    write_distribution(project, "kvconn-forgot", {"__init__": connector}, version="0.3.0",
+                       extra_toml='dependencies = ["kvconn-sdk"]')  # fmt: skip
     site = tmp_path / "site"
     pip_install(project, site)
     env = make_env(site, KVCONN_PLUGINS="dummy")
