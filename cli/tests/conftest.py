@@ -94,32 +94,35 @@ def env_with_path(path: Path | None = None, **extra: str) -> dict[str, str]:
     return env
 
 
+def write_distribution(
+    project: Path, name: str, modules: Mapping[str, str], *, version: str = "0.0.1", extra_toml: str = ""
+) -> None:
+    """Write a hatchling project ``name`` into ``project``: package ``name`` with ``-`` as ``_``, one file per module.
+
+    ``modules`` maps module names (``__init__`` included) to their source; ``extra_toml`` goes
+    into ``pyproject.toml`` after ``[project]`` (dependencies, entry points).
+    """
+    package = name.replace("-", "_")
+    (project / "src" / package).mkdir(parents=True)
+    for module, source in modules.items():
+        (project / "src" / package / f"{module}.py").write_text(textwrap.dedent(source).lstrip())
+    (project / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n\n'
+        f'[project]\nname = "{name}"\nversion = "{version}"\n{extra_toml}\n\n'
+        f'[tool.hatch.build.targets.wheel]\npackages = ["src/{package}"]\n'
+    )
+
+
 @pytest.fixture(scope="session")
 def broken_plugins_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding an installed distribution with the broken plugins above."""
     project = tmp_path_factory.mktemp("broken-plugins-src")
-    package = project / "src" / "kvconn_e2e_broken"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    for module, source in _BROKEN_MODULES.items():
-        (package / f"{module}.py").write_text(textwrap.dedent(source).lstrip())
     entry_points = "\n".join(f'{name} = "kvconn_e2e_broken.{m}:Connector"' for name, m in BROKEN_PLUGINS.items())
-    (project / "pyproject.toml").write_text(
-        textwrap.dedent(
-            """
-            [build-system]
-            requires = ["hatchling"]
-            build-backend = "hatchling.build"
-
-            [project]
-            name = "kvconn-e2e-broken"
-            version = "0.0.1"
-
-            [project.entry-points."kvconn.connectors"]
-            """
-        ).lstrip()
-        + entry_points
-        + '\n\n[tool.hatch.build.targets.wheel]\npackages = ["src/kvconn_e2e_broken"]\n'
+    write_distribution(
+        project,
+        "kvconn-e2e-broken",
+        {"__init__": "", **_BROKEN_MODULES},
+        extra_toml=f'\n[project.entry-points."kvconn.connectors"]\n{entry_points}',
     )
     site = tmp_path_factory.mktemp("broken-plugins-site")
     pip_install_target(project, site)

@@ -10,7 +10,9 @@ import pytest
 from .conftest import REPO, RunKvconn
 
 
-@pytest.mark.parametrize("name", ["block-state", "wire", "host-dispatch", "scheduler-scaling", "startup"])
+@pytest.mark.parametrize(
+    "name", ["block-state", "wire", "host-dispatch", "scheduler-scaling", "startup", "connector-scaling"]
+)
 def test_each_benchmark_runs_quick_and_writes_json(run_kvconn: RunKvconn, tmp_path: Path, name: str) -> None:
     out = tmp_path / "result.json"
     proc = run_kvconn("bench", name, "--quick", "--json", str(out), cwd=REPO)

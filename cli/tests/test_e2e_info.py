@@ -13,7 +13,7 @@ def test_info_json_of_the_dummy(run_kvconn: RunKvconn) -> None:
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     assert info["name"] == "dummy" and info["status"] == "ok"
-    assert info["description"] == "Resolves and records; moves no KV."
+    assert info["description"] == "Finds the blocks each step fills, as a full-block saver must; moves no KV."
     assert info["config_doc"] == "Options of the dummy connector."
     assert [(f["name"], f["type"], f["default"], f["required"]) for f in info["config"]] == [
         ("record_calls", "bool", True, False)
@@ -25,7 +25,7 @@ def test_info_json_of_the_dummy(run_kvconn: RunKvconn) -> None:
 def test_info_text_of_the_dummy(run_kvconn: RunKvconn) -> None:
     proc = run_kvconn("info", "dummy")
     assert proc.returncode == 0, proc.stderr
-    assert "Resolves and records; moves no KV." in proc.stdout
+    assert "Finds the blocks each step fills, as a full-block saver must; moves no KV." in proc.stdout
     assert "record_calls" in proc.stdout and "build_connector_meta" in proc.stdout
 
 

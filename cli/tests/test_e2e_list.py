@@ -9,13 +9,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvconn_cli.output import SCHEMA_VERSION
+
 from .conftest import RunKvconn
 
 
 def _connectors(proc: subprocess.CompletedProcess[str]) -> dict[str, dict[str, Any]]:
     assert proc.returncode == 0, proc.stderr
     document = json.loads(proc.stdout)  # stdout holds the JSON document and nothing else
-    assert set(document) == {"connectors"}
+    assert set(document) == {"schema_version", "connectors"} and document["schema_version"] == SCHEMA_VERSION
     return {c["name"]: c for c in document["connectors"]}
 
 
@@ -45,8 +47,11 @@ def test_list_every_installed_plugin(run_kvconn: RunKvconn, make_env: Callable[.
 def test_list_table(run_kvconn: RunKvconn) -> None:
     proc = run_kvconn("list")
     assert proc.returncode == 0, proc.stderr
-    row = next(line for line in proc.stdout.splitlines() if " dummy " in line)
-    assert "ok" in row and "kvconn-dummy" in row
+    # stdout is not a terminal: plain columns, one line per connector, a header underlined with dashes
+    lines = proc.stdout.splitlines()
+    assert lines[1].split()[:3] == ["name", "status", "roles"] and set(lines[2]) == {"-", " "}
+    row = next(line for line in lines if line.startswith("dummy "))
+    assert row.split()[:4] == ["dummy", "ok", "scheduler", "worker"] and "kvconn-dummy" in row
 
 
 def test_list_reports_broken_plugins_and_keeps_going(run_kvconn: RunKvconn, broken_env: dict[str, str]) -> None:

@@ -63,7 +63,7 @@ def test_new_into_a_given_dir(tmp_path: Path, run_kvconn: RunKvconn) -> None:
     proc = run_kvconn("new", "x_cache", "--dir", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "out" / "src" / "kvconn_x_cache" / "__init__.py").is_file()
-    assert "kvconn validate x_cache" in proc.stdout
+    assert "kvconn validate x_cache" in proc.stderr and not proc.stdout
 
 
 def test_new_refuses_a_non_empty_dir(tmp_path: Path, run_kvconn: RunKvconn) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kvconn.testing.conformance import list_checks
+from kvconn_cli.output import SCHEMA_VERSION
 
 from .conftest import RunKvconn
 
@@ -21,7 +22,7 @@ FIRST_CHECK = list_checks()[0]
 
 def _reports(proc: subprocess.CompletedProcess[str]) -> dict[str, dict[str, Any]]:
     document = json.loads(proc.stdout)  # stdout holds the JSON document and nothing else
-    assert set(document) == {"connectors"}
+    assert set(document) == {"schema_version", "connectors"} and document["schema_version"] == SCHEMA_VERSION
     return {r["name"]: r for r in document["connectors"]}
 
 
@@ -73,7 +74,7 @@ def test_validate_a_plugin_that_does_not_import(run_kvconn: RunKvconn, broken_en
 
     text = run_kvconn("validate", "e2e-import-error", env=broken_env)
     assert text.returncode == 1
-    assert "e2e-import-error: cannot load:" in text.stdout and "rerun with --debug" in text.stdout
+    assert "e2e-import-error: cannot load:" in text.stdout and "rerun with --debug" in text.stderr
 
     for debug in (
         run_kvconn("validate", "e2e-import-error", "--debug", env=broken_env),

@@ -84,7 +84,7 @@ def test_broken_plugin_is_reported_with_its_distribution_and_others_still_load(b
         ("no_such_module_xyz:Thing", "failed to import module 'no_such_module_xyz'"),
         ("kvconn:NoSuchThing", "has no attribute 'NoSuchThing'"),
         ("kvconn:API_VERSION", "not a connector class"),
-        ("kvconn:KVConnectorMetadata", "implements no kvconn hook"),
+        ("kvconn:KVConnectorMetadata", "implements no hook: subclass kvconn.KVConnector"),
         (":Thing", "use the form 'package.module:ClassName'"),
     ],
 )

@@ -7,9 +7,10 @@ everything heavy (kvconn, rich, plugins) inside the command, so ``kvconn
 --help`` and ``kvconn list`` start quickly.
 
 :func:`main` owns error presentation: a :class:`~kvconn_cli.errors.CLIError`
-becomes ``kvconn: error: <one line>`` with its exit code, and any other
-exception a one-line internal error — the traceback only with ``--debug`` or
-``KVCONN_DEBUG=1``.
+becomes ``kvconn: error: <one line>`` with its exit code, a usage error click
+finds (unknown option, bad value) the same line with exit code 2, and any
+other exception a one-line internal error — the traceback only with
+``--debug`` or ``KVCONN_DEBUG=1``. ``-h`` is ``--help`` everywhere.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
@@ -68,9 +70,19 @@ def _debug_requested(argv: Sequence[str]) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run ``kvconn`` with ``argv`` (default: ``sys.argv[1:]``); exits the process with the command's code."""
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        app(args=args, prog_name="kvconn")
+        code = typer.main.get_command(app).main(args=args, prog_name="kvconn", standalone_mode=False)
+    except NoArgsIsHelpError as exc:  # `kvconn` alone: the help, on stderr (it is not the requested output)
+        exc.show()
+        sys.exit(exc.exit_code)
+    except ClickException as exc:
+        context = getattr(exc, "ctx", None)
+        hint = f" (see '{context.command_path} --help')" if context is not None else ""
+        error(f"{_one_line(exc.format_message())}{hint}")
+        sys.exit(exc.exit_code)
     except CLIError as exc:
         error(str(exc))
         sys.exit(exc.exit_code)
@@ -82,6 +94,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise
         error(f"internal error: {type(exc).__name__}: {exc} (rerun with KVCONN_DEBUG=1 to see the traceback)")
         sys.exit(EXIT_FAILURE)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _one_line(message: str) -> str:
+    """Click's message on one line, with a lowercase start like every ``kvconn: error:``."""
+    text = " ".join(message.split()).rstrip(".")
+    return text[:1].lower() + text[1:]
 
 
 if __name__ == "__main__":

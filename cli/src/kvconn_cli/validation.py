@@ -20,6 +20,7 @@ from kvconn.registry import build_config
 
 from .errors import UsageError
 from .inspection import import_connector_class, one_line, reason
+from .unregistered import not_found
 
 if TYPE_CHECKING:
     from kvconn.testing.conformance import Check
@@ -38,7 +39,7 @@ def resolve_targets(names: Sequence[str], all_installed: bool, modules: Sequence
             try:
                 kvconn.load_connector_class(name)  # raises with the installed names and a did-you-mean
             except kvconn.ConnectorNotFoundError as exc:
-                raise UsageError(str(exc)) from None
+                raise not_found(exc) from None
     for module in modules:
         module_name, _, attr = module.partition(":")
         if not module_name or not attr:

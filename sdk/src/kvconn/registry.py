@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from .connector import KVConnectorRole, NoConfig
+from .connector import KVConnector, KVConnectorRole, NoConfig
 from .context import ConnectorContext
 from .errors import ConnectorConfigError, ConnectorLoadError, ConnectorNotFoundError
 from .manager import implemented_hooks
@@ -143,10 +143,13 @@ def _check_connector_class(obj: object, source: str) -> type:
     if not isinstance(obj, type):
         raise ConnectorLoadError(f"{source} is {type(obj).__name__} {obj!r}, not a connector class")
     if not implemented_hooks(obj):
-        raise ConnectorLoadError(
-            f"{source}: {obj.__qualname__} implements no kvconn hook; subclass kvconn.KVConnector "
+        how = (
+            "define methods named after the hooks in kvconn.hookspecs (build_connector_meta, save_kv_layer, ...)"
+            if issubclass(obj, KVConnector)
+            else "subclass kvconn.KVConnector and define methods named after the hooks in kvconn.hookspecs, "
             "or mark methods with @kvconn.hookimpl"
         )
+        raise ConnectorLoadError(f"{source}: {obj.__qualname__} implements no hook: {how}")
     declared = getattr(obj, "api_version", None)
     if declared is None:
         raise ConnectorLoadError(f"{source}: {obj.__qualname__} declares no api_version (e.g. api_version = '1.0')")

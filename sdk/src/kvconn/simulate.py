@@ -108,10 +108,12 @@ class ConnectorSetup:
 
     names: tuple[str, ...]
     config: Mapping[str, Any] | None = None
+    #: What reports call this run; the names joined with "+" when empty (set it when setups repeat).
+    run_label: str = ""
 
     @property
     def label(self) -> str:
-        return "+".join(self.names)
+        return self.run_label or "+".join(self.names)
 
 
 @dataclass(frozen=True)

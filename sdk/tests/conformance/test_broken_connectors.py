@@ -64,13 +64,21 @@ def test_broken_saver_passes_the_checks_it_does_not_break() -> None:
 
 def test_required_config_fails_config_defaults_when_a_config_is_given() -> None:
     report = run_conformance(BROKEN + "NeedsConfig", config={"address": "here"}, select="KV004")
-    assert "object missing required field 'address'" in _failed(report)["KV004"]
+    assert (
+        "NeedsConfig needs option `address`; give it a default (engines load connectors with no options) "
+        in (_failed(report)["KV004"])
+    )
 
 
-def test_required_config_without_one_is_a_load_error() -> None:
+def test_required_config_without_one_fails_config_defaults_and_skips_the_rest() -> None:
     report = run_conformance(BROKEN + "NeedsConfig")
-    assert report.results == [] and not report.ok
-    assert report.load_error is not None and "missing required field 'address'" in report.load_error
+    assert report.load_error is None and not report.ok
+    expected = (
+        "needs option `address`; give it a default (engines load connectors with no options) "
+        "or pass --config '{\"address\": ...}'"
+    )
+    assert expected in _failed(report)["KV004"]
+    assert report.failed == 1 and report.skipped == len(list_checks()) - 1
 
 
 def test_correct_saver_and_loader_passes_everything() -> None:

@@ -10,15 +10,15 @@ STORE = "kvconn_conformance_fixtures.store:StoreConnector"
 def test_step_record_offers_every_scheduled_request_and_counts_resolves() -> None:
     driver = ReferenceDriver(DriverSpec("dummy"))
     driver.add_request("a", list(range(10_000, 10_020)), 4)
-    driver.add_request("b", list(range(20_000, 20_005)), 4)
+    driver.add_request("b", list(range(20_000, 20_017)), 4)
     first = driver.step(withhold={"b"})
     assert set(first.output.num_scheduled_tokens) == {"a", "b"}
-    assert first.offered == {"a"} and first.resolved == ["a"]  # the dummy resolves what it is offered
-    assert first.tables == {"a": ([1, 2],), "b": ([3],)}
+    assert first.offered == {"a"} and first.resolved == ["a"]  # both fill block 0; b is not offered
+    assert first.tables == {"a": ([1, 2],), "b": ([3, 4],)}
     assert first.metadata == first.decoded and first.encoded
     assert first.connector_output is not None
     second = driver.step()
-    assert second.offered == {"a", "b"} and sorted(second.resolved) == ["a", "b"]
+    assert second.offered == {"a", "b"} and second.resolved == ["b"]  # only b has a block to ship
     driver.close()
 
 

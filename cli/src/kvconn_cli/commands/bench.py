@@ -27,6 +27,7 @@ BENCHMARKS = {
     "host-dispatch": "host_dispatch.py",
     "scheduler-scaling": "scheduler_scaling.py",
     "startup": "startup.py",
+    "connector-scaling": "connector_scaling.py",
     "offload": "offload_bandwidth.py",
     "mooncake": "mooncake_throughput.py",
 }

@@ -23,14 +23,15 @@ def info(
     """Show a connector's description, its config fields (type, default, doc) and the hooks it implements."""
     import kvconn
 
-    from ..errors import ConnectorFailure, UsageError
+    from ..errors import ConnectorFailure
     from ..inspection import describe
     from ..output import print_json
+    from ..unregistered import not_found
 
     try:
         details = describe(name)
     except kvconn.ConnectorNotFoundError as exc:
-        raise UsageError(str(exc)) from None
+        raise not_found(exc) from None
     except kvconn.ConnectorLoadError as exc:
         raise ConnectorFailure(str(exc)) from None
     if as_json:
@@ -43,7 +44,7 @@ def _render(details: ConnectorDetails) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from ..output import out_console
+    from ..output import out_console, print_table
 
     console = out_console()
     s = details.summary
@@ -66,7 +67,7 @@ def _render(details: ConnectorDetails) -> None:
             constraints = ", ".join(f"{k}={v!r}" for k, v in f.constraints.items())
             doc = f"{f.doc} [{constraints}]" if constraints else f.doc
             table.add_row(escape(f.name), escape(f.type), escape(default), escape(doc))
-        console.print(table)
+        print_table(table)
     else:
         console.print("config: none (the connector takes no options)")
     console.print()

@@ -19,9 +19,11 @@ def list_connectors(
     KVCONN_PLUGINS / KVCONN_DISABLE_PLUGINS restrict what is listed.
     """
     from ..inspection import summarize_all
-    from ..output import err_console, out_console, print_json
+    from ..output import err_console, print_json, print_table
+    from ..unregistered import warn_unregistered
 
     summaries = summarize_all()
+    warn_unregistered()
     if as_json:
         print_json({"connectors": [s.to_dict() for s in summaries]})
         return
@@ -48,7 +50,7 @@ def list_connectors(
             s.api_version or "-",
             escape(f"{s.distribution or '?'} {s.version or ''}".strip() + "\n" + s.target),
         )
-    out_console().print(table)
+    print_table(table)
 
 
 def _yes_no(flag: bool | None) -> str:

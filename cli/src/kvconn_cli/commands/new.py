@@ -25,7 +25,7 @@ def new(
     """
     import kvconn
 
-    from ..output import out_console, warn
+    from ..output import note, warn
     from ..scaffold import Scaffold, write
 
     scaffold = Scaffold.for_name(name)
@@ -33,13 +33,12 @@ def new(
     if name in kvconn.available_connectors():
         warn(f"a connector named {name!r} is already installed; installing this one too would shadow or be shadowed")
     written = write(scaffold, target)
-    console = out_console()
-    console.print(f"Created {scaffold.distribution} in {target}:", markup=False)
+    # What was written and what to do next is for people: stderr (stdout stays empty).
+    note(f"Created {scaffold.distribution} in {target}:")
     for path in written:
-        console.print(f"  {path.relative_to(target)}", markup=False)
-    console.print(
-        f"\nNext:\n  pip install -e {target}\n  kvconn validate {name}\n  pytest {target / 'tests'}", markup=False
-    )
+        note(f"  {path.relative_to(target)}")
+    note(f"\nNext (kvconn-sdk must be installed in this environment):\n  pip install -e {target}")
+    note(f"  kvconn validate {name}\n  pytest {target / 'tests'}")
 
 
 def register(app: typer.Typer) -> None:

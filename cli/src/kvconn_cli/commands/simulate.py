@@ -7,6 +7,7 @@ usage error.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from pathlib import Path
@@ -81,7 +82,8 @@ def simulate(
 
     from ..config_input import read_config
     from ..errors import EXIT_FAILURE, ConnectorFailure, UsageError
-    from ..output import error, print_json
+    from ..output import error, note, print_json
+    from ..unregistered import not_found
 
     if plot is not None:
         from ..simulate_plot import require_matplotlib
@@ -95,7 +97,9 @@ def simulate(
     try:
         with _Progress(len(setups) + 1, requests) as progress:
             result = run_simulation(work, setups, options, on_progress=progress.update, repeats=repeats)
-    except (kvconn.ConnectorNotFoundError, kvconn.ConnectorConfigError) as exc:
+    except kvconn.ConnectorNotFoundError as exc:
+        raise not_found(exc) from None
+    except kvconn.ConnectorConfigError as exc:
         raise UsageError(str(exc)) from None
     except kvconn.KVConnError as exc:
         raise ConnectorFailure(str(exc)) from None
@@ -103,10 +107,11 @@ def simulate(
         from ..simulate_plot import plot_simulation
 
         plot_simulation(result, plot)
+        note(f"plot written to {plot}")
     if as_json:
         print_json(result.to_dict())
     else:
-        _render(result, plot)
+        _render(result)
     for run in result.runs:
         if not run.verified:
             error(
@@ -132,7 +137,7 @@ def setups_from_options(connectors: Sequence[str], config: dict[str, Any] | None
         raise UsageError("--connector needs a connector name (or 'a,b' for several in one run), got an empty one")
     distinct = sorted({n for names in runs for n in names})
     if config is None:
-        return [ConnectorSetup(names) for names in runs]
+        return _distinct_labels([ConnectorSetup(names) for names in runs])
     if len(distinct) == 1:
         per_name = {distinct[0]: config}
     else:
@@ -144,12 +149,24 @@ def setups_from_options(connectors: Sequence[str], config: dict[str, Any] | None
                 f"and the connectors are: {', '.join(distinct)}"
             )
         per_name = config
-    return [
-        ConnectorSetup(
-            names, per_name.get(names[0]) if len(names) == 1 else {n: per_name[n] for n in names if n in per_name}
-        )
-        for names in runs
-    ]
+    return _distinct_labels(
+        [
+            ConnectorSetup(
+                names, per_name.get(names[0]) if len(names) == 1 else {n: per_name[n] for n in names if n in per_name}
+            )
+            for names in runs
+        ]
+    )
+
+
+def _distinct_labels(setups: list[ConnectorSetup]) -> list[ConnectorSetup]:
+    """The same connector given twice is two runs: label the repeats ``dummy #2``, ``dummy #3``..."""
+    seen: dict[str, int] = {}
+    labelled = []
+    for setup in setups:
+        seen[setup.label] = count = seen.get(setup.label, 0) + 1
+        labelled.append(dataclasses.replace(setup, run_label=f"{setup.label} #{count}") if count > 1 else setup)
+    return labelled
 
 
 class _Progress:
@@ -204,11 +221,11 @@ def _verdict(run: RunResult, baseline: RunResult) -> str:
     return "[green]yes[/]" if run.verified else f"[bold red]NO ({len(run.mismatched)} requests differ)[/]"
 
 
-def _render(result: Simulation, plot: Path | None) -> None:
+def _render(result: Simulation) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from ..output import out_console
+    from ..output import out_console, print_table
 
     console = out_console()
     w = result.workload
@@ -240,15 +257,13 @@ def _render(result: Simulation, plot: Path | None) -> None:
     ]
     for name, cell in rows:
         table.add_row(name, *(cell(run) for run in runs))
-    console.print(table)
+    print_table(table)
     console.print(
         "connector time: wall time inside the ConnectorHost calls of scheduler and worker (SDK dispatch and the "
         "connectors' hook code, including synchronous copies); steps/s: whole engine steps on this machine. "
         f"Times: {len(result.baseline.wall_s_repeats)} timed rounds after one warm-up round, every run in turn.",
         style="dim",
     )
-    if plot is not None:
-        console.print(f"plot written to {escape(str(plot))}")
 
 
 def register(app: typer.Typer) -> None:

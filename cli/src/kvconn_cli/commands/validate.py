@@ -175,7 +175,7 @@ def _render(reports: Sequence[ConnectorReport], *, debug_hint: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from ..output import out_console
+    from ..output import note, out_console, print_table
 
     console = out_console()
     for report in reports:
@@ -191,13 +191,13 @@ def _render(reports: Sequence[ConnectorReport], *, debug_hint: bool) -> None:
                 style = _STYLE.get(r.status, "")
                 message = r.message.replace("; fix: ", "\nfix: ")  # observed, then how to fix, on its own line
                 table.add_row(escape(r.id), escape(r.name), f"[{style}]{r.status}[/]", escape(message))
-            console.print(table)
+            print_table(table)
         if report.load_error is not None:
             console.print(
                 f"[bold red]{escape(report.name)}: cannot load:[/] {escape(report.load_error)}", soft_wrap=True
             )
             if debug_hint:
-                console.print("  rerun with --debug to see the traceback", style="dim")
+                note("  rerun with --debug to see the traceback")
         verdict = "[green]ok[/]" if report.ok else "[bold red]FAILED[/]"
         console.print(
             f"{escape(report.name)}: {verdict}  {report.passed} passed, {report.failed} failed, "

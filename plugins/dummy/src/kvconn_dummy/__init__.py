@@ -1,14 +1,19 @@
 """The dummy connector: the smallest complete kvconn plugin, and the one to copy.
 
-It saves and loads nothing. Each step it resolves the tables of the requests
-it acts on (all scheduled ones) into plain lists in its metadata, as a real
-connector must, and it records every hook call so tests can see what an
-engine did.
+It moves no KV, but it has the shape of a full-block saver, the pattern a
+real connector follows: each step it finds the requests whose scheduled
+tokens fill a block (from ``num_scheduled_tokens`` alone, no table read),
+resolves only those tables, and ships only the blocks filled this step, as
+plain lists. Its cost per step grows with the requests scheduled, not with
+the blocks they hold, and its memory with the requests in flight (one int
+each, dropped in ``request_finished``). It keeps the last
+:data:`MAX_RECORDED_CALLS` hook calls in ``calls`` so tests can see what an
+engine did; the log is bounded, so a long-running engine does not grow it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import deque
 from typing import Annotated, Any
 
 import msgspec
@@ -16,25 +21,29 @@ import msgspec
 import kvconn
 from kvconn import BlockIds, ConnectorRequest, KVConnectorBlockState, KVConnectorMetadata, SchedulerOutput
 
-__all__ = ["DummyConfig", "DummyConnector", "DummyMetadata"]
+__all__ = ["MAX_RECORDED_CALLS", "DummyConfig", "DummyConnector", "DummyMetadata"]
+
+#: How many of the most recent hook calls ``DummyConnector.calls`` keeps.
+MAX_RECORDED_CALLS = 1000
 
 
 class DummyConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Options of the dummy connector."""
 
     record_calls: Annotated[
-        bool, msgspec.Meta(description="Keep a log of every hook call in DummyConnector.calls.")
+        bool,
+        msgspec.Meta(description=f"Keep the last {MAX_RECORDED_CALLS} hook calls in DummyConnector.calls (tests)."),
     ] = True
 
 
 class DummyMetadata(KVConnectorMetadata):
-    """Plain data only: the resolved table of each scheduled request."""
+    """Plain data only: per request, the blocks this step filled (one list per KV-cache group)."""
 
     block_ids_by_req: dict[str, BlockIds] = msgspec.field(default_factory=dict)
 
 
 class DummyConnector(kvconn.KVConnector):
-    """Resolves and records; moves no KV."""
+    """Finds the blocks each step fills, as a full-block saver must; moves no KV."""
 
     Config = DummyConfig
     Metadata = DummyMetadata
@@ -43,17 +52,13 @@ class DummyConnector(kvconn.KVConnector):
 
     def __init__(self, config: DummyConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
-        self.calls: list[tuple[str, Any]] = []
-        self._requests: set[str] = set()
+        self.calls: deque[tuple[str, Any]] = deque(maxlen=MAX_RECORDED_CALLS)
+        # request id -> how many of its blocks were already shipped (full and reported)
+        self._requests: dict[str, int] = {}
 
     def _record(self, hook: str, detail: Any = None) -> None:
         if self.config.record_calls:
             self.calls.append((hook, detail))
-
-    def _record_sorted(self, hook: str, names: Iterable[str]) -> None:
-        """Record ``names`` sorted (a stable log); the sort runs only when calls are recorded."""
-        if self.config.record_calls:
-            self.calls.append((hook, sorted(names)))
 
     # scheduler side
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
@@ -62,18 +67,32 @@ class DummyConnector(kvconn.KVConnector):
 
     def update_state_after_alloc(self, request: ConnectorRequest) -> None:
         self._record("update_state_after_alloc", request.request_id)
-        self._requests.add(request.request_id)
+        # Blocks already computed (a local prefix hit) were not filled by this request's steps.
+        # setdefault: a preempted request resumes where it was, its blocks are not shipped twice.
+        self._requests.setdefault(request.request_id, request.num_computed_tokens // self.context.block_size)
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
     ) -> DummyMetadata:
-        tables = {req_id: block_state.get_block_ids(req_id) for req_id in scheduler_output.num_scheduled_tokens}
-        self._record_sorted("build_connector_meta", tables)
-        return DummyMetadata(block_ids_by_req={r: t for r, t in tables.items() if t is not None})
+        block_size = self.context.block_size
+        computed = scheduler_output.num_computed_tokens_by_request()
+        filled: dict[str, BlockIds] = {}
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            shipped = self._requests.get(req_id)
+            full = (computed[req_id] + num_tokens) // block_size
+            if shipped is None or full <= shipped:
+                continue  # fills no block this step: nothing to resolve
+            table = block_state.get_block_ids(req_id)
+            if table is None:
+                continue  # not offered this step: its blocks are shipped on a step it is
+            filled[req_id] = tuple([b for b in ids[shipped:full] if b != kvconn.NULL_BLOCK_ID] for ids in table)
+            self._requests[req_id] = full
+        self._record("build_connector_meta", sorted(filled))
+        return DummyMetadata(block_ids_by_req=filled)
 
     def request_finished(self, request: ConnectorRequest) -> bool:
         self._record("request_finished", request.request_id)
-        self._requests.discard(request.request_id)
+        self._requests.pop(request.request_id, None)
         return False
 
     def get_num_tracked_requests(self) -> int:
@@ -81,11 +100,11 @@ class DummyConnector(kvconn.KVConnector):
 
     # worker side
     def start_load_kv(self, metadata: DummyMetadata) -> None:
-        self._record_sorted("start_load_kv", metadata.block_ids_by_req)
+        self._record("start_load_kv", sorted(metadata.block_ids_by_req))
 
     def save_kv_layer(self, layer_name: str) -> None:
         self._record("save_kv_layer", layer_name)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[None, None]:
-        self._record_sorted("get_finished", finished_req_ids)
+        self._record("get_finished", sorted(finished_req_ids))
         return None, None

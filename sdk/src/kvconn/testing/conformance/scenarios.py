@@ -10,6 +10,7 @@ mistaken for block ids (fewer than ``10_000`` blocks in every scenario).
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -33,6 +34,8 @@ TOKEN_LOW, TOKEN_HIGH = 10_000, 32_000
 MAX_STEPS = 3_000
 #: steps in a row that schedule nothing before a scenario is declared stuck
 STALL_STEPS = 64
+#: Wall time an idle step waits, so that STALL_STEPS idle steps are at least ~0.1 s of real time.
+IDLE_STEP_S = 0.002
 DRAIN_STEPS = 64
 TWO_GROUPS = (KVCacheGroupSpec(("layer.0",)), KVCacheGroupSpec(("layer.1",), sliding_window=32))
 
@@ -202,6 +205,10 @@ def _play(driver: SchedulerDriver, scenario: Scenario, trace: Trace) -> None:
             break
         trace.records.append(driver.step(withhold=scenario.withhold))
         idle = 0 if trace.records[-1].output.total_num_scheduled_tokens or pending else idle + 1
+        if idle:
+            # An idle step takes microseconds: give a connector's I/O threads (which need the GIL)
+            # real time to finish before STALL_STEPS idle steps call it a stall.
+            time.sleep(IDLE_STEP_S)
         if idle >= STALL_STEPS:
             raise RuntimeError(
                 f"nothing could be scheduled for {STALL_STEPS} steps: the KV cache is full of blocks held for the "

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from ....connector import KVConnector, KVConnectorRole
+from ....connector import KVConnector, KVConnectorRole, NoConfig
 from ....context import ConnectorContext
 from ....errors import ConnectorConfigError
 from ....host import ConnectorHost
@@ -106,7 +106,18 @@ def config_defaults(session: Session) -> None:
     try:
         config = build_config(session.cls, None, name=session.connector)
     except ConnectorConfigError as exc:
-        raise Violation(f"an empty config is rejected: {exc}") from None
+        required = [f.name for f in msgspec.structs.fields(getattr(session.cls, "Config", NoConfig)) if f.required]
+        if not required:
+            raise Violation(f"an empty config is rejected: {exc}") from None
+        options = ", ".join(f"`{name}`" for name in required)
+        example = ", ".join(f'"{name}": ...' for name in required)
+        default = "them defaults" if len(required) > 1 else "it a default"
+        given = session.config is not None and set(required) <= set(session.config)
+        or_pass = " (the config under test gives it)" if given else f" or pass --config '{{{example}}}'"
+        raise Violation(
+            f"connector {session.connector} needs option{'s' if len(required) > 1 else ''} {options}; give "
+            f"{default} (engines load connectors with no options){or_pass}"
+        ) from None
     for role in connector_roles(session.cls):
         instance = _instantiate(session, role, config)
         shutdown = getattr(instance, "shutdown", None)
