@@ -100,3 +100,22 @@ class SchedulerOnlyConnector(kvconn.KVConnector):
         self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
     ) -> KVConnectorMetadata:
         return KVConnectorMetadata()
+
+
+class TablesMetadata(KVConnectorMetadata):
+    tables: dict[str, BlockIds] = msgspec.field(default_factory=dict)
+
+
+class TablesConnector(kvconn.KVConnector):
+    """Ships every offered request's whole table each step: what a test compares with vLLM's live tables.
+
+    The eager pattern real connectors avoid (its cost grows with the blocks held); here it shows the tables.
+    """
+
+    Metadata = TablesMetadata
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
+    ) -> TablesMetadata:
+        tables = {r: block_state.get_block_ids(r) for r in scheduler_output.num_scheduled_tokens}
+        return TablesMetadata(tables={r: t for r, t in tables.items() if t is not None})

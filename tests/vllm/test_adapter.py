@@ -23,6 +23,13 @@ def dummy_meta(output: Any) -> Any:
     return msgspec.msgpack.decode(output.kv_connector_metadata.connectors["dummy"], type=DummyMetadata)
 
 
+def offered_tables(output: Any, name: str) -> dict[str, Any]:
+    """What ``kvconn_test_connectors.TablesConnector`` (loaded as ``name``) shipped: the tables it was offered."""
+    from kvconn_test_connectors import TablesMetadata
+
+    return msgspec.msgpack.decode(output.kv_connector_metadata.connectors[name], type=TablesMetadata).tables
+
+
 def test_vllm_loads_dummy_by_module_path() -> None:
     from kvconn.adapters.vllm import KVConnVllmConnector
 
@@ -65,7 +72,7 @@ def test_block_fill_step_reaches_plugin_with_live_table() -> None:
     assert output.scheduled_cached_reqs.new_block_ids == [None]
     live = scheduler.kv_cache_manager.get_block_ids("r0")
     assert len(live[0]) == 3
-    assert dummy_meta(output).block_ids_by_req == {"r0": live}
+    assert dummy_meta(output).block_ids_by_req == {"r0": ([live[0][2]],)}  # the block this step filled
     assert output.kv_connector_block_state is None  # vLLM dropped it after build_connector_meta
 
 
@@ -78,7 +85,8 @@ def test_metadata_survives_pickling_as_vllm_sends_it() -> None:
     back = pickle.loads(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
     assert isinstance(back.kv_connector_metadata, KVConnVllmMetadata)
     assert dummy_meta(back) == dummy_meta(output)
-    assert dummy_meta(back).block_ids_by_req["r0"] == scheduler.kv_cache_manager.get_block_ids("r0")
+    full = tuple(ids[:2] for ids in scheduler.kv_cache_manager.get_block_ids("r0"))  # 47 tokens fill 2 blocks
+    assert dummy_meta(back).block_ids_by_req["r0"] == full
 
 
 def test_worker_side_dummy_gets_its_metadata_every_step() -> None:
@@ -88,8 +96,9 @@ def test_worker_side_dummy_gets_its_metadata_every_step() -> None:
     loop.run()
     worker_dummy: Any = loop.worker.host.connectors["dummy"]
     loads = [detail for hook, detail in worker_dummy.calls if hook == "start_load_kv"]
-    assert loads == [sorted(o.num_scheduled_tokens) for o in loop.outputs]
-    assert loads[:3] == [["r0"]] * 3 and loads[3:] == [[]]  # the last step only tells workers r0 finished
+    # One entry a step; r0 fills blocks in its prefill (tokens 0-46) and on token 48 (step 2), then none;
+    # the last step only tells workers r0 finished.
+    assert loads == [["r0"], ["r0"], [], []] and len(loop.outputs) == 4
     saves = {detail for hook, detail in worker_dummy.calls if hook == "save_kv_layer"}
     assert saves == set(harness.LAYERS)
 
@@ -161,9 +170,10 @@ def test_failed_sync_load_is_recomputed_not_used(test_connectors: str) -> None:
 
 
 @pytest.mark.usefixtures("old_vllm")
-def test_fallback_tracks_live_tables_through_block_fill_and_preemption() -> None:
+def test_fallback_tracks_live_tables_through_block_fill_and_preemption(test_connectors: str) -> None:
     # 11 usable blocks; requests growing to 5 blocks each: someone is preempted and resumed.
-    scheduler = make_scheduler("dummy", num_blocks=12)
+    name = f"{test_connectors}:TablesConnector"
+    scheduler = make_scheduler(name, num_blocks=12)
     for i in range(4):
         scheduler.add_request(make_request(f"r{i}", list(range(100 * i, 100 * i + 40)), max_tokens=40))
     loop = VllmLoop(scheduler)
@@ -172,7 +182,7 @@ def test_fallback_tracks_live_tables_through_block_fill_and_preemption() -> None
 
     def check(output: Any) -> None:
         assert output.kv_connector_block_state is None
-        tables = dummy_meta(output).block_ids_by_req
+        tables = offered_tables(output, name)
         live = {r: scheduler.kv_cache_manager.get_block_ids(r) for r in output.num_scheduled_tokens}
         assert tables == live  # every scheduled request offered, with its current table
         cached = output.scheduled_cached_reqs

@@ -15,16 +15,17 @@ import pytest
 from kvconn import NULL_BLOCK_ID, BlockIds, KVCacheGroupSpec
 from kvconn.adapters.vllm.harness import VllmLoop, make_request, make_scheduler
 
-from .test_adapter import dummy_meta, reuse_a_prefix_through
+from .test_adapter import offered_tables, reuse_a_prefix_through
 
 WINDOW = 32
 GROUPS = (KVCacheGroupSpec(("full.0", "full.1")), KVCacheGroupSpec(("swa.0",), sliding_window=WINDOW))
 
 
-def test_the_hybrid_manager_stays_on_and_connectors_see_every_group_with_null_blocks() -> None:
+def test_the_hybrid_manager_stays_on_and_connectors_see_every_group_with_null_blocks(test_connectors: str) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 
-    scheduler = make_scheduler("dummy", kv_cache_groups=GROUPS)
+    name = f"{test_connectors}:TablesConnector"
+    scheduler = make_scheduler(name, kv_cache_groups=GROUPS)
     adapter = scheduler.connector
     assert isinstance(adapter, SupportsHMA)
     assert type(scheduler.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
@@ -46,7 +47,7 @@ def test_the_hybrid_manager_stays_on_and_connectors_see_every_group_with_null_bl
         if "r0" not in output.num_scheduled_tokens:
             return
         live = scheduler.kv_cache_manager.get_block_ids("r0")
-        table = dummy_meta(output).block_ids_by_req["r0"]
+        table = offered_tables(output, name)["r0"]
         assert table == live  # every group, as vLLM's manager holds it now
         offered.append(table)
         last_live[:] = [tuple(list(t) for t in live)]
@@ -69,14 +70,17 @@ def test_a_shared_prefix_is_loaded_into_every_group_it_is_needed_in(plugin: str)
 
 
 @pytest.mark.usefixtures("old_vllm")
-def test_without_vllms_block_state_sliding_window_tables_are_not_guessed(caplog: pytest.LogCaptureFixture) -> None:
+def test_without_vllms_block_state_sliding_window_tables_are_not_guessed(
+    caplog: pytest.LogCaptureFixture, test_connectors: str
+) -> None:
     """Tracked tables would name blocks the window freed (and vLLM reused): connectors are offered none."""
-    scheduler = make_scheduler("dummy", kv_cache_groups=GROUPS)
+    name = f"{test_connectors}:TablesConnector"
+    scheduler = make_scheduler(name, kv_cache_groups=GROUPS)
     scheduler.add_request(make_request("r0", list(range(100)), max_tokens=20))
     loop = VllmLoop(scheduler)
     offered: list[dict[str, BlockIds]] = []
     with caplog.at_level(logging.INFO, logger="kvconn.adapters.vllm"):
-        loop.run(inspect=lambda output: offered.append(dummy_meta(output).block_ids_by_req))
+        loop.run(inspect=lambda output: offered.append(offered_tables(output, name)))
     assert len(offered) > 3 and all(tables == {} for tables in offered)
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "sliding-window" in errors[0].getMessage()

@@ -132,7 +132,7 @@ def make_scheduler(
     kv_cache_groups: Sequence[KVCacheGroupSpec] = DEFAULT_GROUPS,
     workdir: str | os.PathLike[str] | None = None,
 ) -> Any:
-    """vLLM's ``Scheduler`` with kvconn ``connector`` on its scheduler side (``scheduler.connector``; none for ``None``).
+    """vLLM's ``Scheduler`` with kvconn ``connector`` (``None``: none) on its scheduler side (``scheduler.connector``).
 
     ``kv_cache_groups`` lays out the KV cache (layer names; a sliding window
     makes a sliding-window group). With several groups vLLM's hybrid KV cache
