@@ -16,6 +16,7 @@ import torch
 
 from kvconn import ConnectorContext, KVCacheGroupSpec
 from kvconn_mooncake import BlockTransfer, EmbeddedStore, MooncakeMetadata
+from kvconn_mooncake.integrity import HEADER_BYTES
 from kvconn_mooncake.worker import WorkerSide
 
 NUM_BLOCKS = 8
@@ -105,6 +106,6 @@ def test_saves_skip_stored_keys_and_unaddressable_blocks(store: EmbeddedStore) -
     assert stats["blocks_saved"] == 2 and stats["blocks_skipped_existing"] == 2
     assert stats["save_failed_unaddressable"] == 2 and stats["bytes_saved"] == sum(VALUE_BYTES)
     assert store.batch_is_exist([t.key for t in stored + fresh + bad]) == [1, 1, 1, 1, 0, 0]
-    out = torch.empty(VALUE_BYTES[0], dtype=torch.uint8)
-    assert store.batch_get_into([stored[0].key], [[out.data_ptr()]], [[out.numel()]]) == [VALUE_BYTES[0]]
-    assert out[: VALUE_BYTES[0] // 2].any()  # block 1 of full.0 as first saved, not the zeroed block
+    out = torch.empty(HEADER_BYTES + VALUE_BYTES[0], dtype=torch.uint8)
+    assert store.batch_get_into([stored[0].key], [[out.data_ptr()]], [[out.numel()]]) == [out.numel()]
+    assert out[HEADER_BYTES : HEADER_BYTES + VALUE_BYTES[0] // 2].any()  # block 1 of full.0 as first saved
