@@ -49,8 +49,9 @@ class MooncakeConnector(KVConnector):
         self.backend = self._lease.backend
         store = self._lease.store
         secret = self.config.integrity_secret
+        keys = BlockKeys(self.context, secret_id(secret))
         self._scheduler = (
-            SchedulerSide(store, BlockKeys(self.context, secret_id(secret)), self.context, self.config.save_decode_cache)
+            SchedulerSide(store, keys, self.context, self.config.save_decode_cache)
             if self.role is KVConnectorRole.SCHEDULER
             else None
         )

@@ -63,7 +63,9 @@ class _GroupLayout:
         self.num_blocks = min(t.shape[0] for t in tensors)
         self.sizes = [t[0].numel() * t.element_size() for t in tensors]
         self.value_bytes = sum(self.sizes)
-        self.digest = layout_digest([(n, tuple(t.shape[1:]), str(t.dtype)) for n, t in zip(names, tensors, strict=True)])
+        self.digest = layout_digest(
+            [(n, tuple(t.shape[1:]), str(t.dtype)) for n, t in zip(names, tensors, strict=True)]
+        )
         self._bases = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
         self._strides = torch.tensor([t.stride(0) * t.element_size() for t in tensors], dtype=torch.int64)
 
