@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from kvconn import KVCacheGroupSpec
 from kvconn.engine import Engine
 from kvconn.hashing import hash_blocks
 from kvconn_mooncake import BlockKeys, MooncakeConfig, MooncakeConnector, acquire_store
@@ -149,9 +150,13 @@ def fill_steps(config: Config, block_size: int = 16) -> dict[str, Any]:
 
 
 def isolation(config: Config) -> dict[str, Any]:
-    """Blocks saved by one engine are hit only by engines with the same model, dtype and TP rank."""
+    """Blocks saved by one engine are hit only by engines whose blocks mean the same.
+
+    ``comma_layers`` has one layer named like the writer's two joined with a
+    comma, ``other_shape`` another KV shape: both with the writer's block bytes.
+    """
     work = prompts(2, 48, 5, seed=3)
-    hits = {}
+    hits, exact = {}, {}
     with Engine("mooncake", config, model="model-a") as writer:
         writer.generate(work, max_tokens=2)
         for name, options in {
@@ -159,11 +164,18 @@ def isolation(config: Config) -> dict[str, Any]:
             "other_model": {"model": "model-b"},
             "other_tp_rank": {"model": "model-a", "tp_rank": 1},
             "other_dtype": {"model": "model-a", "dtype": "bfloat16"},
+            "comma_layers": {
+                "model": "model-a",
+                "kv_cache_groups": (KVCacheGroupSpec(("layer.0,layer.1",)),),
+                "head_dim": 16,
+            },
+            "other_shape": {"model": "model-a", "num_kv_heads": 4, "head_dim": 4},
         }.items():
             with Engine("mooncake", config, **options) as reader:
-                reader.generate(work, max_tokens=2)
+                tokens = reader.generate(work, max_tokens=8)
                 hits[name] = reader.stats.prompt_tokens_loaded
-    return {"loaded_tokens": hits}
+                exact[name] = tokens == Engine(**options).generate(work, max_tokens=8)
+    return {"loaded_tokens": hits, "exact": exact}
 
 
 def store_full(config: Config) -> dict[str, Any]:
@@ -312,8 +324,9 @@ def check_fill_steps(r: dict[str, Any]) -> None:
 
 def check_isolation(r: dict[str, Any]) -> None:
     hits = r["loaded_tokens"]
-    assert hits["same"] > 0
-    assert hits["other_model"] == hits["other_tp_rank"] == hits["other_dtype"] == 0
+    assert hits.pop("same") > 0
+    assert hits == dict.fromkeys(hits, 0)
+    assert all(r["exact"].values()), r["exact"]
 
 
 def check_failed_loads(r: dict[str, Any], counter: str) -> None:
