@@ -33,6 +33,7 @@ What this wrapper adds to the client, each from an observed behaviour
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import socket
@@ -138,6 +139,7 @@ class MooncakeStore:
         self._caller = _Caller()
         self._lock = threading.Lock()  # guards _client, _buffers and the background thread's start
         self._client: Any = None
+        self._unregistered: collections.deque[tuple[int, int]] = collections.deque()  # for the next call to register
         self._closed = False
         self._healthy = False
         self._tripped = False  # a call missed its deadline: off until the background probe answers in time
@@ -177,8 +179,8 @@ class MooncakeStore:
             self._off(f"client setup returned {code}")
             return False
         with self._lock:
-            for ptr, size in self._buffers:
-                client.register_buffer(ptr, size)
+            self._unregistered.clear()
+            self._unregistered.extend(self._buffers)
             self._client = client
             self._healthy = True
         logger.info("mooncake client connected to master %s", s.master_server_address)
@@ -245,8 +247,13 @@ class MooncakeStore:
             return [RPC_FAIL] * len(keys)
         timeout = self.settings.store_timeout_s + nbytes * _SECONDS_PER_BYTE
         client = self._client
+
+        def call() -> list[int]:
+            self._register_pending(client)
+            return fn(client)
+
         try:
-            return list(self._caller.call(lambda: fn(client), timeout))
+            return list(self._caller.call(call, timeout))
         except _Busy:
             return [RPC_FAIL] * len(keys)
         except TimeoutError:
@@ -261,12 +268,23 @@ class MooncakeStore:
 
     # ---------------------------------------------------------------- Store
 
+    def _register_pending(self, client: Any) -> None:
+        """Register the buffers added since the last call (on the caller thread: registering may block too)."""
+        while self._unregistered:
+            ptr, size = self._unregistered[0]
+            code = client.register_buffer(ptr, size)
+            if code != OK:
+                logger.warning(
+                    "mooncake register_buffer of %d bytes returned %s; transfers are tried anyway", size, code
+                )
+            self._unregistered.popleft()
+
     def register_buffer(self, ptr: int, size: int) -> int:
+        """Remember the buffer; the next store call registers it, within that call's deadline."""
         with self._lock:
             self._buffers.append((ptr, size))
-            if self._closed or self._client is None:
-                return OK  # registered on connect
-            return int(self._client.register_buffer(ptr, size))
+            self._unregistered.append((ptr, size))
+        return OK
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         return self._call("batch_is_exist", keys, lambda client: client.batch_is_exist(list(keys)))
