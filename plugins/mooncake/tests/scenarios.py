@@ -69,6 +69,7 @@ def totals(engine: Engine) -> dict[str, int]:
         **{f"scheduler_{k}": int(v) for k, v in scheduler.degraded.counts.items()},
         "tracked": connector(engine, "scheduler").get_num_tracked_requests(),
         "held": len(engine.scheduler.held_requests),
+        "hook_errors": sum(h.degraded_events for h in (engine.scheduler_host, engine.worker_host) if h),
     }
 
 

@@ -59,7 +59,7 @@ def test_store_too_small_and_lease_expiry(real_store: types.ModuleType, scenario
         full = _run(h, ns, m.client_env(), {"global_segment_size": 16 << 20}, ("store_full", {}))["store_full"]
         lease = _run(h, ns, m.client_env(), {}, ("load_failures", scenarios.BIG_KV))["load_failures"]
     assert full["same_tokens"]
-    assert full["stats"]["save_failed_store_full"] > 0 and full["stats"]["degraded_events"] == 0
+    assert full["stats"]["save_failed_store_full"] > 0 and full["stats"]["hook_errors"] == 0
     scenarios.check_failed_loads(lease, "load_failed_lease_expired")
 
 

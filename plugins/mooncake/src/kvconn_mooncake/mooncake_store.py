@@ -12,7 +12,9 @@ What this wrapper adds to the client, each from an observed behaviour
   with ``RPC_FAIL``); reconnects run in a background thread, at most every
   ``retry_interval_s``, never on the engine's path.
 * Every call on the engine's path has a deadline (``store_timeout_s`` plus
-  1 s per 256 MiB moved). Calls run one at a time on a daemon thread, and
+  1 s per 256 MiB moved); buffers are registered inside those calls, as
+  registering talks to the master's metadata server too. Calls run one at a
+  time on a daemon thread, and
   the client releases the GIL while it waits on the network, so the engine
   stops waiting at the deadline: a wedged master (SIGSTOP) would otherwise
   hold a call for 30-60 s, a just-killed one for ~4.5 s. Past the deadline
