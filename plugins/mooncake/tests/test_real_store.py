@@ -68,19 +68,29 @@ def _json_after(marker: str, text: str) -> dict:
     return json.loads(line[len(marker) + 1 :])
 
 
-def test_master_killed_mid_run_then_restarted(real_store: types.ModuleType) -> None:
-    h = real_store
+def _with_faults(h: types.ModuleType, scenario: str, faults: list[tuple[str, float, str, str]]) -> Any:
+    """Run ``scenario`` against a master in a namespace, applying faults when it asks for them.
+
+    Each fault is ``(marker, seconds, method, flag)``: once the scenario prints
+    ``marker`` (within ``seconds``, else the test fails), call the master
+    handle's ``method`` and create ``workdir/flag`` so the scenario goes on.
+    """
     with tempfile.TemporaryDirectory() as workdir, h.netns() as ns, h.mooncake_master(ns) as m:
-        args = _args({}, ("master_fault", {"workdir": workdir}))
+        args = _args({}, (scenario, {"workdir": workdir}))
         with h.spawn_python(ns, script=SCRIPT, args=args, env=m.client_env(), python=sys.executable) as proc:
-            assert proc.wait_for_output("MID", 60), proc.wait(1).stderr[-4000:]
-            m.kill()
-            pathlib.Path(workdir, "killed").touch()
-            assert proc.wait_for_output("DOWN ", 90), proc.wait(1).stderr[-4000:]
-            m.restart()
-            pathlib.Path(workdir, "restarted").touch()
+            for marker, seconds, method, flag in faults:
+                assert proc.wait_for_output(marker, seconds), f"no {marker!r}: " + proc.wait(1).stderr[-4000:]
+                getattr(m, method)()
+                pathlib.Path(workdir, flag).touch()
             result = proc.wait(120)
     assert result.ok, result.stderr[-4000:]
+    return result
+
+
+def test_master_killed_mid_run_then_restarted(real_store: types.ModuleType) -> None:
+    result = _with_faults(
+        real_store, "master_fault", [("MID", 60, "kill", "killed"), ("DOWN ", 90, "restart", "restarted")]
+    )
     down, up = _json_after("DOWN", result.stdout), _json_after("UP", result.stdout)
     print(json.dumps({"max_step_s_after_kill": down["max_step_s"]}))
     assert down["same_tokens"]  # every request finished with the right output while the master was away
@@ -146,20 +156,10 @@ def test_connect_is_bounded_by_setup_timeout(real_store: types.ModuleType) -> No
 
 def test_wedged_master_degrades_steps_then_recovers(real_store: types.ModuleType) -> None:
     """SIGSTOP the master mid-run: one call waits out store_timeout_s, the rest fail fast; SIGCONT: calls resume."""
-    h = real_store
-    with tempfile.TemporaryDirectory() as workdir, h.netns() as ns, h.mooncake_master(ns) as m:
-        args = _args({}, ("wedged_master", {"workdir": workdir}))
-        with h.spawn_python(ns, script=SCRIPT, args=args, env=m.client_env(), python=sys.executable) as proc:
-            assert proc.wait_for_output("SAVED", 60), proc.wait(1).stderr[-4000:]
-            m.pause()
-            pathlib.Path(workdir, "paused").touch()
-            # The client's own RPC timeout is 30 s per call: without deadlines this phase takes minutes.
-            wedged_in_time = proc.wait_for_output("WEDGED ", 25)
-            m.resume()
-            assert wedged_in_time, proc.wait(1).stderr[-4000:]
-            pathlib.Path(workdir, "resumed").touch()
-            result = proc.wait(90)
-    assert result.ok, result.stderr[-4000:]
+    # The client's own RPC timeout is 30 s per call: without deadlines the paused phase takes minutes.
+    result = _with_faults(
+        real_store, "wedged_master", [("SAVED", 60, "pause", "paused"), ("WEDGED ", 25, "resume", "resumed")]
+    )
     wedged, resumed = _json_after("WEDGED", result.stdout), _json_after("RESUMED", result.stdout)
     print(json.dumps({k: wedged[k] for k in ("max_step_s", "steps")}))
     assert wedged["same_tokens"]
