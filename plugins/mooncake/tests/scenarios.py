@@ -365,7 +365,7 @@ def poisoned(config: Config, secret: str | None = None) -> dict[str, Any]:
                     value = value[: size // 2].clone()  # short
                 elif i % kinds == 2:  # well-formed, checksummed, for the right key: but not sealed with the secret
                     payload = value[HEADER_BYTES:]
-                    header = Integrity().seal(keys.key(0, h), bytes(8), [(payload.data_ptr(), payload.numel())])
+                    header = Integrity().seal(keys.key(0, h), bytes(8), [memoryview(payload.numpy())])
                     value[:HEADER_BYTES] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
                 values.append(value)
             codes = attacker.store.batch_put_from(

@@ -21,7 +21,6 @@ is copied into the KV cache. The 64-byte header holds:
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import hmac
 import struct
@@ -51,11 +50,6 @@ def layout_digest(layers: Sequence[tuple[str, tuple[int, ...], str]]) -> bytes:
     return hashlib.sha256(repr(tuple(layers)).encode()).digest()[:8]
 
 
-def _memory(ptr: int, size: int) -> ctypes.Array[ctypes.c_char]:
-    """``size`` bytes of host memory at ``ptr``, without a copy."""
-    return (ctypes.c_char * size).from_address(ptr)
-
-
 class Integrity:
     """Seals values on save and verifies them on load, with or without a shared secret."""
 
@@ -63,7 +57,7 @@ class Integrity:
         self._key = secret.encode() if secret is not None else None
         self._flags = _FLAG_MAC if self._key is not None else 0
 
-    def _tag(self, head: bytes, payload: Sequence[memoryview | ctypes.Array[ctypes.c_char]]) -> bytes:
+    def _tag(self, head: bytes, payload: Sequence[memoryview]) -> bytes:
         if self._key is None:
             crc = zlib.crc32(head)
             for part in payload:
@@ -74,11 +68,11 @@ class Integrity:
             mac.update(part)
         return mac.digest()
 
-    def seal(self, key: str, layout: bytes, parts: Sequence[tuple[int, int]]) -> bytes:
-        """The header of the value ``key`` stores: the ``(pointer, size)`` parts that follow it, in order."""
-        length = sum(size for _, size in parts)
+    def seal(self, key: str, layout: bytes, parts: Sequence[memoryview]) -> bytes:
+        """The header of the value ``key`` stores: the byte ``parts`` that follow it, in order."""
+        length = sum(part.nbytes for part in parts)
         head = _HEAD.pack(_MAGIC, _VERSION, self._flags, 0, length, _key_digest(key), layout)
-        return head + self._tag(head, [_memory(ptr, size) for ptr, size in parts]) + _PAD
+        return head + self._tag(head, parts) + _PAD
 
     def verify(self, key: str, layout: bytes, value: memoryview) -> str | None:
         """Why ``value`` (header and payload, as read under ``key``) must not be loaded; ``None`` if it may."""

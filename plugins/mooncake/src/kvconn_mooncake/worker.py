@@ -26,9 +26,12 @@ of staging.
 from __future__ import annotations
 
 import ctypes
+import os
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from kvconn import NULL_BLOCK_ID, ConnectorContext
 
@@ -39,6 +42,25 @@ from .metadata import BlockTransfer, MooncakeMetadata
 from .store import Store
 
 __all__ = ["WorkerSide"]
+
+_THREADS = min(8, os.cpu_count() or 1)
+_POOL: ThreadPoolExecutor | None = None
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _parallel(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """``[fn(x) for x in items]``, in one chunk per thread: checksums and copies release the GIL."""
+    global _POOL
+    if _THREADS == 1 or len(items) < 2 * _THREADS:
+        return [fn(x) for x in items]
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(_THREADS, thread_name_prefix="kvconn-mooncake-blocks")
+    size = -(-len(items) // _THREADS)
+    chunks = [items[i : i + size] for i in range(0, len(items), size)]
+    return [r for done in _POOL.map(lambda chunk: [fn(x) for x in chunk], chunks) for r in done]
+
 
 _LOAD_FAILURES = {  # by reason: a code's name, or what the check of a staged value found
     code_name(NOT_FOUND): "a block was gone when loaded (evicted, or its writer left); it is recomputed",
@@ -68,12 +90,32 @@ class _GroupLayout:
         )
         self._bases = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
         self._strides = torch.tensor([t.stride(0) * t.element_size() for t in tensors], dtype=torch.int64)
+        # The same memory as bytes, to checksum parts without a copy: (layer's bytes, stride, part size).
+        self._layers = [
+            (memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B"), s, n)
+            for t, s, n in zip(tensors, self._strides.tolist(), self.sizes, strict=True)
+        ]
 
     def pointers(self, block_ids: list[int]) -> list[list[int]]:
         """Per block, the address of its part in each layer (ids must be in range: see ``_by_group``)."""
         ids = self._bases.new_tensor(block_ids).unsqueeze(1)
         pointers: list[list[int]] = (ids * self._strides + self._bases).tolist()
         return pointers
+
+    def parts(self, block_id: int) -> list[memoryview]:
+        """Block ``block_id``'s bytes in each layer, as views (no copy)."""
+        return [view[block_id * stride : block_id * stride + size] for view, stride, size in self._layers]
+
+
+@dataclass
+class _Slot:
+    """Where the value of ``key`` lands in staging, and what the get returned (bytes read or an error)."""
+
+    key: str
+    offset: int
+    size: int
+    layout: _GroupLayout
+    code: int = 0
 
 
 class _Arena:
@@ -159,51 +201,51 @@ class WorkerSide:
             return
         buckets, bad = self._by_group(metadata.loads)
         self._fail_loads(bad, "unaddressable", "blocks could not be loaded (no registered KV cache or bad block id)")
-        # One slot per distinct key: a key named twice in a batch get fills only one destination (Mooncake
-        # 0.3.13), and requests sharing a prefix load it into blocks of their own, all from the one slot.
-        slots: dict[str, tuple[int, int, _GroupLayout]] = {}  # key -> its offset and size in staging, its group
+        # One staging slot per distinct key: a key named twice in a batch get fills only one destination
+        # (Mooncake 0.3.13), and requests sharing a prefix load it into blocks of their own, all from one slot.
+        slots: dict[str, _Slot] = {}
         end = 0
         for g, transfers in buckets.items():
             layout = self._groups[g]
             size = HEADER_BYTES + layout.value_bytes
             for t in transfers:
                 if t.key not in slots:
-                    slots[t.key], end = (end, size, layout), end + size
+                    slots[t.key], end = _Slot(t.key, end, size, layout), end + size
         staging = self._staging.ensure(end)
         base = self._staging.address
         codes = self.store.batch_get_into(
-            list(slots), [[base + slot[0]] for slot in slots.values()], [[slot[1]] for slot in slots.values()]
+            list(slots), [[base + slot.offset] for slot in slots.values()], [[slot.size] for slot in slots.values()]
         )
-        verdicts = {
-            key: self._verdict(key, code, size, layout, staging[offset : offset + max(code, 0)])
-            for (key, (offset, size, layout)), code in zip(slots.items(), codes, strict=True)
-        }
-        blocks = moved = 0
+        for slot, code in zip(slots.values(), codes, strict=True):
+            slot.code = code
+        outcomes = _parallel(lambda slot: self._verdict(slot, staging), list(slots.values()))
+        verdicts = dict(zip(slots, outcomes, strict=True))
+        copies: list[tuple[int, list[int], list[int]]] = []  # (source in staging, destinations, sizes)
+        moved = 0
         failed: dict[str, list[BlockTransfer]] = {}
         for g, transfers in buckets.items():
             layout = self._groups[g]
             for t, pointers in zip(transfers, layout.pointers([t.block_id for t in transfers]), strict=True):
                 verdict = verdicts[t.key]
-                if verdict is not None:
+                if verdict is None:
+                    copies.append((base + slots[t.key].offset + HEADER_BYTES, pointers, layout.sizes))
+                    moved += layout.value_bytes
+                else:
                     failed.setdefault(verdict, []).append(t)
-                    continue
-                src = base + slots[t.key][0] + HEADER_BYTES
-                for dst, size in zip(pointers, layout.sizes, strict=True):
-                    ctypes.memmove(dst, src, size)
-                    src += size
-                blocks, moved = blocks + 1, moved + layout.value_bytes
-        self._count("blocks_loaded", blocks)
+        _parallel(_copy_out, copies)
+        self._count("blocks_loaded", len(copies))
         self._count("bytes_loaded", moved)
         for reason, transfers in failed.items():
             self._fail_loads(transfers, reason, _load_failure(reason))
 
-    def _verdict(self, key: str, code: int, size: int, layout: _GroupLayout, value: memoryview) -> str | None:
-        """Why the value read under ``key`` (``code``: bytes read or an error) must not be loaded, or ``None``."""
-        if code < 0:
-            return code_name(code)
-        if code != size:
+    def _verdict(self, slot: _Slot, staging: memoryview) -> str | None:
+        """Why the value read into ``slot`` must not be loaded, or ``None`` when it may."""
+        if slot.code < 0:
+            return code_name(slot.code)
+        if slot.code != slot.size:
             return "short_read"
-        reason = self.integrity.verify(key, layout.digest, value)
+        value = staging[slot.offset : slot.offset + slot.size]
+        reason = self.integrity.verify(slot.key, slot.layout.digest, value)
         return None if reason is None else f"integrity_{reason}"
 
     def _fail_loads(self, transfers: Sequence[BlockTransfer], reason: str, explanation: str) -> None:
@@ -223,28 +265,28 @@ class WorkerSide:
         self._count("blocks_skipped_existing", skipped)
         headers = self._headers.ensure(HEADER_BYTES * sum(len(b) for b in buckets.values()))
         base = self._headers.address
-        keys: list[str] = []
         ptrs: list[list[int]] = []
         sizes: list[list[int]] = []
-        value_bytes: list[int] = []
+        sealing: list[tuple[BlockTransfer, _GroupLayout]] = []  # in the put's order
         for g, transfers in buckets.items():
             layout = self._groups[g]
             parts = [HEADER_BYTES, *layout.sizes]
             for t, pointers in zip(transfers, layout.pointers([t.block_id for t in transfers]), strict=True):
-                at = HEADER_BYTES * len(keys)
-                headers[at : at + HEADER_BYTES] = self.integrity.seal(
-                    t.key, layout.digest, list(zip(pointers, layout.sizes, strict=True))
-                )
-                keys.append(t.key)
-                ptrs.append([base + at, *pointers])
+                ptrs.append([base + HEADER_BYTES * len(sealing), *pointers])
                 sizes.append(parts)
-                value_bytes.append(layout.value_bytes)
-        codes = self.store.batch_put_from(keys, ptrs, sizes)
-        self._count("blocks_saved", codes.count(OK))
-        self._count("bytes_saved", sum(n for n, code in zip(value_bytes, codes, strict=True) if code == OK))
+                sealing.append((t, layout))
+        headers[: HEADER_BYTES * len(sealing)] = b"".join(_parallel(self._seal, sealing))
+        codes = self.store.batch_put_from([t.key for t, _ in sealing], ptrs, sizes)
+        saved = [layout.value_bytes for (_, layout), code in zip(sealing, codes, strict=True) if code == OK]
+        self._count("blocks_saved", len(saved))
+        self._count("bytes_saved", sum(saved))
         for code, n in Counter(code for code in codes if code != OK).items():
             explanation = _SAVE_FAILURES.get(code, f"saves failed ({code_name(code)}): blocks were not saved")
             self.degraded.record(f"save_failed_{code_name(code)}", n, explanation)
+
+    def _seal(self, item: tuple[BlockTransfer, _GroupLayout]) -> bytes:
+        transfer, layout = item
+        return self.integrity.seal(transfer.key, layout.digest, layout.parts(transfer.block_id))
 
     def get_finished(self) -> set[str]:
         """Requests whose held blocks were saved this step; ends the step."""
@@ -273,6 +315,14 @@ class WorkerSide:
         if degraded:
             stats["degraded_events"] = sum(degraded.values())
         return {key: float(value) for key, value in stats.items()}
+
+
+def _copy_out(copy: tuple[int, list[int], list[int]]) -> None:
+    """Copy a verified payload from staging into its block's parts, in layer order."""
+    src, destinations, sizes = copy
+    for dst, size in zip(destinations, sizes, strict=True):
+        ctypes.memmove(dst, src, size)
+        src += size
 
 
 def _load_failure(reason: str) -> str:
