@@ -14,10 +14,10 @@ What this wrapper adds to the client, each from an observed behaviour
 * Every call on the engine's path has a deadline (``store_timeout_s`` plus
   1 s per 256 MiB moved); buffers are registered inside those calls, as
   registering talks to the master's metadata server too. Calls run one at a
-  time on a daemon thread, and
-  the client releases the GIL while it waits on the network, so the engine
-  stops waiting at the deadline: a wedged master (SIGSTOP) would otherwise
-  hold a call for 30-60 s, a just-killed one for ~4.5 s. Past the deadline
+  time on a daemon thread, and the client releases the GIL while it waits on
+  the network, so the engine stops waiting at the deadline: a wedged master
+  (SIGSTOP) would otherwise hold a call for 30-60 s, a just-killed one for
+  ~4.5 s. Past the deadline
   the call's keys fail (``RPC_FAIL``: no save, recompute) and the store is
   *tripped*: every call fails fast until a background probe (after the late
   call has returned, then a backoff doubling from ``retry_interval_s`` to
@@ -104,6 +104,7 @@ class _Caller:
     def __init__(self) -> None:
         self.idle = threading.Event()
         self.idle.set()
+        self._claim = threading.Lock()  # makes "idle? then busy" one step for concurrent callers
         self._queue: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event]] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="kvconn-mooncake-store", daemon=True).start()
 
@@ -119,9 +120,10 @@ class _Caller:
 
     def call(self, fn: Callable[[], Any], timeout: float) -> Any:
         """``fn()``'s result; ``TimeoutError`` past ``timeout`` seconds, :class:`_Busy` if a late call still runs."""
-        if not self.idle.is_set():
-            raise _Busy
-        self.idle.clear()
+        with self._claim:
+            if not self.idle.is_set():
+                raise _Busy
+            self.idle.clear()
         box: list[Any] = []
         done = threading.Event()
         self._queue.put((fn, box, done))
@@ -247,7 +249,9 @@ class MooncakeStore:
             return []
         if not self._ready():
             return [RPC_FAIL] * len(keys)
-        timeout = self.settings.store_timeout_s + nbytes * _SECONDS_PER_BYTE
+        with self._lock:
+            registering = sum(size for _, size in self._unregistered)  # once per buffer: pinning may take a while
+        timeout = self.settings.store_timeout_s + (nbytes + registering) * _SECONDS_PER_BYTE
         client = self._client
 
         def call() -> list[int]:
