@@ -70,6 +70,7 @@ __all__ = [
     "spawn_in_netns",
     "spawn_python",
     "free_ports_in_netns",
+    "tcp_sink",
 ]
 
 
@@ -554,6 +555,27 @@ def free_ports_in_netns(ns: NetNS | str, n: int, host: str = "127.0.0.1") -> lis
     return [int(p) for p in r.stdout.split()]
 
 
+_SINK_CODE = r"""
+import socket, sys
+server = socket.socket()
+server.bind((sys.argv[1], 0))
+server.listen(64)
+print(server.getsockname()[1], flush=True)
+held = []
+while True:
+    held.append(server.accept()[0])
+"""
+
+
+@contextlib.contextmanager
+def tcp_sink(ns: NetNS | str, host: str = "127.0.0.1") -> Iterator[str]:
+    """A listener in ``ns`` that accepts connections and never answers (not a master); yields its ``host:port``."""
+    with spawn_python(ns, _SINK_CODE, args=[host], python=sys.executable) as proc:
+        if not proc.wait_for_output("\n", 30):
+            raise RuntimeError(f"tcp sink did not start: {proc.wait(1).stderr[-2000:]}")
+        yield f"{host}:{int(proc.stdout_so_far().split()[0])}"
+
+
 _WAIT_READY_CODE = r"""
 import socket, sys, time, urllib.request, urllib.error
 host, rpc, http, deadline = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), time.monotonic() + float(sys.argv[4])
@@ -693,6 +715,16 @@ class MasterHandle:
                 f"mooncake_master not ready within {self.ready_timeout}s "
                 f"(rc={r.rc}, alive={self.is_running()}):\n{self.log_text()[-4000:]}"
             )
+
+    def pause(self) -> None:
+        """Freeze the master (SIGSTOP): its port still accepts connections, nothing answers (a wedged master)."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused master run again (SIGCONT)."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGCONT)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Stop the master (SIGKILL by default = crash). Idempotent."""

@@ -15,16 +15,20 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
+from kvconn import KVCacheGroupSpec, KVConnectorOutput
 from kvconn.engine import Engine
 from kvconn.hashing import hash_blocks
 from kvconn_mooncake import BlockKeys, MooncakeConfig, MooncakeConnector, acquire_store
+from kvconn_mooncake.integrity import HEADER_BYTES, Integrity, secret_id
 
 Config = dict[str, Any]
+PROBE_KEY = "kvconn/test-probe"  # a key nobody writes: ``[0]`` once the store answers
 BIG_KV = {"num_kv_heads": 8, "head_dim": 128}  # 64 KiB per layer per 16-token block
 
 
@@ -65,6 +69,7 @@ def totals(engine: Engine) -> dict[str, int]:
         **{f"scheduler_{k}": int(v) for k, v in scheduler.degraded.counts.items()},
         "tracked": connector(engine, "scheduler").get_num_tracked_requests(),
         "held": len(engine.scheduler.held_requests),
+        "hook_errors": sum(h.degraded_events for h in (engine.scheduler_host, engine.worker_host) if h),
     }
 
 
@@ -149,9 +154,13 @@ def fill_steps(config: Config, block_size: int = 16) -> dict[str, Any]:
 
 
 def isolation(config: Config) -> dict[str, Any]:
-    """Blocks saved by one engine are hit only by engines with the same model, dtype and TP rank."""
+    """Blocks saved by one engine are hit only by engines whose blocks mean the same.
+
+    ``comma_layers`` has one layer named like the writer's two joined with a
+    comma, ``other_shape`` another KV shape: both with the writer's block bytes.
+    """
     work = prompts(2, 48, 5, seed=3)
-    hits = {}
+    hits, exact = {}, {}
     with Engine("mooncake", config, model="model-a") as writer:
         writer.generate(work, max_tokens=2)
         for name, options in {
@@ -159,11 +168,18 @@ def isolation(config: Config) -> dict[str, Any]:
             "other_model": {"model": "model-b"},
             "other_tp_rank": {"model": "model-a", "tp_rank": 1},
             "other_dtype": {"model": "model-a", "dtype": "bfloat16"},
+            "comma_layers": {
+                "model": "model-a",
+                "kv_cache_groups": (KVCacheGroupSpec(("layer.0,layer.1",)),),
+                "head_dim": 16,
+            },
+            "other_shape": {"model": "model-a", "num_kv_heads": 4, "head_dim": 4},
         }.items():
             with Engine("mooncake", config, **options) as reader:
-                reader.generate(work, max_tokens=2)
+                tokens = reader.generate(work, max_tokens=8)
                 hits[name] = reader.stats.prompt_tokens_loaded
-    return {"loaded_tokens": hits}
+                exact[name] = tokens == Engine(**options).generate(work, max_tokens=8)
+    return {"loaded_tokens": hits, "exact": exact}
 
 
 def store_full(config: Config) -> dict[str, Any]:
@@ -216,16 +232,18 @@ def master_fault(config: Config, workdir: str) -> None:
             engine.step()
         print("MID", flush=True)
         _wait_for(os.path.join(workdir, "killed"), 60)
+        times = timed_steps(engine)
         engine.run_until_done()
         with Engine("mooncake", config) as fresh:  # no local cache: every prefix is a store lookup
+            seen = reported(fresh)
             fresh_tokens = fresh.generate(work, max_tokens=4)
             print("DOWN " + json.dumps({
                 "same_tokens": [list(r.output_token_ids) for r in requests] == baseline == fresh_tokens,
-                "first": totals(engine), "fresh": totals(fresh),
+                "first": totals(engine), "fresh": totals(fresh), "max_step_s": max(times), "reported": seen,
             }), flush=True)  # fmt: skip
         _wait_for(os.path.join(workdir, "restarted"), 60)
         deadline = time.monotonic() + 15
-        while connector(engine).worker_side.store.batch_is_exist(["probe"]) != [0] and time.monotonic() < deadline:
+        while connector(engine).worker_side.store.batch_is_exist([PROBE_KEY]) != [0] and time.monotonic() < deadline:
             time.sleep(0.2)  # the client reconnects by itself once the master is back
         later = prompts(2, 64, 6, seed=12)
         later_tokens = engine.generate(later, max_tokens=4)
@@ -235,6 +253,129 @@ def master_fault(config: Config, workdir: str) -> None:
                 "same_tokens": later_tokens == reread == Engine().generate(later, max_tokens=4),
                 "writer": totals(engine), "reader": totals(reader),
             }), flush=True)  # fmt: skip
+
+
+def timed_steps(engine: Engine) -> list[float]:
+    """Seconds of every step ``engine`` runs from now on (reported as figures; no test asserts on time)."""
+    times: list[float] = []
+    step = engine.step
+
+    def timed() -> None:
+        start = time.monotonic()
+        step()
+        times.append(round(time.monotonic() - start, 3))
+
+    engine.step = timed  # type: ignore[method-assign]
+    return times
+
+
+def reported(engine: Engine) -> Counter[str]:
+    """The worker side's stats as the scheduler side receives them, summed over the steps from now on."""
+    seen: Counter[str] = Counter()
+    side = connector(engine, "scheduler").scheduler_side
+    update = side.update_connector_output
+
+    def spy(output: KVConnectorOutput) -> None:
+        seen.update(output.stats)
+        update(output)
+
+    side.update_connector_output = spy  # type: ignore[method-assign]
+    return seen
+
+
+def connect_deadline(config: Config, master: str) -> dict[str, Any]:
+    """An engine whose master is not one (a TCP sink, a paused master): built within ``setup_timeout_s``.
+
+    The second ``generate`` runs after ``retry_interval_s``, so a reconnect is
+    attempted meanwhile; it must not stall a step either.
+    """
+    config = {**config, "master_server_address": master, "setup_timeout_s": 2.0, "retry_interval_s": 0.5}
+    work = prompts(2, 48, 5, seed=4)
+    Engine()  # imports done: the figure is the connect's
+    start = time.monotonic()
+    with Engine("mooncake", config) as engine:
+        built = round(time.monotonic() - start, 3)
+        times = timed_steps(engine)
+        tokens = engine.generate(work, max_tokens=4)
+        time.sleep(1.0)
+        tokens += engine.generate(work, max_tokens=4)
+        return {
+            "build_s": built,
+            "max_step_s": max(times),
+            "same_tokens": tokens == Engine().generate(work + work, max_tokens=4),
+            "stats": totals(engine),
+        }
+
+
+def wedged_master(config: Config, workdir: str) -> None:
+    """Save, then run an engine while the test keeps the master paused (SIGSTOP), then again once resumed.
+
+    Protocol with the test: prints ``SAVED`` and waits for ``workdir/paused``;
+    prints ``WEDGED {json}`` and waits for ``workdir/resumed``; prints ``RESUMED {json}``.
+    """
+    config = {**config, "store_timeout_s": 1.0, "retry_interval_s": 0.5, "max_backoff_s": 2.0}
+    work, later = prompts(3, 64, 6, seed=13), prompts(2, 64, 6, seed=14)
+    baseline = Engine().generate(work + later, max_tokens=4)
+    with Engine("mooncake", config) as engine:
+        engine.generate(work, max_tokens=4)
+        print("SAVED", flush=True)
+        _wait_for(os.path.join(workdir, "paused"), 60)
+        with Engine("mooncake", config) as wedged:  # every prefix is a store lookup
+            seen, times = reported(wedged), timed_steps(wedged)
+            tokens = wedged.generate(work + later, max_tokens=4)
+            print("WEDGED " + json.dumps({
+                "same_tokens": tokens == baseline, "max_step_s": max(times), "steps": len(times),
+                "stats": totals(wedged), "reported": seen,
+            }), flush=True)  # fmt: skip
+        _wait_for(os.path.join(workdir, "resumed"), 60)
+        store = connector(engine).worker_side.store
+        deadline = time.monotonic() + 30
+        while store.batch_is_exist([PROBE_KEY]) != [0] and time.monotonic() < deadline:
+            time.sleep(0.2)  # the late call returns, then the background probe clears the trip
+        with Engine("mooncake", config) as reader:
+            tokens = reader.generate(work + later, max_tokens=4)
+            print("RESUMED " + json.dumps({"same_tokens": tokens == baseline, "stats": totals(reader)}), flush=True)
+
+
+def poisoned(config: Config, secret: str | None = None) -> dict[str, Any]:
+    """Another client writes first under this engine's keys (puts are first-writer-wins); nothing it wrote loads.
+
+    It writes garbage of the right size, short values, and, when the engines
+    share ``secret``, well-formed values sealed without it (which only the MAC
+    tells from real ones). The engine loads nothing and computes exact tokens.
+    """
+    import torch
+
+    if secret is not None:
+        config = {**config, "integrity_secret": secret}
+    work = prompts(2, 96, 5, seed=15)
+    baseline = Engine().generate(work, max_tokens=4)
+    other = {**config, "backend": "mooncake", "global_segment_size": 32 << 20}  # other settings: its own client
+    attacker = acquire_store(msgspec.convert(other, MooncakeConfig))
+    try:
+        with Engine("mooncake", config) as engine:
+            keys = BlockKeys(engine.context, secret_id(secret))
+            size = HEADER_BYTES + sum(t[0].nbytes for t in engine.worker.kv_caches.values())
+            hashes = list(dict.fromkeys(h for p in work for h in hash_blocks(p, engine.context.block_size)))
+            kinds = 3 if secret is not None else 2
+            values = []
+            for i, h in enumerate(hashes):
+                value = torch.randint(0, 256, (size,), dtype=torch.uint8)
+                if i % kinds == 1:
+                    value = value[: size // 2].clone()  # short
+                elif i % kinds == 2:  # well-formed, checksummed, for the right key: but not sealed with the secret
+                    payload = value[HEADER_BYTES:]
+                    header = Integrity().seal(keys.key(0, h), bytes(8), [memoryview(payload.numpy())])
+                    value[:HEADER_BYTES] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+                values.append(value)
+            codes = attacker.store.batch_put_from(
+                [keys.key(0, h) for h in hashes], [[v.data_ptr()] for v in values], [[v.numel()] for v in values]
+            )
+            seen = reported(engine)
+            tokens = engine.generate(work, max_tokens=4)
+            return {"put": codes, "same_tokens": tokens == baseline, "stats": totals(engine), "reported": seen}
+    finally:
+        attacker.release()
 
 
 def conformance(config: Config) -> dict[str, Any]:
@@ -275,6 +416,9 @@ SCENARIOS: dict[str, Callable[..., Any]] = {
     "consumer": consumer,
     "master_fault": master_fault,
     "conformance": conformance,
+    "connect_deadline": connect_deadline,
+    "wedged_master": wedged_master,
+    "poisoned": poisoned,
 }
 
 
@@ -312,8 +456,9 @@ def check_fill_steps(r: dict[str, Any]) -> None:
 
 def check_isolation(r: dict[str, Any]) -> None:
     hits = r["loaded_tokens"]
-    assert hits["same"] > 0
-    assert hits["other_model"] == hits["other_tp_rank"] == hits["other_dtype"] == 0
+    assert hits.pop("same") > 0
+    assert hits == dict.fromkeys(hits, 0)
+    assert all(r["exact"].values()), r["exact"]
 
 
 def check_failed_loads(r: dict[str, Any], counter: str) -> None:

@@ -188,6 +188,13 @@ def test_sliding_window_never_moves_the_null_block(embedded_config: dict) -> Non
         ({"backend": "mooncake"}, "field 'master_server_address'"),
         ({"master_server_address": "h:1", "metadata_server": "m", "protocol": "udp"}, "field 'protocol'"),
         ({"colour": "red"}, "unknown field 'colour'"),
+        # Bounds: each of these passed validation and failed at start (OverflowError) or never finished.
+        ({"setup_timeout_s": 1e12}, "field 'setup_timeout_s': expected float <= 3600.0"),
+        ({"retry_interval_s": float("inf")}, "field 'retry_interval_s': expected float <= 3600.0"),
+        ({"store_timeout_s": 0}, "field 'store_timeout_s': expected float > 0.0"),
+        ({"global_segment_size": 2**70}, "field 'global_segment_size': expected int <= 17592186044416"),
+        ({"embedded_capacity_bytes": 2**63}, "field 'embedded_capacity_bytes': expected int <= 17592186044416"),
+        ({"integrity_secret": "short"}, "field 'integrity_secret': expected str of length >= 16"),
     ],
 )
 def test_bad_config_names_the_field(config: dict, message: str) -> None:

@@ -59,7 +59,7 @@ def test_store_too_small_and_lease_expiry(real_store: types.ModuleType, scenario
         full = _run(h, ns, m.client_env(), {"global_segment_size": 16 << 20}, ("store_full", {}))["store_full"]
         lease = _run(h, ns, m.client_env(), {}, ("load_failures", scenarios.BIG_KV))["load_failures"]
     assert full["same_tokens"]
-    assert full["stats"]["save_failed_store_full"] > 0 and full["stats"]["degraded_events"] == 0
+    assert full["stats"]["save_failed_store_full"] > 0 and full["stats"]["hook_errors"] == 0
     scenarios.check_failed_loads(lease, "load_failed_lease_expired")
 
 
@@ -68,23 +68,36 @@ def _json_after(marker: str, text: str) -> dict:
     return json.loads(line[len(marker) + 1 :])
 
 
-def test_master_killed_mid_run_then_restarted(real_store: types.ModuleType) -> None:
-    h = real_store
+def _with_faults(h: types.ModuleType, scenario: str, faults: list[tuple[str, float, str, str]]) -> Any:
+    """Run ``scenario`` against a master in a namespace, applying faults when it asks for them.
+
+    Each fault is ``(marker, seconds, method, flag)``: once the scenario prints
+    ``marker`` (within ``seconds``, else the test fails), call the master
+    handle's ``method`` and create ``workdir/flag`` so the scenario goes on.
+    """
     with tempfile.TemporaryDirectory() as workdir, h.netns() as ns, h.mooncake_master(ns) as m:
-        args = _args({}, ("master_fault", {"workdir": workdir}))
+        args = _args({}, (scenario, {"workdir": workdir}))
         with h.spawn_python(ns, script=SCRIPT, args=args, env=m.client_env(), python=sys.executable) as proc:
-            assert proc.wait_for_output("MID", 60), proc.wait(1).stderr[-4000:]
-            m.kill()
-            pathlib.Path(workdir, "killed").touch()
-            assert proc.wait_for_output("DOWN ", 90), proc.wait(1).stderr[-4000:]
-            m.restart()
-            pathlib.Path(workdir, "restarted").touch()
+            for marker, seconds, method, flag in faults:
+                assert proc.wait_for_output(marker, seconds), f"no {marker!r}: " + proc.wait(1).stderr[-4000:]
+                getattr(m, method)()
+                pathlib.Path(workdir, flag).touch()
             result = proc.wait(120)
     assert result.ok, result.stderr[-4000:]
+    return result
+
+
+def test_master_killed_mid_run_then_restarted(real_store: types.ModuleType) -> None:
+    result = _with_faults(
+        real_store, "master_fault", [("MID", 60, "kill", "killed"), ("DOWN ", 90, "restart", "restarted")]
+    )
     down, up = _json_after("DOWN", result.stdout), _json_after("UP", result.stdout)
+    print(json.dumps({"max_step_s_after_kill": down["max_step_s"]}))
     assert down["same_tokens"]  # every request finished with the right output while the master was away
     assert down["fresh"]["prompt_tokens_loaded"] == 0 and down["fresh"]["blocks_saved"] == 0
     assert down["fresh"]["save_failed_rpc_fail"] > 0 and down["fresh"]["scheduler_lookup_errors"] > 0
+    # The failed saves and loads reach the engine as degraded events, not as silence (figure: max_step_s).
+    assert down["reported"]["degraded_events"] > 0, down
     assert up["same_tokens"]
     assert up["writer"]["blocks_saved"] > down["first"]["blocks_saved"]  # saves resumed
     assert up["reader"]["prompt_tokens_loaded"] > 0  # and what was saved after the restart loads
@@ -118,3 +131,56 @@ def test_conformance_suite_passes_on_the_real_store(real_store: types.ModuleType
     assert report["passed"] > 0
     # A check may skip only for a capability the connector lacks (it has them all: it saves and loads).
     assert [c for c in report["checks"] if c["status"] == "skipped"] == []
+
+
+def test_connect_is_bounded_by_setup_timeout(real_store: types.ModuleType) -> None:
+    """A master address that accepts TCP but never answers (a sink, a paused master) costs setup_timeout_s once.
+
+    The client's own setup would retry for ~600 s holding the GIL (no thread
+    join can stop it): the subprocess timeout here is what fails without the
+    pre-flight probe. ``build_s`` and ``max_step_s`` are printed as figures.
+    """
+    h = real_store
+    with h.netns() as ns, h.mooncake_master(ns) as m, h.tcp_sink(ns) as sink:
+        m.pause()
+        results = [
+            _run(h, ns, m.client_env(), {}, ("connect_deadline", {"master": master}), timeout=60)["connect_deadline"]
+            for master in (sink, m.master_addr)
+        ]
+        m.resume()
+    print(json.dumps([{k: r[k] for k in ("build_s", "max_step_s")} for r in results]))
+    for r in results:
+        assert r["same_tokens"]
+        assert r["stats"]["blocks_saved"] == 0 and r["stats"]["save_failed_rpc_fail"] > 0  # the store stayed off
+
+
+def test_wedged_master_degrades_steps_then_recovers(real_store: types.ModuleType) -> None:
+    """SIGSTOP the master mid-run: one call waits out store_timeout_s, the rest fail fast; SIGCONT: calls resume."""
+    # The client's own RPC timeout is 30 s per call: without deadlines the paused phase takes minutes.
+    result = _with_faults(
+        real_store, "wedged_master", [("SAVED", 60, "pause", "paused"), ("WEDGED ", 25, "resume", "resumed")]
+    )
+    wedged, resumed = _json_after("WEDGED", result.stdout), _json_after("RESUMED", result.stdout)
+    print(json.dumps({k: wedged[k] for k in ("max_step_s", "steps")}))
+    assert wedged["same_tokens"]
+    assert wedged["stats"]["prompt_tokens_loaded"] == 0 and wedged["stats"]["blocks_saved"] == 0
+    assert wedged["reported"]["degraded_events"] > 0
+    assert resumed["same_tokens"]
+    assert resumed["stats"]["prompt_tokens_loaded"] > 0 and resumed["stats"]["blocks_saved"] > 0
+
+
+def test_values_another_client_wrote_under_our_keys_never_load(real_store: types.ModuleType) -> None:
+    """Garbage, short values and (with a shared secret) forged well-formed values: refused, exact tokens."""
+    h = real_store
+    with h.netns() as ns, h.mooncake_master(ns) as m:
+        plain, keyed = (
+            _run(h, ns, m.client_env(), {}, ("poisoned", kwargs))["poisoned"]
+            for kwargs in ({}, {"secret": "kvconn test secret 0123456789"})
+        )
+    for r in (plain, keyed):
+        assert set(r["put"]) == {0}  # the other client's values were stored first
+        assert r["same_tokens"]
+        assert r["stats"]["prompt_tokens_loaded"] == 0 and r["stats"]["failed_load_blocks"] > 0
+        assert r["stats"]["load_failed_integrity_foreign"] > 0 and r["stats"]["load_failed_short_read"] > 0
+        assert r["reported"]["degraded_events"] > 0
+    assert keyed["stats"]["load_failed_integrity_unsigned"] > 0

@@ -16,6 +16,7 @@ import torch
 
 from kvconn import ConnectorContext, KVCacheGroupSpec
 from kvconn_mooncake import BlockTransfer, EmbeddedStore, MooncakeMetadata
+from kvconn_mooncake.integrity import HEADER_BYTES, Integrity
 from kvconn_mooncake.worker import WorkerSide
 
 NUM_BLOCKS = 8
@@ -24,8 +25,8 @@ SHAPES = {"full.0": (2, 4, 8), "full.1": (2, 4, 8), "swa.0": (2, 4, 3)}  # per b
 VALUE_BYTES = (2 * 2 * 4 * 8 * 2, 2 * 4 * 3 * 2)  # fp16: group 0 (two layers), group 1 (one layer)
 
 
-def _worker(store: EmbeddedStore) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
-    worker = WorkerSide(store, ConnectorContext(kv_cache_groups=GROUPS))
+def _worker(store: EmbeddedStore, secret: str | None = None) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    worker = WorkerSide(store, ConnectorContext(kv_cache_groups=GROUPS), Integrity(secret))
     kv = {name: torch.randn((NUM_BLOCKS, *shape)).half() for name, shape in SHAPES.items()}
     worker.register_kv_caches(kv)
     return worker, kv
@@ -105,6 +106,76 @@ def test_saves_skip_stored_keys_and_unaddressable_blocks(store: EmbeddedStore) -
     assert stats["blocks_saved"] == 2 and stats["blocks_skipped_existing"] == 2
     assert stats["save_failed_unaddressable"] == 2 and stats["bytes_saved"] == sum(VALUE_BYTES)
     assert store.batch_is_exist([t.key for t in stored + fresh + bad]) == [1, 1, 1, 1, 0, 0]
-    out = torch.empty(VALUE_BYTES[0], dtype=torch.uint8)
-    assert store.batch_get_into([stored[0].key], [[out.data_ptr()]], [[out.numel()]]) == [VALUE_BYTES[0]]
-    assert out[: VALUE_BYTES[0] // 2].any()  # block 1 of full.0 as first saved, not the zeroed block
+    out = torch.empty(HEADER_BYTES + VALUE_BYTES[0], dtype=torch.uint8)
+    assert store.batch_get_into([stored[0].key], [[out.data_ptr()]], [[out.numel()]]) == [out.numel()]
+    assert out[HEADER_BYTES : HEADER_BYTES + VALUE_BYTES[0] // 2].any()  # block 1 of full.0 as first saved
+
+
+def _put_raw(store: EmbeddedStore, values: dict[str, torch.Tensor]) -> None:
+    """Another client's puts: raw bytes under keys of its choosing."""
+    ptrs, sizes = [[t.data_ptr()] for t in values.values()], [[t.numel()] for t in values.values()]
+    assert store.batch_put_from(list(values), ptrs, sizes) == [0] * len(values)
+
+
+def _load(worker: WorkerSide, kv: dict[str, torch.Tensor], loads: list[BlockTransfer]) -> tuple[set[int], dict]:
+    """Load ``loads``; check that no block reported as failed was written; the failed blocks and the stats."""
+    before = {name: t.clone() for name, t in kv.items()}
+    worker.start_load_kv(MooncakeMetadata(loads=loads))
+    failed = worker.take_load_errors()
+    for t in loads:
+        if t.block_id in failed:
+            assert all(torch.equal(kv[n][t.block_id], before[n][t.block_id]) for n in _layers(t.group))
+    return failed, worker.take_stats()
+
+
+def test_values_failing_verification_never_reach_the_kv_cache(store: EmbeddedStore) -> None:
+    """Garbage of the right size, a short value, and a valid value copied under another key: staged, refused."""
+    writer, src = _worker(store)
+    good = {i: _key(0, i) for i in (1, 2)}
+    _save(writer, [BlockTransfer(k, i, 0) for i, k in good.items()])
+    size = HEADER_BYTES + VALUE_BYTES[0]
+    copied = torch.empty(size, dtype=torch.uint8)
+    assert store.batch_get_into([good[1]], [[copied.data_ptr()]], [[size]]) == [size]
+    garbage = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    poisoned = {"garbage": garbage, "short": garbage[: size // 2].clone(), "copied": copied}
+    keys = {name: _key(0, 9) for name in poisoned}
+    _put_raw(store, {keys[name]: value for name, value in poisoned.items()})
+
+    reader, dst = _worker(store)
+    loads = [BlockTransfer(keys["garbage"], 4, 0), BlockTransfer(keys["short"], 5, 0)]
+    loads += [BlockTransfer(keys["copied"], 6, 0), BlockTransfer(good[2], 7, 0)]
+    failed, stats = _load(reader, dst, loads)
+    assert failed == {4, 5, 6}
+    assert stats["load_failed_integrity_foreign"] == 1 and stats["load_failed_short_read"] == 1
+    assert stats["load_failed_integrity_other_key"] == 1 and stats["degraded_events"] == 3
+    assert stats["blocks_loaded"] == 1 and all(torch.equal(dst[n][7], src[n][2]) for n in _layers(0))
+
+
+def test_damaged_payload_is_refused(store: EmbeddedStore) -> None:
+    writer, _ = _worker(store)
+    key = _key(0, 1)
+    _save(writer, [BlockTransfer(key, 1, 0)])
+    store._values[key][-1] ^= 1  # one bit of the last layer's bytes, flipped in the store
+    reader, dst = _worker(store)
+    failed, stats = _load(reader, dst, [BlockTransfer(key, 3, 0)])
+    assert failed == {3} and stats["load_failed_integrity_checksum"] == 1
+
+
+@pytest.mark.parametrize(
+    ("writer_secret", "reason"),
+    [(None, "load_failed_integrity_unsigned"), ("another secret, 16+", "load_failed_integrity_checksum")],
+)
+def test_with_a_secret_only_values_sealed_with_it_load(
+    store: EmbeddedStore, writer_secret: str | None, reason: str
+) -> None:
+    """A writer without the shared secret cannot forge a value, though it knows the key and the format."""
+    secret = "the shared secret, 16+"
+    forger, _ = _worker(store, writer_secret)
+    honest, src = _worker(store, secret)
+    forged, sealed = _key(0, 1), _key(0, 2)
+    _save(forger, [BlockTransfer(forged, 1, 0)])
+    _save(honest, [BlockTransfer(sealed, 2, 0)])
+    reader, dst = _worker(store, secret)
+    failed, stats = _load(reader, dst, [BlockTransfer(forged, 3, 0), BlockTransfer(sealed, 4, 0)])
+    assert failed == {3} and stats[reason] == 1
+    assert stats["blocks_loaded"] == 1 and all(torch.equal(dst[n][4], src[n][2]) for n in _layers(0))

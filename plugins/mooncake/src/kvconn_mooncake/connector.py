@@ -16,6 +16,8 @@ from kvconn import (
 
 from .backends import StoreLease, acquire_store
 from .config import MooncakeConfig
+from .integrity import Integrity, secret_id
+from .keys import BlockKeys
 from .metadata import MooncakeMetadata
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
@@ -28,8 +30,10 @@ class MooncakeConnector(KVConnector):
 
     Backends: the real ``MooncakeDistributedStore`` when a master is
     configured, else an embedded in-process store with the same semantics
-    (see :class:`~kvconn_mooncake.config.MooncakeConfig`). Store errors
-    degrade to "not saved" / "recompute"; they never raise into the engine.
+    (see :class:`~kvconn_mooncake.config.MooncakeConfig`). Store errors and
+    calls past their deadline degrade to "not saved" / "recompute", and a
+    loaded value reaches the KV cache only once verified; nothing raises into
+    the engine.
     """
 
     Config = MooncakeConfig
@@ -44,12 +48,16 @@ class MooncakeConnector(KVConnector):
         self._lease: StoreLease | None = acquire_store(self.config)
         self.backend = self._lease.backend
         store = self._lease.store
+        secret = self.config.integrity_secret
+        keys = BlockKeys(self.context, secret_id(secret))
         self._scheduler = (
-            SchedulerSide(store, self.context, save_decode_cache=self.config.save_decode_cache)
+            SchedulerSide(store, keys, self.context, self.config.save_decode_cache)
             if self.role is KVConnectorRole.SCHEDULER
             else None
         )
-        self._worker = WorkerSide(store, self.context) if self.role is KVConnectorRole.WORKER else None
+        self._worker = (
+            WorkerSide(store, self.context, Integrity(secret)) if self.role is KVConnectorRole.WORKER else None
+        )
 
     @property
     def in_process_state(self) -> bool:  # type: ignore[override]

@@ -51,9 +51,9 @@ class _Request:
 class SchedulerSide:
     """The scheduler side of ``mooncake``: store lookups, and the loads and saves each step sends."""
 
-    def __init__(self, store: Store, context: ConnectorContext, *, save_decode_cache: bool) -> None:
+    def __init__(self, store: Store, keys: BlockKeys, context: ConnectorContext, save_decode_cache: bool) -> None:
         self.store = store
-        self.keys = BlockKeys(context)
+        self.keys = keys
         self.block_size = context.block_size
         self.groups = context.kv_cache_groups
         self.save_decode_cache = save_decode_cache
