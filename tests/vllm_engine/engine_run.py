@@ -66,7 +66,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         max_num_seqs=8,
         max_num_batched_tokens=200,  # chunks of 200 tokens: boundaries mid-block
         enable_prefix_caching=True,
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        kv_cache_memory_bytes=KV_CACHE_BYTES // spec.get("tp", 1),  # per worker: each holds 1/tp of the heads
         tensor_parallel_size=spec.get("tp", 1),
         disable_log_stats=False,
         kv_transfer_config=transfer_config(spec),

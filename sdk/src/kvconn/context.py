@@ -41,8 +41,10 @@ class ConnectorContext(msgspec.Struct, frozen=True, kw_only=True):
     """What a connector knows about its engine when it is created.
 
     Everything that changes what a block's bytes mean (model, dtype, layout,
-    block size, tensor-parallel rank, group) is here, so connectors that share
-    blocks across engines can namespace their keys with it.
+    block size, KV shape, tensor-parallel rank, group) is here, so connectors
+    that share blocks across engines can namespace their keys with it.
+    ``num_kv_heads`` and ``head_dim`` are one layer's KV shape on this worker
+    (after tensor-parallel splitting); ``None`` where the engine does not say.
     """
 
     model: str = "kvconn-reference"
@@ -53,6 +55,8 @@ class ConnectorContext(msgspec.Struct, frozen=True, kw_only=True):
     tp_rank: int = 0
     tp_size: int = 1
     engine_id: str = "kvconn-engine"
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
 
     def group_of_layer(self) -> dict[str, int]:
         """Map each layer name to the index of its KV-cache group."""

@@ -9,14 +9,14 @@ store's multi-buffer calls).
 
 The namespace is the SHA-256 of one msgpack tuple: the key version, every
 field of the :class:`~kvconn.ConnectorContext` but ``engine_id`` (model,
-dtype, KV layout, block size, TP rank and size, the groups with their layer
-names and windows, and whatever the SDK adds there, such as the KV shape), the
+dtype, KV layout, block size, KV shape, TP rank and size, the groups with
+their layer names and windows, and whatever the SDK adds there later), the
 group's index, and an identifier of the integrity secret. A tuple cannot be
 shifted into another (``("a,b",)`` and ``("a", "b")`` encode differently,
 unlike a joined string), so engines that differ in any field never share a
 key. The block hash chains the whole prefix, so equal keys mean equal KV.
-Fields the context lacks (the KV shape of the reference engine, say) are
-checked per value instead: see :mod:`kvconn_mooncake.integrity`.
+What an engine leaves out of its context (its KV shape, say) is checked per
+value as well: see :mod:`kvconn_mooncake.integrity`.
 """
 
 from __future__ import annotations

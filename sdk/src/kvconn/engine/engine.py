@@ -64,6 +64,8 @@ class Engine:
             block_size=scheduler_config.block_size,
             kv_cache_groups=scheduler_config.kv_cache_groups,
             tp_rank=tp_rank,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
         )
         self.scheduler_host: ConnectorHost | None = None
         self.worker_host: ConnectorHost | None = None

@@ -100,7 +100,7 @@ def context_from_vllm(
 
     Model, KV dtype (``cache_dtype`` when it is not ``"auto"``), block size,
     KV-cache groups (layer names; sliding window in tokens for sliding-window
-    specs), TP rank/size and engine id. Groups of another block size than the
+    specs), one layer's KV shape, TP rank/size and engine id. Groups of another block size than the
     cache's (state-space layers) are refused with :class:`ConnectorConfigError`.
     """
     model_config = vllm_config.model_config
@@ -123,6 +123,10 @@ def context_from_vllm(
     engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None)
     if engine_id:
         optional["engine_id"] = str(engine_id)
+    if vllm_groups:  # one layer's KV shape on this worker (vLLM's specs are per rank)
+        spec = vllm_groups[0].kv_cache_spec
+        optional["num_kv_heads"] = int(spec.num_kv_heads)
+        optional["head_dim"] = int(spec.head_size)
     return ConnectorContext(
         model=str(model_config.model),
         dtype=cache_dtype if cache_dtype != "auto" else _dtype_name(model_config.dtype),
