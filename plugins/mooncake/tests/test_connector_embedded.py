@@ -116,7 +116,7 @@ def test_master_down_means_no_saves_and_no_hits(
 def test_lookup_is_memoised_and_has_no_side_effects(faulty: FaultyStore, embedded_config: dict) -> None:
     with Engine("mooncake", embedded_config) as writer:
         writer.generate([list(range(100))], max_tokens=1)
-    scheduler = load_connector("mooncake", role="scheduler", config=embedded_config)
+    scheduler = load_connector("mooncake", role="scheduler", config=embedded_config, context=writer.context)
     request = Engine().add_request(list(range(100)), max_tokens=1)
     faulty.calls.clear()
     first = scheduler.get_num_new_matched_tokens(request, 0)

@@ -112,7 +112,7 @@ class MooncakeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             str,
             msgspec.Meta(
                 description="shared secret (>= 16 characters) of the engines that share a store: every value "
-                "carries a keyed MAC (BLAKE2b) and values without a valid one are never loaded; unset: a CRC32 "
+                "carries a keyed MAC (BLAKE2b) and values without a valid one are never loaded; unset: an XXH3-128 "
                 "checksum only",
                 min_length=16,
             ),
