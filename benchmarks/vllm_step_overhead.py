@@ -18,7 +18,13 @@ from typing import Any
 from benchlib import Bench, median_times, parse_args
 
 import kvconn
-from kvconn.adapters.vllm.harness import make_model_runner_output, make_request, make_scheduler
+from kvconn.adapters.vllm.harness import (
+    make_model_runner_output,
+    make_request,
+    make_scheduler,
+    prepare_environment,
+    vllm_import_error,
+)
 
 __all__ = ["NoOpConnector", "main"]
 
@@ -81,6 +87,10 @@ def step_function(scheduler: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(__doc__, argv)
+    prepare_environment()
+    if error := vllm_import_error():
+        print(f"cannot run: vLLM is not installed here ({error}); use .venv-vllm/bin/python", file=sys.stderr)
+        return 2
     sizes = (8, 16) if args.quick else (64, 256, 1024)
     bench = Bench(
         "kvconn's per-step cost inside vLLM's scheduler (no-op connector vs no connector)",

@@ -329,3 +329,22 @@ def test_vllm_stats_hold_the_counters_and_no_private_gauges() -> None:
             seen[key] = seen.get(key, 0) + value
     # The prompt's 4 full blocks were saved; offload's pool size and store sequence number (gauges) are not here.
     assert seen == {"offload.blocks_saved": 4, "offload.bytes_saved": 4 * 2 * 16 * 2 * 64 * 2}
+
+
+def test_the_vllm_step_overhead_benchmark_runs(tmp_path: Any) -> None:
+    """Its --quick smoke run (the main tier skips it: no vLLM there); figures finite, no timing asserted."""
+    import json
+    import math
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, "vllm_step_overhead.py", "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=benchmarks,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(math.isfinite(x) for row in rows for x in row)
