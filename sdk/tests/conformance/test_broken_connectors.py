@@ -12,6 +12,9 @@ import logging
 import pytest
 
 from kvconn.testing.conformance import ConnectorReport, list_checks, run_conformance
+from kvconn.testing.conformance.catalog import get_check
+from kvconn.testing.conformance.results import NOT_RUN
+from kvconn.testing.conformance.session import METADATA_FIX
 
 BROKEN = "kvconn_conformance_fixtures.broken:"
 STORE = "kvconn_conformance_fixtures.store:StoreConnector"
@@ -43,8 +46,26 @@ def _failed(report: ConnectorReport) -> dict[str, str]:
         ("IgnoresUnknownOptions", "KV005", "unknown field 'kvconn_no_such_field' was accepted"),
         ("AcceptsAnything", "KV005", "config field 'record_calls' accepts any value"),
         ("NoApiVersion", "KV003", "does not declare api_version"),
+        ("TracksSdkVersion", "KV003", "declares api_version = kvconn.API_VERSION, which follows the SDK"),
+        ("MisspeltHook", "KV006", "build_connector_metadata is not a hook and is never called: did you mean "
+         "build_connector_meta?"),
+        ("DeclaresLoadsWithoutHooks", "KV006", "declares loads = True but implements none of "
+         "get_num_new_matched_tokens for its scheduler side"),
+        ("StripsNullBlocks", "KV015", "the connector changed the table get_block_ids('r0') returned: "
+         "[(1, 2, 3, 4), (0, 6, 7, 8)] became [(1, 2, 3, 4), (6, 7, 8)]"),
+        ("RemembersHistory", "KV022", "it grows with history"),
+        ("ReportsSyncLoads", "KV031", "finished_recving reported 'r3', which the engine was not waiting for: no "
+         "async load of it was in flight (a sync load is never reported)"),
+        ("ReportsUndelayedSends", "KV031", "finished_sending reported 'r0', which the engine was not waiting for: "
+         "request_finished did not delay its free"),
+        ("OverClaims", "KV040", "in the 'chunked' data run, request 'b' generated"),
+        ("OverClaimsReported", "KV040", "reported 2 block(s) failed to load though nothing failed: it claimed "
+         "more tokens than it holds"),
+        ("SavesTouchedBlocks", "KV042", "in the 'mid-block-chunks' data run, request 'b0' generated"),
+        ("KeepsFirstTable", "KV043", "in the 'preemption' data run, request 'b3' generated"),
+        ("DeferredSaver", "KV044", "in the 'fill-step-ends' data run, request 'b0' generated"),
     ],
-)
+)  # fmt: skip
 def test_broken_connector_fails_its_check(connector: str, check_id: str, observed: str) -> None:
     check = next(c for c in list_checks() if c.id == check_id)
     with _quiet():
@@ -55,11 +76,42 @@ def test_broken_connector_fails_its_check(connector: str, check_id: str, observe
     assert message.startswith("observed ") and f"; fix: {check.fix}" in message
 
 
-def test_broken_saver_passes_the_checks_it_does_not_break() -> None:
-    """Bugs are attributed: ResavesLoaded round-trips fine and only fails after a failed load."""
+@pytest.mark.parametrize(
+    ("connector", "only"),
+    [
+        ("ResavesLoaded", "KV041"),  # round-trips fine, fails only after a failed load
+        ("SavesTouchedBlocks", "KV042"),  # fine while chunks end on block boundaries
+        ("KeepsFirstTable", "KV043"),  # its stale ids happen to be in the live table: only the tokens show it
+        ("ReportsSyncLoads", "KV031"),
+        ("StripsNullBlocks", "KV015"),
+    ],
+)
+def test_broken_saver_fails_only_its_own_check(connector: str, only: str) -> None:
+    """Bugs are attributed: each of these connectors fails one check and passes the others."""
     with _quiet():
-        failed = _failed(run_conformance(BROKEN + "ResavesLoaded"))
-    assert set(failed) == {"KV041"}
+        failed = _failed(run_conformance(BROKEN + connector))
+    assert set(failed) == {only}
+
+
+@pytest.mark.parametrize(
+    ("connector", "root", "observed", "fix"),
+    [
+        ("WrongHookSignature", "KV002", "Argument(s) {'req'} are declared in the hookimpl", "KV002"),
+        ("WrongMetadataType", "KV010", "returned OtherMetadata, not an instance of DummyMetadata", METADATA_FIX),
+    ],
+)
+def test_a_root_cause_is_reported_once_and_its_dependents_are_not_run(
+    connector: str, root: str, observed: str, fix: str
+) -> None:
+    with _quiet():
+        report = run_conformance(BROKEN + connector)
+    assert _failed(report) == {root: report.result(root).message}
+    message = report.result(root).message
+    assert observed in message and "\n" not in message
+    assert message.endswith(f"; fix: {get_check(fix).fix if fix.startswith('KV') else fix}")
+    not_run = [r for r in report.results if r.message.startswith(NOT_RUN)]
+    assert len(not_run) >= 10
+    assert all(r.status == "skipped" and f"{root} " in r.message and "root cause" in r.message for r in not_run)
 
 
 def test_required_config_fails_config_defaults_when_a_config_is_given() -> None:
@@ -83,7 +135,7 @@ def test_dummy_plugin_passes_and_skips_only_by_capability() -> None:
     report = run_conformance("dummy")
     assert report.ok, report.to_dict()
     skipped = {r.id: r.message for r in report.results if r.status == "skipped"}
-    assert set(skipped) == {"KV040", "KV041"}
+    assert set(skipped) == {c.id for c in list_checks() if "saves" in c.requires} >= {"KV040", "KV044"}
     assert all("does not save (saves = False)" in m for m in skipped.values())
 
 
