@@ -7,7 +7,9 @@ each changes one thing in a correct connector. A correct saver/loader
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Callable
 
 import pytest
 
@@ -58,12 +60,12 @@ def _failed(report: ConnectorReport) -> dict[str, str]:
          "async load of it was in flight (a sync load is never reported)"),
         ("ReportsUndelayedSends", "KV031", "finished_sending reported 'r0', which the engine was not waiting for: "
          "request_finished did not delay its free"),
-        ("OverClaims", "KV040", "in the 'chunked' data run, request 'b' generated"),
+        ("OverClaims", "KV040", "in the 'chunked-reuse' data run, request 'b' generated"),
         ("OverClaimsReported", "KV040", "reported 2 block(s) failed to load though nothing failed: it claimed "
          "more tokens than it holds"),
         ("SavesTouchedBlocks", "KV042", "in the 'mid-block-chunks' data run, request 'b0' generated"),
-        ("KeepsFirstTable", "KV043", "in the 'preemption' data run, request 'b3' generated"),
-        ("DeferredSaver", "KV044", "in the 'fill-step-ends' data run, request 'b0' generated"),
+        ("KeepsFirstTable", "KV043", "in the 'preempted-saves' data run, request 'b3' generated"),
+        ("DeferredSaver", "KV044", "in the 'fill-step-saves' data run, request 'b0' generated"),
     ],
 )  # fmt: skip
 def test_broken_connector_fails_its_check(connector: str, check_id: str, observed: str) -> None:
@@ -147,3 +149,30 @@ class _quiet:
 
     def __exit__(self, *exc: object) -> None:
         logging.disable(logging.NOTSET)
+
+
+def _fresh_namespaces() -> Callable[[str], dict[str, str]]:
+    """A config_factory: a store namespace of its own for every run."""
+    count = itertools.count()
+    return lambda run: {"store": f"{run}-{next(count)}"}
+
+
+def test_a_persistent_store_needs_a_namespace_per_run() -> None:
+    """The fixtures' store outlives its instances: a second suite in the process hits the first one's blocks."""
+    store = "kvconn_conformance_fixtures.store:StoreConnector"
+    with _quiet():
+        assert run_conformance(store, select="KV045").ok
+        leaked = _failed(run_conformance(store, select="KV045"))
+        fresh = run_conformance(store, select="KV04*", config_factory=_fresh_namespaces())
+    assert "the store kept blocks from an earlier run" in leaked["KV045"]
+    assert "config_factory" in leaked["KV045"]
+    assert fresh.ok and fresh.passed == sum(c.id.startswith("KV04") for c in list_checks())
+
+
+def test_a_store_ignoring_its_namespace_leaks_even_with_a_config_factory() -> None:
+    with _quiet():
+        run_conformance(BROKEN + "IgnoresNamespace", select="KV045", config_factory=_fresh_namespaces())
+        failed = _failed(
+            run_conformance(BROKEN + "IgnoresNamespace", select="KV045", config_factory=_fresh_namespaces())
+        )
+    assert "{'a': 48} tokens were loaded on its first step" in failed["KV045"]

@@ -53,3 +53,34 @@ def test_unloadable_connector_fails_every_test(pytester: pytest.Pytester) -> Non
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "KV001")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*connector 'not-installed' did not load: no connector named*"])
+
+
+def test_config_factory_gives_each_run_its_own_config(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pathlib import Path
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent / "fixtures"))
+    pytester.makepyfile(
+        """
+        from kvconn.testing import ConnectorConformance
+
+        RUNS = []
+
+        class TestStore(ConnectorConformance):
+            connector = "kvconn_conformance_fixtures.store:StoreConnector"
+
+            def config_factory(self, run):
+                RUNS.append(run)
+                return {"store": f"{run}-{len(RUNS)}"}
+
+        class TestStoreAgain(TestStore):
+            pass
+
+        def test_every_run_was_asked_for_once():
+            assert len(RUNS) == len(set(RUNS)) * 2
+            assert {"preemption", "mid-block-chunks", "preempted-saves", "fill-step-saves"} <= set(RUNS)
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly")
+    result.assert_outcomes(passed=2 * len(list_checks()) + 1)

@@ -80,6 +80,8 @@ class StepRecord:
         unexpected_reports: ids the worker reported in ``finished_sending`` /
             ``finished_recving`` that the engine was not waiting for (a
             driver that does not track it leaves it empty).
+        loaded: tokens the connector set out to load this step, per request
+            (a driver that does not track it leaves it empty).
     """
 
     output: SchedulerOutput
@@ -93,6 +95,7 @@ class StepRecord:
     preempted: set[str] = field(default_factory=set)
     mutated: list[str] = field(default_factory=list)
     unexpected_reports: list[str] = field(default_factory=list)
+    loaded: dict[str, int] = field(default_factory=dict)
 
     @property
     def step(self) -> int:

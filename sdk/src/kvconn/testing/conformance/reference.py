@@ -111,6 +111,7 @@ class ReferenceDriver:
         self._fail_first_load = fail_first_load
         self._victim: _Victim | None = None
         self._handed: list[HandedTable] = []
+        self._loaded: dict[str, int] = {}
         self._awaiting: dict[str, set[str]] = {kind: set() for kind in _AWAITED}
         self._reported: dict[str, set[str]] = {kind: set() for kind in _AWAITED}
         self._wrap_hosts()
@@ -165,8 +166,10 @@ class ReferenceDriver:
         def update_state_after_alloc(request: Any, block_ids: BlockIds, plan: LoadPlan) -> bool:
             self._hand([(f"update_state_after_alloc {request.request_id!r} block_ids", block_ids)])
             loading = after_alloc(request, block_ids, plan)
-            if loading and plan.num_tokens and plan.load_async:
-                self._awaiting["finished_recving"].add(request.request_id)
+            if loading and plan.num_tokens:
+                self._loaded[request.request_id] = plan.num_tokens
+                if plan.load_async:
+                    self._awaiting["finished_recving"].add(request.request_id)
             if loading and plan.num_tokens and self._fail_first_load and self._victim is None:
                 last = (request.num_computed_tokens + plan.num_tokens) // self.block_size - 1
                 blocks = [(g, t[last]) for g, t in enumerate(block_ids) if t[last] != NULL_BLOCK_ID]
@@ -270,6 +273,7 @@ class ReferenceDriver:
         self.scheduler.update_from_output(output, returned)
         self._step += 1
         mutated, self._handed = mutated_tables(self._handed), []
+        loaded, self._loaded = self._loaded, {}
         return StepRecord(
             output=output,
             metadata=metadata,
@@ -282,6 +286,7 @@ class ReferenceDriver:
             preempted={r for r, n in preemptions.items() if self.requests[r].num_preemptions > n},
             mutated=mutated,
             unexpected_reports=unexpected,
+            loaded=loaded,
         )
 
     def has_unfinished(self) -> bool:

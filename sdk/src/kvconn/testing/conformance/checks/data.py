@@ -70,9 +70,11 @@ def _reuse(
 
 ROUND_TRIPS = (
     # b's prompt has two full blocks past the shared ones that nobody saved: a hit must stop at the shared ones
-    _reuse("chunked", {"max_num_batched_tokens": 32}, (53, 12), shared_blocks=4, b_suffix=39, seed=11),
-    _reuse("two-groups", {"kv_cache_groups": TWO_GROUPS}, (60, 6), shared_blocks=4, b_suffix=9, seed=12),
-    _reuse("large-blocks", {"block_size": 256, "num_blocks": 16}, (262, 8), shared_blocks=1, b_suffix=10, seed=13),
+    _reuse("chunked-reuse", {"max_num_batched_tokens": 32}, (53, 12), shared_blocks=4, b_suffix=39, seed=11),
+    _reuse("two-groups-reuse", {"kv_cache_groups": TWO_GROUPS}, (60, 6), shared_blocks=4, b_suffix=9, seed=12),
+    _reuse(
+        "large-blocks-reuse", {"block_size": 256, "num_blocks": 16}, (262, 8), shared_blocks=1, b_suffix=10, seed=13
+    ),
 )
 FAILED_LOAD = DataRun(
     "failed-load",
@@ -94,7 +96,7 @@ MID_BLOCK_CHUNKS = DataRun(
     15,
 )
 PREEMPTED_SAVES = DataRun(
-    "preemption",
+    "preempted-saves",
     {"num_blocks": 14},
     (
         tuple(Req(f"a{i}", prompt(30, 20 + i), 40) for i in range(4)),
@@ -103,7 +105,7 @@ PREEMPTED_SAVES = DataRun(
     20,
 )
 FILL_STEP_ENDS = DataRun(
-    "fill-step-ends",
+    "fill-step-saves",
     {},
     (
         # a0 and a1 finish on the step that fills their last block; a2 keeps the engine stepping after that
@@ -334,7 +336,7 @@ def preempted_saves(session: Session) -> None:
     """
     result = data_run(session, PREEMPTED_SAVES)
     if not any(record.preempted for record in result.records):
-        raise RuntimeError("the preemption data run preempted nothing: the conformance suite is misconfigured")
+        raise RuntimeError("the preempted-saves data run preempted nothing: the conformance suite is misconfigured")
     _exact(session, PREEMPTED_SAVES)
 
 
@@ -356,3 +358,30 @@ def freed_blocks(session: Session) -> None:
     whatever reused the block, and a later request loads it.
     """
     _exact(session, FILL_STEP_ENDS)
+
+
+@check(
+    "KV045",
+    "fresh-store",
+    fix="give every run a store of its own: a namespace (or directory) from the config, and in pytest override "
+    "ConnectorConformance.config_factory(run) to return a fresh one per run",
+    requires=("scheduler", "worker", "saves", "loads"),
+    after=(*IMPORTED, "KV006"),
+)
+def fresh_store(session: Session) -> None:
+    """Nothing loads on a run's first step, before the run computed anything.
+
+    Every data run starts with new connector instances and requests whose
+    prompts no other run uses. Catches stores that outlive their instances
+    (files, a server, a process-wide dict) without a namespace per run: hits
+    leak from one run into the next, so a test passes or fails depending on
+    what ran before it.
+    """
+    for case, result in data_runs(session):
+        first = result.records[0] if result.records else None
+        leaked = first.loaded if first is not None else {}
+        if leaked:
+            raise Violation(
+                f"in the {case.name!r} data run, {dict(sorted(leaked.items()))} tokens were loaded on its first step, "
+                "before anything was computed in it: the store kept blocks from an earlier run"
+            )
