@@ -8,7 +8,7 @@ on real torch KV caches with the reference model. Connector errors raise.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,12 +76,23 @@ class ReferenceDriver:
     it is freed, as a busy GPU cache reuses it: a save that still reads a
     freed block, or a load that skips a block, leaves garbage behind.
 
+    ``worker_config`` (default: the spec's) configures the worker side alone:
+    a fresh store namespace there makes every block the scheduler side finds
+    go missing on load.
+
     Each step also records the tables the connector changed after they were
     handed to it, and ``get_finished`` reports of requests the engine was not
     waiting for.
     """
 
-    def __init__(self, spec: DriverSpec, *, fail_first_load: bool = False, scrub_freed: bool = False) -> None:
+    def __init__(
+        self,
+        spec: DriverSpec,
+        *,
+        fail_first_load: bool = False,
+        scrub_freed: bool = False,
+        worker_config: Mapping[str, Any] | None = None,
+    ) -> None:
         self.spec = spec
         self.block_size = spec.block_size
         self.num_blocks = spec.num_blocks
@@ -98,8 +109,8 @@ class ReferenceDriver:
         )
         self.context = ConnectorContext(block_size=spec.block_size, kv_cache_groups=spec.kv_cache_groups)
         self.name = spec.connector
-        self.scheduler_host = self._host(KVConnectorRole.SCHEDULER, roles)
-        self.worker_host = self._host(KVConnectorRole.WORKER, roles)
+        self.scheduler_host = self._host(KVConnectorRole.SCHEDULER, roles, spec.config)
+        self.worker_host = self._host(KVConnectorRole.WORKER, roles, worker_config or spec.config)
         self.scheduler = Scheduler(config, host=self.scheduler_host, context=self.context)
         self.worker = ReferenceWorker(self.context, num_blocks=spec.num_blocks, host=self.worker_host)
         self.requests: dict[str, Request] = {}
@@ -120,11 +131,13 @@ class ReferenceDriver:
                 raise ValueError("scrub_freed needs enable_prefix_caching=False: freed blocks stay prefix-cache hits")
             self.scheduler.kv_cache_manager.pool.on_free = self._scrub
 
-    def _host(self, role: KVConnectorRole, roles: frozenset[KVConnectorRole]) -> ConnectorHost | None:
+    def _host(
+        self, role: KVConnectorRole, roles: frozenset[KVConnectorRole], config: Mapping[str, Any] | None
+    ) -> ConnectorHost | None:
         if role not in roles:
             return None
         return ConnectorHost.from_names(
-            self.spec.connector, role=role, config=self.spec.config, context=self.context, on_error="raise"
+            self.spec.connector, role=role, config=config, context=self.context, on_error="raise"
         )
 
     # ------------------------------------------------------------ observation

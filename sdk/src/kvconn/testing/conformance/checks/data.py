@@ -20,7 +20,7 @@ from ....engine import Engine
 from ..catalog import IMPORTED, check
 from ..driver import DriverSpec, StepRecord
 from ..reference import ReferenceDriver
-from ..results import ScenarioBroken, Violation
+from ..results import CheckSkipped, ScenarioBroken, Violation
 from ..scenarios import MAX_STEPS, TWO_GROUPS, prompt
 from ..session import Session
 
@@ -116,17 +116,25 @@ FILL_STEP_ENDS = DataRun(
 )
 
 
+LOST_BLOCKS = DataRun("lost-blocks", {}, ((Req("a", prompt(70, 40), 3),), (Req("b", Follow("a", 4, 5), 3),)), 40)
+
+
 class _Run:
     """Add requests and run them to completion; the same calls on an engine or a driver."""
 
     def __init__(
-        self, add: Callable[[str, Sequence[int], int], None], step: Callable[[], object], busy: Callable[[], bool]
+        self,
+        add: Callable[[str, Sequence[int], int], None],
+        step: Callable[[], object],
+        busy: Callable[[], bool],
+        phase_done: Callable[[], None] = lambda: None,
     ):
-        self.add, self._step, self._busy = add, step, busy
+        self.add, self._step, self._busy, self._phase_done = add, step, busy, phase_done
 
     def finish(self) -> None:
         for _ in range(MAX_STEPS):
             if not self._busy():
+                self._phase_done()
                 return
             self._step()
         raise RuntimeError(f"requests still unfinished after {MAX_STEPS} steps (a load never reported finished?)")
@@ -178,9 +186,11 @@ class DataResult:
     records: list[StepRecord]
 
 
-def data_run(session: Session, case: DataRun, *, fail_first_load: bool = False) -> DataResult:
+def data_run(
+    session: Session, case: DataRun, *, fail_first_load: bool = False, lose_blocks: bool = False
+) -> DataResult:
     """``case`` through the reference engine with the connector, once per session; raises :class:`ScenarioBroken`."""
-    result = session.memo(f"data:{case.name}", lambda: _with_connector(session, case, fail_first_load))
+    result = session.memo(f"data:{case.name}", lambda: _with_connector(session, case, fail_first_load, lose_blocks))
     if isinstance(result, str):
         raise ScenarioBroken(result)
     return result
@@ -202,20 +212,40 @@ def all_runs(session: Session) -> list[tuple[str, list[StepRecord]]]:
     return runs + [(f"data run {case.name!r}", result.records) for case, result in data_runs(session)]
 
 
-def _with_connector(session: Session, case: DataRun, fail_first_load: bool) -> DataResult | str:
+def _with_connector(
+    session: Session, case: DataRun, fail_first_load: bool, lose_blocks: bool = False
+) -> DataResult | str:
+    """Play ``case``; with ``lose_blocks`` the phases after the first run on an engine whose worker side has
+    a fresh (empty) store while its scheduler side still sees the first phase's."""
     spec = replace(
         DriverSpec(session.connector, session.config_for(case.name), enable_prefix_caching=False), **case.options
     )
-    driver = ReferenceDriver(spec, fail_first_load=fail_first_load, scrub_freed=True)
-    records: list[StepRecord] = []
+    drivers = [ReferenceDriver(spec, fail_first_load=fail_first_load, scrub_freed=True)]
+    if lose_blocks:
+        emptied = session.config_for(f"{case.name}-emptied")
+        drivers.append(ReferenceDriver(spec, scrub_freed=True, worker_config=emptied))
+    phase, owner, records = [0], dict[str, ReferenceDriver](), list[StepRecord]()
+
+    def current() -> ReferenceDriver:
+        return drivers[min(phase[0], len(drivers) - 1)]
+
+    def add(req_id: str, tokens: Sequence[int], max_tokens: int) -> None:
+        owner[req_id] = current()
+        current().add_request(req_id, tokens, max_tokens)
+
+    def next_phase() -> None:
+        phase[0] += 1
+
     try:
-        run = _Run(driver.add_request, lambda: records.append(driver.step()), driver.has_work)
+        run = _Run(add, lambda: records.append(current().step()), lambda: current().has_work(), next_phase)
         try:
-            return DataResult(_play(case, run, driver.generated, spec.block_size), driver, records)
+            tokens = _play(case, run, lambda r: owner[r].generated(r), spec.block_size)
+            return DataResult(tokens, drivers[-1], records)
         except Exception as exc:
             return f"the connector raised in data run {case.name!r}: {type(exc).__name__}: {exc}"
     finally:
-        driver.close()
+        for driver in drivers:
+            driver.close()
 
 
 def _compare(case: DataRun, result: DataResult, when: str = "") -> None:
@@ -385,3 +415,39 @@ def fresh_store(session: Session) -> None:
                 f"in the {case.name!r} data run, {dict(sorted(leaked.items()))} tokens were loaded on its first step, "
                 "before anything was computed in it: the store kept blocks from an earlier run"
             )
+
+
+@check(
+    "KV046",
+    "lost-blocks",
+    fix="report every block you could not load in get_block_ids_with_load_errors (the engine recomputes it); "
+    "never leave a block you claimed unwritten",
+    requires=("scheduler", "worker", "saves", "loads"),
+    after=(*IMPORTED, "KV006"),
+)
+def lost_blocks(session: Session) -> None:
+    """Blocks the store lost between the lookup and the load are reported failed, and the tokens stay exact.
+
+    ``a`` saves; then ``b`` runs on an engine whose scheduler side sees
+    ``a``'s store while its worker side gets a fresh, empty one (a second
+    namespace from the ``config_factory``), so every block the connector
+    claims is missing when it loads. Catches loads that skip a missing block
+    silently (the request then runs on whatever the block held) or raise.
+    Skipped without a ``config_factory``, or when a fresh scheduler side
+    claims no hit (its store is not shared between instances).
+    """
+    if session.config_factory is None:
+        raise CheckSkipped(
+            "no config_factory: the suite needs one to give the worker side an empty store of its own "
+            "(docs/authoring.md)"
+        )
+    result = data_run(session, LOST_BLOCKS, lose_blocks=True)
+    claimed = sum(n for record in result.records for r, n in record.loaded.items() if r == "b")
+    if not claimed:
+        raise CheckSkipped("a fresh scheduler side claimed no hit for 'b': its store could not be made to lose blocks")
+    if not result.driver.stats.failed_load_blocks:
+        raise Violation(
+            f"in the {LOST_BLOCKS.name!r} data run the connector claimed {claimed} tokens for 'b', its worker's "
+            "store had none of them, and it reported no block failed to load"
+        )
+    _compare(LOST_BLOCKS, result, " (its worker's store lost every block)")
