@@ -20,7 +20,7 @@ from ....engine import Engine
 from ..catalog import IMPORTED, check
 from ..driver import DriverSpec, StepRecord
 from ..reference import ReferenceDriver
-from ..results import CheckSkipped, ScenarioBroken, Violation
+from ..results import ScenarioBroken, Violation
 from ..scenarios import MAX_STEPS, TWO_GROUPS, prompt
 from ..session import Session
 
@@ -302,8 +302,9 @@ def round_trip(session: Session) -> None:
 @check(
     "KV041",
     "load-failure",
-    fix="do not save blocks that were loaded (or whose load failed); after the engine rolls a request back "
-    "(num_computed_tokens decreases), keep going without asserting on progress",
+    fix="report every block you could not load in get_block_ids_with_load_errors, never save blocks that were "
+    "loaded (or whose load failed), and after the engine rolls a request back (num_computed_tokens decreases) "
+    "keep going without asserting on progress",
     requires=("scheduler", "worker", "saves", "loads"),
     after=(*IMPORTED, "KV006"),
 )
@@ -316,6 +317,14 @@ def load_failure(session: Session) -> None:
     request's computed tokens go backwards, that save the garbage they loaded
     (poisoning the store for the next request with the same prefix), and that
     lose track of the request afterwards.
+
+    With a ``config_factory``, the connector's own store also loses data: a
+    request saves, then another runs on an engine whose scheduler side sees
+    that store while its worker side gets a fresh, empty namespace, so every
+    block claimed is missing at load time and must be reported failed (the
+    tokens stay exact). Catches loads that skip a missing block silently.
+    Without a factory, or when a fresh scheduler side claims no hit (its
+    store is not shared between instances), that part does not apply.
     """
     result = data_run(session, FAILED_LOAD, fail_first_load=True)
     if not result.driver.injected_failure:
@@ -326,6 +335,22 @@ def load_failure(session: Session) -> None:
     tracked = {role: n for role, n in result.driver.num_tracked_requests().items() if n}
     if tracked:
         raise Violation(f"after a failed load and every request ending, get_num_tracked_requests says {tracked}")
+    if session.config_factory is not None:
+        _lost_blocks(session)
+
+
+def _lost_blocks(session: Session) -> None:
+    """The connector's own store loses every block between the lookup and the load: each must be reported."""
+    result = data_run(session, LOST_BLOCKS, lose_blocks=True)
+    claimed = sum(n for record in result.records for r, n in record.loaded.items() if r == "b")
+    if not claimed:
+        return  # a fresh scheduler side claims no hit: its store is not shared between instances, nothing to lose
+    if not result.driver.stats.failed_load_blocks:
+        raise Violation(
+            f"in the {LOST_BLOCKS.name!r} data run the connector claimed {claimed} tokens for 'b', its worker's "
+            "store had none of them, and it reported no block failed to load"
+        )
+    _compare(LOST_BLOCKS, result, " (its worker's store lost every block)")
 
 
 @check(
@@ -415,39 +440,3 @@ def fresh_store(session: Session) -> None:
                 f"in the {case.name!r} data run, {dict(sorted(leaked.items()))} tokens were loaded on its first step, "
                 "before anything was computed in it: the store kept blocks from an earlier run"
             )
-
-
-@check(
-    "KV046",
-    "lost-blocks",
-    fix="report every block you could not load in get_block_ids_with_load_errors (the engine recomputes it); "
-    "never leave a block you claimed unwritten",
-    requires=("scheduler", "worker", "saves", "loads"),
-    after=(*IMPORTED, "KV006"),
-)
-def lost_blocks(session: Session) -> None:
-    """Blocks the store lost between the lookup and the load are reported failed, and the tokens stay exact.
-
-    ``a`` saves; then ``b`` runs on an engine whose scheduler side sees
-    ``a``'s store while its worker side gets a fresh, empty one (a second
-    namespace from the ``config_factory``), so every block the connector
-    claims is missing when it loads. Catches loads that skip a missing block
-    silently (the request then runs on whatever the block held) or raise.
-    Skipped without a ``config_factory``, or when a fresh scheduler side
-    claims no hit (its store is not shared between instances).
-    """
-    if session.config_factory is None:
-        raise CheckSkipped(
-            "no config_factory: the suite needs one to give the worker side an empty store of its own "
-            "(docs/authoring.md)"
-        )
-    result = data_run(session, LOST_BLOCKS, lose_blocks=True)
-    claimed = sum(n for record in result.records for r, n in record.loaded.items() if r == "b")
-    if not claimed:
-        raise CheckSkipped("a fresh scheduler side claimed no hit for 'b': its store could not be made to lose blocks")
-    if not result.driver.stats.failed_load_blocks:
-        raise Violation(
-            f"in the {LOST_BLOCKS.name!r} data run the connector claimed {claimed} tokens for 'b', its worker's "
-            "store had none of them, and it reported no block failed to load"
-        )
-    _compare(LOST_BLOCKS, result, " (its worker's store lost every block)")
