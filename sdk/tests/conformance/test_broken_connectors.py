@@ -139,9 +139,17 @@ def test_a_load_skipping_missing_blocks_fails_when_the_store_loses_them() -> Non
         failed = _failed(run_conformance(BROKEN + "SkipsMissing", config_factory=_fresh_namespaces()))
     assert set(failed) == {"KV041"}
     assert failed["KV041"].startswith(
-        "observed in the 'lost-blocks' data run the connector claimed 64 tokens for 'b', its worker's store had "
-        "none of them, and it reported no block failed to load; fix: report every block you could not load"
+        "observed in the 'lost-blocks' data run the connector claimed 64 tokens for 'b', its worker's store (a fresh "
+        "namespace) had none of them, it reported no block failed to load, and 'b' ran on wrong KV; fix: report "
+        "every block"
     )
+
+
+def test_a_config_factory_that_isolates_nothing_is_no_false_failure() -> None:
+    """Every run gets the same namespace: the worker's store still holds the blocks, every load succeeds."""
+    with _quiet():
+        report = run_conformance(STORE, select="KV041", config_factory=lambda run: {"store": "one-for-all"})
+    assert report.ok, report.to_dict()
 
 
 def test_dummy_plugin_passes_and_skips_only_by_capability() -> None:

@@ -90,7 +90,8 @@ class ConnectorConformance:
         if not isinstance(name, str) or not name:
             pytest.fail(f'{cls.__name__} must set connector = "name" (or "pkg.module:Class")', pytrace=False)
         if cls not in _SESSIONS:
-            _SESSIONS[cls] = open_session(name, cls.config, cls.driver, self.config_factory)
+            overridden = cls.config_factory is not ConnectorConformance.config_factory
+            _SESSIONS[cls] = open_session(name, cls.config, cls.driver, self.config_factory if overridden else None)
         session = _SESSIONS[cls]
         if isinstance(session, str):
             pytest.fail(f"connector {name!r} did not load: {session}", pytrace=False)
