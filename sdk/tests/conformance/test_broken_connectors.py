@@ -86,6 +86,8 @@ def test_broken_connector_fails_its_check(connector: str, check_id: str, observe
         ("KeepsFirstTable", "KV043"),  # its stale ids happen to be in the live table: only the tokens show it
         ("ReportsSyncLoads", "KV031"),
         ("StripsNullBlocks", "KV015"),
+        ("DeferredSaver", "KV044"),  # its preempted-saves run goes wrong too: not run, KV044 is the root cause
+        ("WrongLayerLoad", "KV040"),  # every data run goes wrong: the later data checks are not run
     ],
 )
 def test_broken_saver_fails_only_its_own_check(connector: str, only: str) -> None:
