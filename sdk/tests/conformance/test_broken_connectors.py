@@ -64,7 +64,9 @@ def _failed(report: ConnectorReport) -> dict[str, str]:
         ("OverClaimsReported", "KV040", "reported 2 block(s) failed to load though nothing failed: it claimed "
          "more tokens than it holds"),
         ("SavesTouchedBlocks", "KV042", "in the 'mid-block-chunks' data run, request 'b0' generated"),
-        ("KeepsFirstTable", "KV043", "in the 'preempted-saves' data run, request 'b3' generated"),
+        ("KeepsFirstTableUnnamed", "KV043", "in the 'preempted-saves' data run, request 'b3' generated"),
+        ("KeepsFirstTable", "KV012", "in data run 'preempted-saves', step 55: the metadata pairs block 9 with the "
+         "hash of block 3 of a3, but position 3 of its live table ([9, 2, 1, 8],) holds [8]"),
         ("DeferredSaver", "KV044", "in the 'fill-step-saves' data run, request 'b0' generated"),
     ],
 )  # fmt: skip
@@ -83,7 +85,8 @@ def test_broken_connector_fails_its_check(connector: str, check_id: str, observe
     [
         ("ResavesLoaded", "KV041"),  # round-trips fine, fails only after a failed load
         ("SavesTouchedBlocks", "KV042"),  # fine while chunks end on block boundaries
-        ("KeepsFirstTable", "KV043"),  # its stale ids happen to be in the live table: only the tokens show it
+        ("KeepsFirstTable", "KV012"),  # its ids are in the live table, at the wrong positions (KV043 not run)
+        ("KeepsFirstTableUnnamed", "KV043"),  # the same, with transfers naming no request: only the tokens show it
         ("ReportsSyncLoads", "KV031"),
         ("StripsNullBlocks", "KV015"),
         ("DeferredSaver", "KV044"),  # its preempted-saves run goes wrong too: not run, KV044 is the root cause

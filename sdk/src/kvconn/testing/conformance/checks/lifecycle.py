@@ -58,7 +58,7 @@ def get_finished_once(session: Session) -> None:
     ``finished_recving`` or a request whose free was not delayed in
     ``finished_sending``, and that report ids they made up.
     """
-    for where, records in all_runs(session):
+    for where, records, _ in all_runs(session):
         counts: dict[str, Counter[str]] = {kind: Counter() for kind in ("finished_sending", "finished_recving")}
         for record in records:
             if record.unexpected_reports:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from ....hashing import hash_blocks
 from ..analysis import StepView, live_ids, step_views
 from ..catalog import IMPORTED, check
+from ..observe import hashed_blocks
 from ..results import CheckSkipped, Violation
 from ..scenarios import OFFERED_ONLY, Trace
 from ..session import Session
-from .data import all_runs
+from .data import Run, all_runs
 
 
 def _views(session: Session, trace: Trace) -> list[StepView]:
@@ -112,6 +114,39 @@ def stale_tables(session: Session) -> None:
             for req_id, table in record.tables.items():
                 if req_id not in record.preempted:
                     before[req_id] = live_ids(table)
+    for run in all_runs(session):
+        _check_positions(run)
+
+
+def _check_positions(run: Run) -> None:
+    """A block id the metadata pairs with the hash of a request's block ``i`` is at position ``i`` of its table."""
+    tokens: dict[str, list[int]] = {}
+    hashes: dict[str, list[bytes]] = {}
+    for record in run.records:
+        out = record.output
+        for new in out.scheduled_new_reqs:
+            tokens[new.req_id] = list(new.prompt_token_ids)
+        cached = out.scheduled_cached_reqs
+        for req_id, added in zip(cached.req_ids, cached.new_token_ids, strict=True):
+            tokens.setdefault(req_id, []).extend(added)
+        for req_id, all_ids in cached.all_token_ids.items():
+            tokens[req_id] = list(all_ids)
+        if record.metadata is None:
+            continue
+        for req_id, block_id, block_hash in hashed_blocks(record.metadata, tokens):
+            known = hashes.get(req_id, [])
+            if len(known) != len(tokens[req_id]) // run.block_size:
+                known = hashes[req_id] = hash_blocks(tokens[req_id], run.block_size)
+            table = record.tables.get(req_id)
+            if table is None or block_hash not in known:
+                continue
+            index = known.index(block_hash)
+            here = [group[index] for group in table if index < len(group)]
+            if block_id not in here:
+                raise Violation(
+                    f"in {run.where}, step {record.step}: the metadata pairs block {block_id} with the hash of "
+                    f"block {index} of {req_id}, but position {index} of its live table {table} holds {here}"
+                )
 
 
 @check(
@@ -195,7 +230,7 @@ def read_only_tables(session: Session) -> None:
     connectors that strip null blocks, sort or append in place: the tables are
     shared with the other connectors of a host and with the engine itself.
     """
-    for where, records in all_runs(session):
+    for where, records, _ in all_runs(session):
         for record in records:
             if record.mutated:
                 raise Violation(f"in {where}, step {record.step}, the connector changed {record.mutated[0]}")
