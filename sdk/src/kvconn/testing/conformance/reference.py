@@ -285,7 +285,10 @@ class ReferenceDriver:
         unexpected = self._unexpected_reports(connector_output) if connector_output is not None else []
         self.scheduler.update_from_output(output, returned)
         self._step += 1
-        mutated, self._handed = mutated_tables(self._handed), []
+        # every table handed so far: a connector may keep one and change it steps later
+        mutated = mutated_tables(self._handed)
+        if mutated:
+            self._handed = [handed for handed in self._handed if freeze(handed[1]) == handed[2]]
         loaded, self._loaded = self._loaded, {}
         return StepRecord(
             output=output,

@@ -226,9 +226,10 @@ def read_only_tables(session: Session) -> None:
     Every table a hook receives (``update_state_after_alloc``'s and
     ``request_finished``'s ``block_ids``, ``get_block_ids``' result, the
     scheduler output's ``block_ids`` and ``new_block_ids``) is compared with a
-    snapshot once the hook returned, in every scenario and data run. Catches
-    connectors that strip null blocks, sort or append in place: the tables are
-    shared with the other connectors of a host and with the engine itself.
+    snapshot at the end of that step and every later one, in every scenario
+    and data run. Catches connectors that strip null blocks, sort or append in
+    place, or keep a table and extend it steps later: the tables are shared
+    with the other connectors of a host and with the engine itself.
     """
     for where, records, _ in all_runs(session):
         for record in records:
