@@ -29,3 +29,13 @@ def test_all_passing(capsys: pytest.CaptureFixture[str]) -> None:
     _render([ConnectorReport("good", [CheckResult("KV001", "found", "passed")])], debug_hint=False)
     out = capsys.readouterr().out
     assert "good: ok  1 passed, 0 failed, 0 skipped" in out and "rerun" not in out
+
+
+def test_checks_not_run_because_of_a_root_cause_say_so(capsys: pytest.CaptureFixture[str]) -> None:
+    results = [
+        CheckResult("KV002", "imports", "failed", "observed a bad hook; fix: name it right"),
+        CheckResult("KV010", "scenarios", "skipped", "not run: KV002 imports failed first (the root cause): fix it"),
+    ]
+    _render([ConnectorReport("broken", results)], debug_hint=False)
+    kv010 = next(line for line in capsys.readouterr().out.splitlines() if "KV010" in line)
+    assert "not run" in kv010 and "skipped" not in kv010

@@ -7,11 +7,16 @@ each changes one thing in a correct connector. A correct saver/loader
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Callable
 
 import pytest
 
 from kvconn.testing.conformance import ConnectorReport, list_checks, run_conformance
+from kvconn.testing.conformance.catalog import get_check
+from kvconn.testing.conformance.results import NOT_RUN
+from kvconn.testing.conformance.session import METADATA_FIX
 
 BROKEN = "kvconn_conformance_fixtures.broken:"
 STORE = "kvconn_conformance_fixtures.store:StoreConnector"
@@ -43,8 +48,30 @@ def _failed(report: ConnectorReport) -> dict[str, str]:
         ("IgnoresUnknownOptions", "KV005", "unknown field 'kvconn_no_such_field' was accepted"),
         ("AcceptsAnything", "KV005", "config field 'record_calls' accepts any value"),
         ("NoApiVersion", "KV003", "does not declare api_version"),
+        ("TracksSdkVersion", "KV003", "declares api_version = kvconn.API_VERSION, which follows the SDK"),
+        ("MisspeltHook", "KV006", "build_connector_metadata is not a hook and is never called: did you mean "
+         "build_connector_meta?"),
+        ("DeclaresLoadsWithoutHooks", "KV006", "declares loads = True but implements none of "
+         "get_num_new_matched_tokens for its scheduler side"),
+        ("StripsNullBlocks", "KV015", "the connector changed the table get_block_ids('r0') returned: "
+         "[(1, 2, 3, 4), (0, 6, 7, 8)] became [(1, 2, 3, 4), (6, 7, 8)]"),
+        ("GrowsHandedTable", "KV015", "in scenario 'chunked-prefill', step 1, the connector changed "
+         "update_state_after_alloc 'r0' block_ids: [(1, 2, 3)] became [(1, 2, 3, 4, 5)]"),
+        ("RemembersHistory", "KV022", "it grows with history"),
+        ("ReportsSyncLoads", "KV031", "finished_recving reported 'r3', which the engine was not waiting for: no "
+         "async load of it was in flight (a sync load is never reported)"),
+        ("ReportsUndelayedSends", "KV031", "finished_sending reported 'r0', which the engine was not waiting for: "
+         "request_finished did not delay its free"),
+        ("OverClaims", "KV040", "in the 'chunked-reuse' data run, request 'b' generated"),
+        ("OverClaimsReported", "KV040", "reported 2 block(s) failed to load though nothing failed: it claimed "
+         "more tokens than it holds"),
+        ("SavesTouchedBlocks", "KV042", "in the 'mid-block-chunks' data run, request 'b0' generated"),
+        ("KeepsFirstTableUnnamed", "KV043", "in the 'preempted-saves' data run, request 'b3' generated"),
+        ("KeepsFirstTable", "KV012", "in data run 'preempted-saves', step 55: the metadata pairs block 9 with the "
+         "hash of block 3 of a3, but position 3 of its live table ([9, 2, 1, 8],) holds [8]"),
+        ("DeferredSaver", "KV044", "in the 'fill-step-saves' data run, request 'b0' generated"),
     ],
-)
+)  # fmt: skip
 def test_broken_connector_fails_its_check(connector: str, check_id: str, observed: str) -> None:
     check = next(c for c in list_checks() if c.id == check_id)
     with _quiet():
@@ -55,11 +82,45 @@ def test_broken_connector_fails_its_check(connector: str, check_id: str, observe
     assert message.startswith("observed ") and f"; fix: {check.fix}" in message
 
 
-def test_broken_saver_passes_the_checks_it_does_not_break() -> None:
-    """Bugs are attributed: ResavesLoaded round-trips fine and only fails after a failed load."""
+@pytest.mark.parametrize(
+    ("connector", "only"),
+    [
+        ("ResavesLoaded", "KV041"),  # round-trips fine, fails only after a failed load
+        ("SavesTouchedBlocks", "KV042"),  # fine while chunks end on block boundaries
+        ("KeepsFirstTable", "KV012"),  # its ids are in the live table, at the wrong positions (KV043 not run)
+        ("KeepsFirstTableUnnamed", "KV043"),  # the same, with transfers naming no request: only the tokens show it
+        ("ReportsSyncLoads", "KV031"),
+        ("StripsNullBlocks", "KV015"),
+        ("DeferredSaver", "KV044"),  # its preempted-saves run goes wrong too: not run, KV044 is the root cause
+        ("WrongLayerLoad", "KV040"),  # every data run goes wrong: the later data checks are not run
+    ],
+)
+def test_broken_saver_fails_only_its_own_check(connector: str, only: str) -> None:
+    """Bugs are attributed: each of these connectors fails one check and passes the others."""
     with _quiet():
-        failed = _failed(run_conformance(BROKEN + "ResavesLoaded"))
-    assert set(failed) == {"KV041"}
+        failed = _failed(run_conformance(BROKEN + connector))
+    assert set(failed) == {only}
+
+
+@pytest.mark.parametrize(
+    ("connector", "root", "observed", "fix"),
+    [
+        ("WrongHookSignature", "KV002", "Argument(s) {'req'} are declared in the hookimpl", "KV002"),
+        ("WrongMetadataType", "KV010", "returned OtherMetadata, not an instance of DummyMetadata", METADATA_FIX),
+    ],
+)
+def test_a_root_cause_is_reported_once_and_its_dependents_are_not_run(
+    connector: str, root: str, observed: str, fix: str
+) -> None:
+    with _quiet():
+        report = run_conformance(BROKEN + connector)
+    assert _failed(report) == {root: report.result(root).message}
+    message = report.result(root).message
+    assert observed in message and "\n" not in message
+    assert message.endswith(f"; fix: {get_check(fix).fix if fix.startswith('KV') else fix}")
+    not_run = [r for r in report.results if r.message.startswith(NOT_RUN)]
+    assert len(not_run) >= 10
+    assert all(r.status == "skipped" and f"{root} " in r.message and "root cause" in r.message for r in not_run)
 
 
 def test_required_config_fails_config_defaults_when_a_config_is_given() -> None:
@@ -82,16 +143,35 @@ def test_required_config_without_one_fails_config_defaults_and_skips_the_rest() 
 
 
 def test_correct_saver_and_loader_passes_everything() -> None:
-    report = run_conformance(STORE)
+    report = run_conformance(STORE, config_factory=_fresh_namespaces())
     assert report.ok, report.to_dict()
     assert report.skipped == 0 and report.passed == len(list_checks())
+
+
+def test_a_load_skipping_missing_blocks_fails_when_the_store_loses_them() -> None:
+    """With a config_factory the suite empties the worker's store; without one the bug cannot show here."""
+    with _quiet():
+        failed = _failed(run_conformance(BROKEN + "SkipsMissing", config_factory=_fresh_namespaces()))
+    assert set(failed) == {"KV041"}
+    assert failed["KV041"].startswith(
+        "observed in the 'lost-blocks' data run the connector claimed 64 tokens for 'b', its worker's store (a fresh "
+        "namespace) had none of them, it reported no block failed to load, and 'b' ran on wrong KV; fix: report "
+        "every block"
+    )
+
+
+def test_a_config_factory_that_isolates_nothing_is_no_false_failure() -> None:
+    """Every run gets the same namespace: the worker's store still holds the blocks, every load succeeds."""
+    with _quiet():
+        report = run_conformance(STORE, select="KV041", config_factory=lambda run: {"store": "one-for-all"})
+    assert report.ok, report.to_dict()
 
 
 def test_dummy_plugin_passes_and_skips_only_by_capability() -> None:
     report = run_conformance("dummy")
     assert report.ok, report.to_dict()
     skipped = {r.id: r.message for r in report.results if r.status == "skipped"}
-    assert set(skipped) == {"KV040", "KV041"}
+    assert set(skipped) == {c.id for c in list_checks() if "saves" in c.requires} >= {"KV040", "KV044"}
     assert all("does not save (saves = False)" in m for m in skipped.values())
 
 
@@ -103,3 +183,30 @@ class _quiet:
 
     def __exit__(self, *exc: object) -> None:
         logging.disable(logging.NOTSET)
+
+
+def _fresh_namespaces() -> Callable[[str], dict[str, str]]:
+    """A config_factory: a store namespace of its own for every run."""
+    count = itertools.count()
+    return lambda run: {"store": f"{run}-{next(count)}"}
+
+
+def test_a_persistent_store_needs_a_namespace_per_run() -> None:
+    """The fixtures' store outlives its instances: a second suite in the process hits the first one's blocks."""
+    store = "kvconn_conformance_fixtures.store:StoreConnector"
+    with _quiet():
+        assert run_conformance(store, select="KV045").ok
+        leaked = _failed(run_conformance(store, select="KV045"))
+        fresh = run_conformance(store, select="KV04*", config_factory=_fresh_namespaces())
+    assert "the store kept blocks from an earlier run" in leaked["KV045"]
+    assert "config_factory" in leaked["KV045"]
+    assert fresh.ok and fresh.passed == sum(c.id.startswith("KV04") for c in list_checks())
+
+
+def test_a_store_ignoring_its_namespace_leaks_even_with_a_config_factory() -> None:
+    with _quiet():
+        run_conformance(BROKEN + "IgnoresNamespace", select="KV045", config_factory=_fresh_namespaces())
+        failed = _failed(
+            run_conformance(BROKEN + "IgnoresNamespace", select="KV045", config_factory=_fresh_namespaces())
+        )
+    assert "{'a': 48} tokens were loaded on its first step" in failed["KV045"]

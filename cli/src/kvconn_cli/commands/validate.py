@@ -168,12 +168,14 @@ def _run_with_progress(
     return reports
 
 
-_STYLE = {"passed": "green", "failed": "bold red", "skipped": "yellow"}
+_STYLE = {"passed": "green", "failed": "bold red", "skipped": "yellow", "not run": "dim"}
 
 
 def _render(reports: Sequence[ConnectorReport], *, debug_hint: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
+
+    from kvconn.testing.conformance.results import NOT_RUN
 
     from ..output import note, out_console, print_table
 
@@ -188,9 +190,11 @@ def _render(reports: Sequence[ConnectorReport], *, debug_hint: bool) -> None:
             table.add_column("status", no_wrap=True)
             table.add_column("message", overflow="fold")
             for r in report.results:
-                style = _STYLE.get(r.status, "")
+                # a check skipped because a check it depends on failed: the root cause is the failure above
+                status = "not run" if r.message.startswith(NOT_RUN) else r.status
+                style = _STYLE.get(status, "")
                 message = r.message.replace("; fix: ", "\nfix: ")  # observed, then how to fix, on its own line
-                table.add_row(escape(r.id), escape(r.name), f"[{style}]{r.status}[/]", escape(message))
+                table.add_row(escape(r.id), escape(r.name), f"[{style}]{status}[/]", escape(message))
             print_table(table)
         if report.load_error is not None:
             console.print(

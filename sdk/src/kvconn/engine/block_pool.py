@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ..context import NULL_BLOCK_ID
 
@@ -30,7 +30,14 @@ class BlockPool:
 
     Free blocks wait in LRU order; a free block that still has a hash remains a
     prefix-cache hit until it is reused, which evicts it from the index.
+
+    ``on_free`` (opt-in, ``None`` by default) is called with the ids of the
+    blocks each :meth:`free` call released: a test engine uses it to overwrite
+    them at once, as a busy GPU cache would, so that anything still reading a
+    freed block reads garbage.
     """
+
+    on_free: Callable[[list[int]], None] | None = None
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
@@ -67,12 +74,16 @@ class BlockPool:
 
     def free(self, blocks: Iterable[Block]) -> None:
         """Drop a reference; blocks reaching zero join the queue tail in the given order."""
+        released = []
         for block in blocks:
             if block is self.null_block:
                 continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+                released.append(block.block_id)
+        if released and self.on_free is not None:
+            self.on_free(released)
 
     def lookup(self, group: int, block_hash: bytes) -> Block | None:
         return self._cached.get((group, block_hash))

@@ -63,6 +63,7 @@ class MemoryConnector(KVConnector):
     Config = MemoryConfig
     Metadata = MemoryMetadata
     saves = loads = True
+    api_version = "1.0"
     config: MemoryConfig
 
     def __init__(self, config: MemoryConfig | None = None, **kwargs: Any) -> None:
@@ -110,17 +111,20 @@ class MemoryConnector(KVConnector):
         bs = self.context.block_size
         computed = scheduler_output.num_computed_tokens_by_request()
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
-            table = block_state.get_block_ids(req_id)
             hashes = self._hashes.get(req_id)
-            if table is None or hashes is None:
+            if hashes is None:
                 continue
             start, end = computed[req_id], computed[req_id] + n
-            for i in range(start // bs, end // bs):  # blocks this step fills
-                if i < len(hashes) and hashes[i] not in self._saved:
-                    self._saved.add(hashes[i])
-                    meta.saves.extend(
-                        Transfer(req_id, hashes[i], g, t[i], 0) for g, t in enumerate(table) if t[i] != NULL_BLOCK_ID
-                    )
+            # blocks this step fills, not saved yet: the table is read only for a request that has some
+            fills = [i for i in range(start // bs, min(end // bs, len(hashes))) if hashes[i] not in self._saved]
+            table = block_state.get_block_ids(req_id) if fills else None
+            if table is None:
+                continue
+            for i in fills:
+                self._saved.add(hashes[i])
+                meta.saves.extend(
+                    Transfer(req_id, hashes[i], g, t[i], 0) for g, t in enumerate(table) if t[i] != NULL_BLOCK_ID
+                )
         return meta
 
     def request_finished(self, request: ConnectorRequest) -> bool:

@@ -65,12 +65,23 @@ class ConnectorConformance:
     """Subclass with ``connector = "name"`` to get every conformance check as a test.
 
     ``config`` is the connector's config (its defaults when ``None``);
-    ``driver`` names the scheduler driver (``"reference"``).
+    ``driver`` names the scheduler driver (``"reference"``). Override
+    :meth:`config_factory` to give each scenario and data run a config of its
+    own, e.g. a fresh directory or namespace for a store that persists.
     """
 
     connector: ClassVar[str]
     config: ClassVar[Mapping[str, Any] | None] = None
     driver: ClassVar[str] = "reference"
+
+    def config_factory(self, run: str) -> Mapping[str, Any] | None:
+        """The config for the scenario or data run named ``run`` (called once per run): ``config`` by default.
+
+        Every run already gets new connector instances; a store that outlives
+        them (files, a server) must not carry blocks from one run into the
+        next (KV045), so return a fresh namespace for each ``run``.
+        """
+        return type(self).config
 
     @pytest.mark.parametrize("kvconn_check", _CHECKS, ids=[f"{c.id}-{c.name}" for c in _CHECKS])
     def test_conformance(self, kvconn_check: Check) -> None:
@@ -79,7 +90,8 @@ class ConnectorConformance:
         if not isinstance(name, str) or not name:
             pytest.fail(f'{cls.__name__} must set connector = "name" (or "pkg.module:Class")', pytrace=False)
         if cls not in _SESSIONS:
-            _SESSIONS[cls] = open_session(name, cls.config, cls.driver)
+            overridden = cls.config_factory is not ConnectorConformance.config_factory
+            _SESSIONS[cls] = open_session(name, cls.config, cls.driver, self.config_factory if overridden else None)
         session = _SESSIONS[cls]
         if isinstance(session, str):
             pytest.fail(f"connector {name!r} did not load: {session}", pytrace=False)

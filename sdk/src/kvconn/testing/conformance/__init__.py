@@ -48,7 +48,15 @@ in the ``kvconn.conformance_drivers`` entry-point group, and is then used with
 ``run_conformance(..., driver="vllm")``. A new driver records ``offered``
 and ``resolved`` with :func:`~.driver.observed_block_state` and answers
 ``num_tracked_requests`` with :func:`~.driver.tracked_by_role`.
-The data checks (KV040, KV041) need a model and always use the reference engine.
+The data checks (KV040-KV045) need a model and always use the reference
+engine, with every freed block overwritten at once.
+
+Each scenario and data run builds new connector instances; a
+``config_factory`` (``run_conformance(..., config_factory=f)``, or an
+override of ``ConnectorConformance.config_factory``) gives each its own
+config, e.g. a fresh namespace for a store that outlives its instances.
+A check that depends on a failed check is skipped as ``"not run: ..."``:
+the root cause is reported once.
 """
 
 from __future__ import annotations
@@ -69,7 +77,7 @@ from .observe import INTROSPECTION_METHOD
 from .reference import ReferenceDriver
 from .results import CheckResult, CheckSkipped, ConformanceFailure, ConnectorReport, Status
 from .runner import matches, run_conformance
-from .session import Session
+from .session import ConfigFactory, Session
 
 __all__ = [
     "CAPABILITIES",
@@ -77,6 +85,7 @@ __all__ = [
     "Check",
     "CheckResult",
     "CheckSkipped",
+    "ConfigFactory",
     "ConformanceFailure",
     "ConnectorReport",
     "DriverFactory",

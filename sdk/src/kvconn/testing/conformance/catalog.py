@@ -14,13 +14,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .session import Session
 
-__all__ = ["CAPABILITIES", "Check", "check", "list_checks"]
+__all__ = ["CAPABILITIES", "IMPORTED", "Check", "check", "get_check", "list_checks"]
 
 #: What a check may require of a connector (from its class attributes).
 #: ``scheduler``/``worker``: serves that role; ``saves``/``loads``: declares it.
 CAPABILITIES = frozenset({"scheduler", "worker", "saves", "loads"})
 
 CheckFunction = Callable[["Session"], None]
+
+#: ``after`` of every check that drives the connector: not run when it does not even import (KV002).
+IMPORTED = ("KV002",)
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,9 @@ class Check:
 
     ``doc`` says which real bug it catches (the function's docstring);
     ``fix`` is the generic advice printed with a failure; ``requires`` lists
-    the capabilities a connector must declare for the check to apply.
+    the capabilities a connector must declare for the check to apply;
+    ``after`` the ids of the checks it depends on (it is not run when one
+    of them fails).
     """
 
     id: str
@@ -38,13 +43,16 @@ class Check:
     fix: str
     requires: frozenset[str]
     function: CheckFunction = field(repr=False, compare=False)
+    after: tuple[str, ...] = ()
 
 
 _CHECKS: dict[str, Check] = {}
 
 
-def check(id: str, name: str, *, fix: str, requires: tuple[str, ...] = ()) -> Callable[[CheckFunction], CheckFunction]:
-    """Register a check function under a stable ``id`` and ``name``."""
+def check(
+    id: str, name: str, *, fix: str, requires: tuple[str, ...] = (), after: tuple[str, ...] = ()
+) -> Callable[[CheckFunction], CheckFunction]:
+    """Register a check function under a stable ``id`` and ``name``, run after the checks ``after`` names."""
     unknown = set(requires) - CAPABILITIES
     if unknown:
         raise ValueError(f"check {id}: unknown capabilities {sorted(unknown)}")
@@ -53,7 +61,7 @@ def check(id: str, name: str, *, fix: str, requires: tuple[str, ...] = ()) -> Ca
         if id in _CHECKS or any(c.name == name for c in _CHECKS.values()):
             raise ValueError(f"check {id} ({name}) is registered twice")
         doc = inspect.cleandoc(function.__doc__ or "")
-        _CHECKS[id] = Check(id, name, doc, fix, frozenset(requires), function)
+        _CHECKS[id] = Check(id, name, doc, fix, frozenset(requires), function, tuple(after))
         return function
 
     return register
@@ -64,3 +72,9 @@ def list_checks() -> list[Check]:
     from . import checks  # noqa: F401  (registers the checks on first use)
 
     return sorted(_CHECKS.values(), key=lambda c: c.id)
+
+
+def get_check(check_id: str) -> Check:
+    """The check registered as ``check_id`` (``KeyError`` if none)."""
+    list_checks()
+    return _CHECKS[check_id]

@@ -29,7 +29,10 @@ __all__ = [
     "SchedulerDriver",
     "StepRecord",
     "available_drivers",
+    "HandedTable",
+    "freeze",
     "get_driver",
+    "mutated_tables",
     "observed_block_state",
     "register_driver",
     "tracked_by_role",
@@ -72,6 +75,13 @@ class StepRecord:
         connector_output: what this connector's worker side reported for the
             step, or ``None`` when the driver does not run its worker side.
         preempted: requests preempted while scheduling this step.
+        mutated: tables the connector changed after they were handed to it
+            (a driver that does not look leaves it empty).
+        unexpected_reports: ids the worker reported in ``finished_sending`` /
+            ``finished_recving`` that the engine was not waiting for (a
+            driver that does not track it leaves it empty).
+        loaded: tokens the connector set out to load this step, per request
+            (a driver that does not track it leaves it empty).
     """
 
     output: SchedulerOutput
@@ -83,6 +93,9 @@ class StepRecord:
     resolved: list[str]
     connector_output: KVConnectorOutput | None = None
     preempted: set[str] = field(default_factory=set)
+    mutated: list[str] = field(default_factory=list)
+    unexpected_reports: list[str] = field(default_factory=list)
+    loaded: dict[str, int] = field(default_factory=dict)
 
     @property
     def step(self) -> int:
@@ -127,22 +140,48 @@ DriverFactory = Callable[[DriverSpec], SchedulerDriver]
 
 
 def observed_block_state(
-    block_state: KVConnectorBlockState, withhold: Collection[str], resolved: list[str]
+    block_state: KVConnectorBlockState,
+    withhold: Collection[str],
+    resolved: list[str],
+    handed: list[HandedTable] | None = None,
 ) -> KVConnectorBlockState:
     """What a driver offers: ``block_state`` less ``withhold``, each resolver call appended to ``resolved``.
 
     Its ``req_ids`` are the step's :attr:`StepRecord.offered`. The recording
     resolver keeps the wrapped one's name, so metadata that holds it is
-    reported as holding, e.g., ``KVCacheManager.get_block_ids``.
+    reported as holding, e.g., ``KVCacheManager.get_block_ids``. With
+    ``handed``, every table it returns is recorded with a snapshot, for
+    :func:`mutated_tables` to compare once the hook returned.
     """
     resolve = block_state.resolve_block_ids
 
     @functools.wraps(resolve)
     def recording(req_id: str) -> BlockIds:
         resolved.append(req_id)
-        return resolve(req_id)
+        table = resolve(req_id)
+        if handed is not None:
+            handed.append((f"the table get_block_ids({req_id!r}) returned", table, freeze(table)))
+        return table
 
     return KVConnectorBlockState(set(block_state.req_ids) - set(withhold), recording)
+
+
+#: (where the table was handed to the connector, the table, a snapshot taken then)
+HandedTable = tuple[str, BlockIds, tuple[tuple[int, ...], ...]]
+
+
+def freeze(table: BlockIds) -> tuple[tuple[int, ...], ...]:
+    """A snapshot of ``table`` that later mutation of the table cannot change."""
+    return tuple(tuple(group) for group in table)
+
+
+def mutated_tables(handed: Sequence[HandedTable]) -> list[str]:
+    """Where a connector changed a table it was handed, e.g. ``"the table get_block_ids('r0') returned: ..."``."""
+    return [
+        f"{where}: {list(snapshot)} became {list(freeze(table))}"
+        for where, table, snapshot in handed
+        if freeze(table) != snapshot
+    ]
 
 
 def tracked_by_role(name: str, scheduler: ConnectorHost | None, worker: ConnectorHost | None) -> dict[str, int]:

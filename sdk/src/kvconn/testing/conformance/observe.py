@@ -28,7 +28,7 @@ import msgspec
 from ...block_state import KVConnectorBlockState
 from ...outputs import SchedulerOutput
 
-__all__ = ["BlockRefs", "INTROSPECTION_METHOD", "block_refs", "non_plain_data"]
+__all__ = ["BlockRefs", "INTROSPECTION_METHOD", "block_refs", "hashed_blocks", "non_plain_data"]
 
 INTROSPECTION_METHOD = "block_ids_by_request"
 
@@ -109,6 +109,44 @@ class _Walker:
             seen = seen | {id(obj)}
             for item in items:
                 self.walk(item, owner, name, seen)
+
+
+def hashed_blocks(metadata: object, requests: Collection[str]) -> list[tuple[str, int, bytes]]:
+    """``(request, block id, block hash)`` for each Struct in ``metadata`` that pairs a block id with a hash.
+
+    A Struct pairs them when it names a request (a string field equal to its
+    id), has exactly one int field named for a block id and exactly one
+    ``bytes`` field: a transfer of that block, keyed by that hash.
+    """
+    found: list[tuple[str, int, bytes]] = []
+    _find_hashed(metadata, set(requests), found, set())
+    return found
+
+
+def _find_hashed(obj: object, requests: set[str], found: list[tuple[str, int, bytes]], seen: set[int]) -> None:
+    if id(obj) in seen or isinstance(obj, (str, bytes, int, float, type(None))):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, msgspec.Struct):
+        fields = [(f, getattr(obj, f)) for f in obj.__struct_fields__]
+        owner = [v for _, v in fields if isinstance(v, str) and v in requests]
+        ids = [
+            v
+            for f, v in fields
+            if isinstance(v, int) and not isinstance(v, bool) and "block" in f and not any(w in f for w in _NOT_BLOCKS)
+        ]
+        hashes = [v for _, v in fields if isinstance(v, bytes)]
+        if len(owner) == 1 and len(ids) == 1 and len(hashes) == 1:
+            found.append((owner[0], ids[0], hashes[0]))
+        values: list[object] = [v for _, v in fields]
+    elif isinstance(obj, Mapping):
+        values = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        values = list(obj)
+    else:
+        return
+    for value in values:
+        _find_hashed(value, requests, found, seen)
 
 
 def non_plain_data(metadata: object) -> list[str]:

@@ -8,7 +8,7 @@ on real torch KV caches with the reference model. Connector errors raise.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from ...engine.stats import EngineStats
 from ...engine.worker import ReferenceWorker
 from ...host import ConnectorHost, LoadPlan
 from ...metadata import KVConnectorMetadata
-from ...outputs import SchedulerOutput
+from ...outputs import KVConnectorOutput, SchedulerOutput
 from ...registry import connector_roles, load_connector_class
 from ...wire import (
     decode_model_runner_output,
@@ -31,12 +31,27 @@ from ...wire import (
     encode_scheduler_output,
 )
 from ..utils import assert_scheduler_empty
-from .driver import DriverSpec, StepRecord, observed_block_state, tracked_by_role
+from .driver import (
+    DriverSpec,
+    HandedTable,
+    StepRecord,
+    freeze,
+    mutated_tables,
+    observed_block_state,
+    tracked_by_role,
+)
 
 __all__ = ["ReferenceDriver"]
 
 #: What an injected failed load leaves in a block: far outside the model's KV range.
 _GARBAGE = 3.0
+#: What a freed block holds at once under ``scrub_freed`` (another value: the two are told apart).
+_FREED = -5.0
+#: Why the engine waits for a request in each ``get_finished`` report, for the message when it does not.
+_AWAITED = {
+    "finished_sending": "request_finished did not delay its free",
+    "finished_recving": "no async load of it was in flight (a sync load is never reported)",
+}
 
 
 @dataclass
@@ -56,10 +71,28 @@ class ReferenceDriver:
     Beyond the protocol it exposes what engine-level checks need: the tokens
     each request generated and the engine's stats. With ``fail_first_load``
     the first load the connector performs lands garbage in its last block and
-    is reported failed to the engine, which must recompute it.
+    is reported failed to the engine, which must recompute it. With
+    ``scrub_freed`` (prefix caching off) every block is overwritten the moment
+    it is freed, as a busy GPU cache reuses it: a save that still reads a
+    freed block, or a load that skips a block, leaves garbage behind.
+
+    ``worker_config`` (default: the spec's) configures the worker side alone:
+    a fresh store namespace there makes every block the scheduler side finds
+    go missing on load.
+
+    Each step also records the tables the connector changed after they were
+    handed to it, and ``get_finished`` reports of requests the engine was not
+    waiting for.
     """
 
-    def __init__(self, spec: DriverSpec, *, fail_first_load: bool = False) -> None:
+    def __init__(
+        self,
+        spec: DriverSpec,
+        *,
+        fail_first_load: bool = False,
+        scrub_freed: bool = False,
+        worker_config: Mapping[str, Any] | None = None,
+    ) -> None:
         self.spec = spec
         self.block_size = spec.block_size
         self.num_blocks = spec.num_blocks
@@ -76,8 +109,8 @@ class ReferenceDriver:
         )
         self.context = ConnectorContext(block_size=spec.block_size, kv_cache_groups=spec.kv_cache_groups)
         self.name = spec.connector
-        self.scheduler_host = self._host(KVConnectorRole.SCHEDULER, roles)
-        self.worker_host = self._host(KVConnectorRole.WORKER, roles)
+        self.scheduler_host = self._host(KVConnectorRole.SCHEDULER, roles, spec.config)
+        self.worker_host = self._host(KVConnectorRole.WORKER, roles, worker_config or spec.config)
         self.scheduler = Scheduler(config, host=self.scheduler_host, context=self.context)
         self.worker = ReferenceWorker(self.context, num_blocks=spec.num_blocks, host=self.worker_host)
         self.requests: dict[str, Request] = {}
@@ -88,13 +121,23 @@ class ReferenceDriver:
         self._step = 0
         self._fail_first_load = fail_first_load
         self._victim: _Victim | None = None
+        self._handed: list[HandedTable] = []
+        self._loaded: dict[str, int] = {}
+        self._awaiting: dict[str, set[str]] = {kind: set() for kind in _AWAITED}
+        self._reported: dict[str, set[str]] = {kind: set() for kind in _AWAITED}
         self._wrap_hosts()
+        if scrub_freed:
+            if spec.enable_prefix_caching:
+                raise ValueError("scrub_freed needs enable_prefix_caching=False: freed blocks stay prefix-cache hits")
+            self.scheduler.kv_cache_manager.pool.on_free = self._scrub
 
-    def _host(self, role: KVConnectorRole, roles: frozenset[KVConnectorRole]) -> ConnectorHost | None:
+    def _host(
+        self, role: KVConnectorRole, roles: frozenset[KVConnectorRole], config: Mapping[str, Any] | None
+    ) -> ConnectorHost | None:
         if role not in roles:
             return None
         return ConnectorHost.from_names(
-            self.spec.connector, role=role, config=self.spec.config, context=self.context, on_error="raise"
+            self.spec.connector, role=role, config=config, context=self.context, on_error="raise"
         )
 
     # ------------------------------------------------------------ observation
@@ -109,16 +152,37 @@ class ReferenceDriver:
         def build_connector_meta(
             scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
         ) -> dict[str, KVConnectorMetadata]:
-            observed = observed_block_state(block_state, self._withhold, self._resolved)
+            observed = observed_block_state(block_state, self._withhold, self._resolved, self._handed)
             self._offered = frozenset(observed.req_ids)
+            cached = scheduler_output.scheduled_cached_reqs
+            self._hand(
+                [
+                    (f"scheduled_new_reqs {new.req_id!r} block_ids", new.block_ids)
+                    for new in scheduler_output.scheduled_new_reqs
+                ]
+                + [
+                    (f"scheduled_cached_reqs {req_id!r} new_block_ids", ids)
+                    for req_id, ids in zip(cached.req_ids, cached.new_block_ids, strict=True)
+                    if ids is not None
+                ]
+            )
             return build(scheduler_output, observed)
 
         def request_finished(request: Any, block_ids: BlockIds) -> bool:
             self._finished_calls[request.request_id] += 1
-            return finished(request, block_ids)
+            self._hand([(f"request_finished {request.request_id!r} block_ids", block_ids)])
+            delayed = finished(request, block_ids)
+            if delayed:
+                self._awaiting["finished_sending"].add(request.request_id)
+            return delayed
 
         def update_state_after_alloc(request: Any, block_ids: BlockIds, plan: LoadPlan) -> bool:
+            self._hand([(f"update_state_after_alloc {request.request_id!r} block_ids", block_ids)])
             loading = after_alloc(request, block_ids, plan)
+            if loading and plan.num_tokens:
+                self._loaded[request.request_id] = plan.num_tokens
+                if plan.load_async:
+                    self._awaiting["finished_recving"].add(request.request_id)
             if loading and plan.num_tokens and self._fail_first_load and self._victim is None:
                 last = (request.num_computed_tokens + plan.num_tokens) // self.block_size - 1
                 blocks = [(g, t[last]) for g, t in enumerate(block_ids) if t[last] != NULL_BLOCK_ID]
@@ -157,6 +221,31 @@ class ReferenceDriver:
         host.wait_for_layer_load = corrupting_wait  # type: ignore[method-assign]
         host.get_finished = reporting_get_finished  # type: ignore[method-assign]
 
+    def _hand(self, tables: list[tuple[str, BlockIds]]) -> None:
+        """Remember tables handed to the connector, with a snapshot, to see if it changes them."""
+        self._handed += [(where, table, freeze(table)) for where, table in tables]
+
+    def _unexpected_reports(self, out: KVConnectorOutput) -> list[str]:
+        """Ids in ``out``'s finished sets the engine was not waiting for; settles the ones it was."""
+        found = []
+        for kind, why in _AWAITED.items():
+            awaiting, reported = self._awaiting[kind], self._reported[kind]
+            for req_id in sorted(getattr(out, kind)):
+                if req_id in awaiting:
+                    awaiting.discard(req_id)
+                    reported.add(req_id)
+                elif req_id in reported:
+                    found.append(f"{kind} reported {req_id!r} a second time")
+                elif req_id in self.requests:
+                    found.append(f"{kind} reported {req_id!r}, which the engine was not waiting for: {why}")
+                else:
+                    found.append(f"{kind} reported {req_id!r}, a request id the engine never had")
+        return found
+
+    def _scrub(self, block_ids: list[int]) -> None:
+        for kv in self.worker.kv_caches.values():
+            kv[block_ids] = _FREED
+
     def _corrupt(self, victim: _Victim, layers: Sequence[str], groups: dict[str, int]) -> None:
         for layer in layers:
             for group, block_id in victim.block_ids:
@@ -191,8 +280,16 @@ class ReferenceDriver:
         decoded = (sent.kv_connector_metadata or {}).get(self.name)
         runner_output = self.worker.execute_model(sent)
         returned = decode_model_runner_output(encode_model_runner_output(runner_output))
+        connector_output = runner_output.kv_connector_output.get(self.name) if self.worker_host else None
+        # before update_from_output: a request finishing this step is not awaited by this step's report
+        unexpected = self._unexpected_reports(connector_output) if connector_output is not None else []
         self.scheduler.update_from_output(output, returned)
         self._step += 1
+        # every table handed so far: a connector may keep one and change it steps later
+        mutated = mutated_tables(self._handed)
+        if mutated:
+            self._handed = [handed for handed in self._handed if freeze(handed[1]) == handed[2]]
+        loaded, self._loaded = self._loaded, {}
         return StepRecord(
             output=output,
             metadata=metadata,
@@ -201,8 +298,11 @@ class ReferenceDriver:
             tables=tables,
             offered=self._offered,
             resolved=self._resolved,
-            connector_output=runner_output.kv_connector_output.get(self.name) if self.worker_host else None,
+            connector_output=connector_output,
             preempted={r for r, n in preemptions.items() if self.requests[r].num_preemptions > n},
+            mutated=mutated,
+            unexpected_reports=unexpected,
+            loaded=loaded,
         )
 
     def has_unfinished(self) -> bool:

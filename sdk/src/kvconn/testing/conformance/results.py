@@ -5,7 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["CheckResult", "CheckSkipped", "ConformanceFailure", "ConnectorReport", "Status", "Violation"]
+__all__ = [
+    "NOT_RUN",
+    "CheckResult",
+    "CheckSkipped",
+    "ConformanceFailure",
+    "ConnectorReport",
+    "ScenarioBroken",
+    "Status",
+    "Violation",
+]
+
+#: How the message of a check skipped because of another check's failure starts.
+NOT_RUN = "not run: "
 
 Status = Literal["passed", "failed", "skipped"]
 
@@ -94,3 +106,15 @@ class CheckSkipped(Exception):
 
 class Violation(Exception):
     """Raised by a check with what was observed; the check's own ``fix`` completes the message."""
+
+
+class ScenarioBroken(Violation):
+    """The connector raised while a scenario or data run played: a root cause, reported by the first check that
+    meets it; the checks that meet it later are not run.
+
+    ``fix`` replaces the check's own when the error says more precisely what is wrong.
+    """
+
+    def __init__(self, observed: str, fix: str | None = None) -> None:
+        super().__init__(observed)
+        self.fix = fix

@@ -8,7 +8,7 @@ from typing import Any
 
 from .catalog import Check, list_checks
 from .results import CheckResult, ConnectorReport
-from .session import Session
+from .session import ConfigFactory, Session
 
 __all__ = ["matches", "open_session", "run_conformance"]
 
@@ -21,10 +21,15 @@ def matches(check: Check, pattern: str | None) -> bool:
     return fnmatchcase(check.id.lower(), pattern) or fnmatchcase(check.name.lower(), pattern)
 
 
-def open_session(connector: str, config: Mapping[str, Any] | None = None, driver: str = "reference") -> Session | str:
+def open_session(
+    connector: str,
+    config: Mapping[str, Any] | None = None,
+    driver: str = "reference",
+    config_factory: ConfigFactory | None = None,
+) -> Session | str:
     """A session, or the one-line reason the connector (or driver) could not be loaded."""
     try:
-        return Session(connector, config, driver)
+        return Session(connector, config, driver, config_factory)
     except (Exception, SystemExit) as exc:  # every load failure becomes a report, never a crash (nor an exit)
         return str(exc) or type(exc).__name__
 
@@ -36,6 +41,7 @@ def run_conformance(
     select: str | None = None,
     on_result: Callable[[CheckResult], None] | None = None,
     driver: str = "reference",
+    config_factory: ConfigFactory | None = None,
 ) -> ConnectorReport:
     """Run the conformance checks against ``connector``.
 
@@ -47,12 +53,16 @@ def run_conformance(
         on_result: called with each result as soon as it is known (progress).
         driver: the scheduler driver (``"reference"``, or one registered
             with :func:`~.driver.register_driver`).
+        config_factory: called with each scenario's and data run's name for
+            that run's config (``config`` when ``None``): give a connector whose
+            store outlives its instances (files, a server) a fresh namespace
+            per run.
 
     Never raises for anything the connector does: a connector that cannot be
     loaded gives a report with ``load_error`` set and no results; a check that
     raises unexpectedly is reported failed.
     """
-    session = open_session(connector, config, driver)
+    session = open_session(connector, config, driver, config_factory)
     if isinstance(session, str):
         return ConnectorReport(connector, [], load_error=session)
     report = ConnectorReport(connector)

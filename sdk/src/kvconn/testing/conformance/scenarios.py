@@ -135,6 +135,12 @@ STANDARD: tuple[Scenario, ...] = (
         aborts=((0, "r1"), (3, "r0")),
     ),
     Scenario(
+        "fill-step-ends",
+        "r0 finishes on the step that fills its last block; r1 is aborted right after its block-fill step",
+        (Arrival("r0", prompt(13, 450), 4), Arrival("r1", prompt(30, 451), 30), Arrival("r2", prompt(20, 452), 12)),
+        aborts=((3, "r1"),),
+    ),
+    Scenario(
         "two-groups",
         "a full-attention group and a 32-token sliding-window group (null blocks, freed blocks)",
         (Arrival("r0", prompt(50, 500), 30), Arrival("r1", prompt(20, 501), 30)),

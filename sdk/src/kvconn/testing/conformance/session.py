@@ -5,19 +5,37 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from ...errors import ConnectorConfigError
+from ...errors import BlockStateSerializationError, ConnectorConfigError, ConnectorError, WireError
 from ...registry import build_config, connector_roles, load_connector_class
-from .catalog import Check
+from .catalog import Check, get_check
 from .driver import DriverFactory, get_driver
-from .results import CheckResult, CheckSkipped, ConformanceFailure, Violation
+from .results import NOT_RUN, CheckResult, CheckSkipped, ConformanceFailure, ScenarioBroken, Violation
 from .scenarios import STANDARD, Scenario, Trace, run_scenario
 
-__all__ = ["Session"]
+__all__ = ["ConfigFactory", "Session"]
 
 T = TypeVar("T")
 
 #: The check that reports a connector that does not configure with no config.
 CONFIG_DEFAULTS_CHECK = "KV004"
+#: Called with the name of each scenario or data run; returns the config of the connector for that run.
+ConfigFactory = Callable[[str], Mapping[str, Any] | None]
+
+METADATA_FIX = (
+    "build metadata from plain data only, as an instance of your Metadata class (a KVConnectorMetadata Struct): "
+    "resolve tables with block_state.get_block_ids(req_id) into lists of ints; never store the block state, "
+    "a resolver, a request or the scheduler output"
+)
+
+
+def _fix_for(exc: BaseException | None) -> str | None:
+    """A fix more precise than the check's own, when the error says what is wrong (metadata that cannot travel)."""
+    if isinstance(exc, (WireError, BlockStateSerializationError)) or (
+        isinstance(exc, ConnectorError) and isinstance(exc.__cause__, TypeError) and "not an instance" in str(exc)
+    ):
+        return METADATA_FIX
+    return None
+
 
 _MISSING = {
     "saves": "the connector does not save (saves = False)",
@@ -31,12 +49,27 @@ class Session:
     """Loads ``connector`` (raising the SDK's load errors) and runs checks against it.
 
     Scenario traces and other expensive observations are computed on first
-    use and shared, so the whole suite costs each scenario once.
+    use and shared, so the whole suite costs each scenario once. Each check's
+    result is kept too: a check runs after the checks it depends on, and is
+    not run (skipped, ``"not run: ..."``) when one of them failed, so a root
+    cause is reported once. The first check to meet a connector error in a
+    scenario reports it; later checks meeting one are not run.
+
+    ``config_factory``, when given, is called with each scenario's (or data
+    run's) name for that run's config: a connector with a persistent store
+    gets a fresh namespace for every run. ``config`` serves everything else.
     """
 
-    def __init__(self, connector: str, config: Mapping[str, Any] | None = None, driver: str = "reference") -> None:
+    def __init__(
+        self,
+        connector: str,
+        config: Mapping[str, Any] | None = None,
+        driver: str = "reference",
+        config_factory: ConfigFactory | None = None,
+    ) -> None:
         self.connector = connector
         self.config = dict(config) if config is not None else None
+        self.config_factory = config_factory
         self.driver_name = driver
         self.factory: DriverFactory = get_driver(driver)
         self.cls = load_connector_class(connector)
@@ -55,6 +88,8 @@ class Session:
             | ({"loads"} if getattr(self.cls, "loads", False) else set())
         )
         self._memo: dict[str, Any] = {}
+        self._results: dict[str, CheckResult] = {}
+        self._root: Check | None = None  # the check that reported a connector error met in a scenario
 
     def memo(self, key: str, compute: Callable[[], T]) -> T:
         """``compute()`` once per session under ``key``."""
@@ -63,9 +98,17 @@ class Session:
         value: T = self._memo[key]
         return value
 
+    def config_for(self, run: str) -> dict[str, Any] | None:
+        """The connector's config for the scenario or data run named ``run``."""
+        if self.config_factory is None:
+            return self.config
+        config = self.config_factory(run)
+        return dict(config) if config is not None else None
+
     def _play(self, scenario: Scenario) -> Trace:
         return self.memo(
-            f"trace:{scenario.name}", lambda: run_scenario(self.factory, scenario, self.connector, self.config)
+            f"trace:{scenario.name}",
+            lambda: run_scenario(self.factory, scenario, self.connector, self.config_for(scenario.name)),
         )
 
     def trace(self, scenario: Scenario) -> Trace:
@@ -89,11 +132,16 @@ class Session:
         traces = self.standard_traces()
         for trace in traces:
             if trace.error:
-                raise Violation(f"the connector raised in {trace.error}")
+                raise ScenarioBroken(f"the connector raised in {trace.error}", _fix_for(trace.exception))
         return traces
 
     def run(self, check: Check) -> CheckResult:
-        """Run one check; never raises (an unexpected exception is a failure)."""
+        """Run one check (once: the result is kept); never raises (an unexpected exception is a failure)."""
+        if check.id not in self._results:
+            self._results[check.id] = self._run(check)
+        return self._results[check.id]
+
+    def _run(self, check: Check) -> CheckResult:
         if self.config_error is not None and check.id != CONFIG_DEFAULTS_CHECK:
             return CheckResult(
                 check.id,
@@ -104,8 +152,17 @@ class Session:
         missing = sorted(check.requires - self.capabilities)
         if missing:
             return CheckResult(check.id, check.name, "skipped", "; ".join(_MISSING[m] for m in missing))
+        for dependency in map(get_check, check.after):
+            result = self.run(dependency)
+            if result.status == "failed" or result.message.startswith(NOT_RUN):
+                return _not_run(check, dependency)
         try:
             check.function(self)
+        except ScenarioBroken as exc:
+            if self._root is not None:
+                return _not_run(check, self._root)
+            self._root = check
+            return CheckResult(check.id, check.name, "failed", str(ConformanceFailure(str(exc), exc.fix or check.fix)))
         except ConformanceFailure as exc:
             return CheckResult(check.id, check.name, "failed", str(exc))
         except Violation as exc:
@@ -115,3 +172,9 @@ class Session:
         except Exception as exc:
             return CheckResult(check.id, check.name, "failed", f"{type(exc).__name__}: {exc}")
         return CheckResult(check.id, check.name, "passed")
+
+
+def _not_run(check: Check, cause: Check) -> CheckResult:
+    return CheckResult(
+        check.id, check.name, "skipped", f"{NOT_RUN}{cause.id} {cause.name} failed first (the root cause): fix it"
+    )

@@ -1,98 +1,181 @@
-"""KV040-KV041: what a saving and loading connector does to the generated tokens.
+"""KV040-KV044: what a saving and loading connector does to the generated tokens.
 
 These run on the reference engine whatever the driver (they need the
-worker side and a model): a first request computes and saves a prefix, a
-second request sharing it (its local blocks gone: prefix caching is off)
-must load it through the connector, and every token must equal a run
-without the connector. The reference model's next token depends on the KV it
-reads, so a wrong, stale or missing block changes the output.
+worker side and a model): first requests compute and save prefixes, later
+requests sharing them (their local blocks gone: prefix caching is off) must
+load them through the connector, and every token must equal a run without
+the connector. The reference model's next token depends on the KV it reads,
+so a wrong, stale or missing block changes the output. Every freed block is
+overwritten at once, so a save or load that touches a block it should not
+leaves garbage, not a lucky leftover copy of the right KV.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from ....engine import Engine
-from ..catalog import check
-from ..driver import DriverSpec
+from ..catalog import IMPORTED, check
+from ..driver import DriverSpec, StepRecord
 from ..reference import ReferenceDriver
-from ..results import Violation
+from ..results import ScenarioBroken, Violation
 from ..scenarios import MAX_STEPS, TWO_GROUPS, prompt
 from ..session import Session
 
 
 @dataclass(frozen=True)
-class PrefixReuse:
-    """Request ``a`` runs alone; then ``b``, whose prompt starts with ``shared_blocks`` of ``a``'s tokens.
+class Follow:
+    """A prompt: ``blocks`` full blocks of ``source``'s prompt and output, then ``suffix`` tokens of its own."""
 
-    ``a`` generates past the shared blocks' end, so the last shared block is
-    filled by a decode step (a block-fill step). ``repeats`` more requests
-    with ``b``'s prompt follow it.
+    source: str
+    blocks: int
+    suffix: int
+
+
+@dataclass(frozen=True)
+class Req:
+    req_id: str
+    prompt: tuple[int, ...] | Follow
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class DataRun:
+    """Phases of requests; a phase's requests run together to completion before the next phase starts.
+
+    Prefix caching is off and every freed block is overwritten at once, so a
+    request reuses another's KV only through the connector, and a save or a
+    load that touches the wrong block leaves garbage where the KV should be.
     """
 
     name: str
     options: Mapping[str, Any]
-    a_len: int
-    a_max: int
-    shared_blocks: int
-    b_suffix: int
-    b_max: int = 4
-    repeats: int = 0
-    seed: int = 0
+    phases: tuple[tuple[Req, ...], ...]
+    seed: int
+
+
+def _reuse(
+    name: str, options: Mapping[str, Any], a: tuple[int, int], shared_blocks: int, b_suffix: int, *, seed: int
+) -> DataRun:
+    """``a`` (prompt length, max tokens) runs alone, then ``b``: ``shared_blocks`` of ``a``'s blocks and a suffix.
+
+    ``a`` generates past the shared blocks' end, so the last shared block is
+    filled by a decode step (a block-fill step).
+    """
+    phases = ((Req("a", prompt(a[0], seed), a[1]),), (Req("b", Follow("a", shared_blocks, b_suffix), 4),))
+    return DataRun(name, options, phases, seed)
 
 
 ROUND_TRIPS = (
-    PrefixReuse("chunked", {"max_num_batched_tokens": 32}, a_len=53, a_max=12, shared_blocks=4, b_suffix=7, seed=11),
-    PrefixReuse("two-groups", {"kv_cache_groups": TWO_GROUPS}, a_len=60, a_max=6, shared_blocks=4, b_suffix=9, seed=12),
-    PrefixReuse("large-blocks", {"block_size": 256, "num_blocks": 16}, 262, 8, shared_blocks=1, b_suffix=10, seed=13),
+    # b's prompt has two full blocks past the shared ones that nobody saved: a hit must stop at the shared ones
+    _reuse("chunked-reuse", {"max_num_batched_tokens": 32}, (53, 12), shared_blocks=4, b_suffix=39, seed=11),
+    _reuse("two-groups-reuse", {"kv_cache_groups": TWO_GROUPS}, (60, 6), shared_blocks=4, b_suffix=9, seed=12),
+    _reuse(
+        "large-blocks-reuse", {"block_size": 256, "num_blocks": 16}, (262, 8), shared_blocks=1, b_suffix=10, seed=13
+    ),
 )
-FAILED_LOAD = PrefixReuse("failed-load", {}, a_len=70, a_max=3, shared_blocks=4, b_suffix=5, repeats=1, seed=14)
+FAILED_LOAD = DataRun(
+    "failed-load",
+    {},
+    (
+        (Req("a", prompt(70, 14), 3),),
+        (Req("b", Follow("a", 4, 5), 4),),
+        (Req("b1", Follow("a", 4, 5), 4),),
+    ),
+    14,
+)
+MID_BLOCK_CHUNKS = DataRun(
+    "mid-block-chunks",
+    {"max_num_batched_tokens": 24},
+    (
+        (Req("a0", prompt(70, 15), 3), Req("a1", prompt(45, 16), 3), Req("a2", prompt(37, 17), 3)),
+        (Req("b0", Follow("a0", 4, 5), 3), Req("b1", Follow("a1", 2, 9), 3), Req("b2", Follow("a2", 2, 3), 3)),
+    ),
+    15,
+)
+PREEMPTED_SAVES = DataRun(
+    "preempted-saves",
+    {"num_blocks": 14},
+    (
+        tuple(Req(f"a{i}", prompt(30, 20 + i), 40) for i in range(4)),
+        tuple(Req(f"b{i}", Follow(f"a{i}", 4, 5), 3) for i in range(4)),
+    ),
+    20,
+)
+FILL_STEP_ENDS = DataRun(
+    "fill-step-saves",
+    {},
+    (
+        # a0 and a1 finish on the step that fills their last block; a2 keeps the engine stepping after that
+        (Req("a0", prompt(13, 30), 4), Req("a1", prompt(45, 31), 4), Req("a2", prompt(20, 32), 30)),
+        (Req("b0", Follow("a0", 1, 3), 3), Req("b1", Follow("a1", 3, 4), 3)),
+    ),
+    30,
+)
+
+
+LOST_BLOCKS = DataRun("lost-blocks", {}, ((Req("a", prompt(70, 40), 3),), (Req("b", Follow("a", 4, 5), 3),)), 40)
+
+
+#: What every data check requires of the connector, and the checks it runs after (hooks named right).
+DATA_CHECK: dict[str, Any] = {"requires": ("scheduler", "worker", "saves", "loads"), "after": (*IMPORTED, "KV006")}
+#: The data checks beyond the plain round trip: not run when that fails already (one root cause, not five).
+UNTIDY_DATA_CHECK: dict[str, Any] = {**DATA_CHECK, "after": (*IMPORTED, "KV006", "KV040")}
+#: KV043 runs after KV012 (the table positions it saves from) and KV044 (a save reading freed blocks goes wrong
+#: after preemption as well): each says why more precisely.
+PREEMPTED_DATA_CHECK: dict[str, Any] = {**DATA_CHECK, "after": (*UNTIDY_DATA_CHECK["after"], "KV012", "KV044")}
 
 
 class _Run:
     """Add requests and run them to completion; the same calls on an engine or a driver."""
 
     def __init__(
-        self, add: Callable[[str, Sequence[int], int], None], step: Callable[[], object], busy: Callable[[], bool]
+        self,
+        add: Callable[[str, Sequence[int], int], None],
+        step: Callable[[], object],
+        busy: Callable[[], bool],
+        phase_done: Callable[[], None] = lambda: None,
     ):
-        self.add, self._step, self._busy = add, step, busy
+        self.add, self._step, self._busy, self._phase_done = add, step, busy, phase_done
 
     def finish(self) -> None:
         for _ in range(MAX_STEPS):
             if not self._busy():
+                self._phase_done()
                 return
             self._step()
         raise RuntimeError(f"requests still unfinished after {MAX_STEPS} steps (a load never reported finished?)")
 
 
-def _play(case: PrefixReuse, run: _Run, generated: Callable[[str], list[int]], block_size: int) -> dict[str, list[int]]:
-    a = prompt(case.a_len, case.seed)
-    run.add("a", a, case.a_max)
-    run.finish()
-    shared = (a + tuple(generated("a")))[: case.shared_blocks * block_size]
-    if len(shared) < case.shared_blocks * block_size:
-        raise RuntimeError(f"scenario {case.name!r} is misconfigured: 'a' is shorter than the shared prefix")
-    b = prompt(len(shared) + case.b_suffix, case.seed + 1, shared)
-    names = ["b", *(f"b{i}" for i in range(1, case.repeats + 1))]
-    for name in names:
-        run.add(name, b, case.b_max)
+def _play(case: DataRun, run: _Run, generated: Callable[[str], list[int]], block_size: int) -> dict[str, list[int]]:
+    prompts: dict[str, tuple[int, ...]] = {}
+    for phase in case.phases:
+        for index, req in enumerate(phase):
+            tokens = req.prompt
+            if isinstance(tokens, Follow):
+                shared = (prompts[tokens.source] + tuple(generated(tokens.source)))[: tokens.blocks * block_size]
+                if len(shared) < tokens.blocks * block_size:
+                    raise RuntimeError(f"data run {case.name!r} is misconfigured: {tokens.source!r} is too short")
+                tokens = prompt(len(shared) + tokens.suffix, case.seed + 1 + index, shared)
+            prompts[req.req_id] = tokens
+            run.add(req.req_id, tokens, req.max_tokens)
         run.finish()
-    return {name: generated(name) for name in ["a", *names]}
+    return {req_id: generated(req_id) for req_id in prompts}
 
 
 _EXPECTED: dict[str, dict[str, list[int]]] = {}
 
 
-def _expected(case: PrefixReuse) -> dict[str, list[int]]:
+def _expected(case: DataRun) -> dict[str, list[int]]:
     """The tokens without a connector: one run per case and process (the model is deterministic)."""
     if case.name not in _EXPECTED:
         _EXPECTED[case.name] = _baseline(case)
     return _EXPECTED[case.name]
 
 
-def _baseline(case: PrefixReuse) -> dict[str, list[int]]:
+def _baseline(case: DataRun) -> dict[str, list[int]]:
     engine = Engine(None, **{"enable_prefix_caching": False, **case.options})
     requests: dict[str, Any] = {}
 
@@ -103,38 +186,129 @@ def _baseline(case: PrefixReuse) -> dict[str, list[int]]:
     return _play(case, run, lambda r: list(requests[r].output_token_ids), engine.scheduler.block_size)
 
 
-def _with_connector(
-    session: Session, case: PrefixReuse, *, fail_first_load: bool
-) -> tuple[dict[str, list[int]], ReferenceDriver]:
-    spec = replace(DriverSpec(session.connector, session.config, enable_prefix_caching=False), **case.options)
-    driver = ReferenceDriver(spec, fail_first_load=fail_first_load)
-    try:
-        run = _Run(driver.add_request, driver.step, driver.has_work)
+@dataclass
+class DataResult:
+    """What a data run showed: the tokens, the engine's stats, every step's record."""
+
+    tokens: dict[str, list[int]]
+    driver: ReferenceDriver
+    records: list[StepRecord]
+
+
+def data_run(
+    session: Session, case: DataRun, *, fail_first_load: bool = False, lose_blocks: bool = False
+) -> DataResult:
+    """``case`` through the reference engine with the connector, once per session; raises :class:`ScenarioBroken`."""
+    result = session.memo(f"data:{case.name}", lambda: _with_connector(session, case, fail_first_load, lose_blocks))
+    if isinstance(result, str):
+        raise ScenarioBroken(result)
+    return result
+
+
+def data_runs(session: Session) -> list[tuple[DataRun, DataResult]]:
+    """Every data run this connector takes part in (none unless it saves and loads).
+
+    A run in which the connector raised is left out: the data check it
+    belongs to reports it, with the fix for that check.
+    """
+    if not {"saves", "loads"} <= session.capabilities:
+        return []
+    cases = [(case, False) for case in (*ROUND_TRIPS, MID_BLOCK_CHUNKS, PREEMPTED_SAVES, FILL_STEP_ENDS)]
+    runs = []
+    for case, fail_first_load in [*cases, (FAILED_LOAD, True)]:
         try:
-            return _play(case, run, driver.generated, spec.block_size), driver
+            runs.append((case, data_run(session, case, fail_first_load=fail_first_load)))
+        except ScenarioBroken:
+            continue
+    return runs
+
+
+class Run(NamedTuple):
+    """One run's steps, for the checks that read them all: where it was, its records, its block size."""
+
+    where: str
+    records: list[StepRecord]
+    block_size: int
+
+
+def all_runs(session: Session) -> list[Run]:
+    """Every run: the standard scenarios, then the data runs."""
+    runs = [Run(trace.where(), trace.records, trace.block_size) for trace in session.completed_traces()]
+    return runs + [
+        Run(f"data run {case.name!r}", result.records, result.driver.block_size) for case, result in data_runs(session)
+    ]
+
+
+def _with_connector(
+    session: Session, case: DataRun, fail_first_load: bool, lose_blocks: bool = False
+) -> DataResult | str:
+    """Play ``case``; with ``lose_blocks`` the phases after the first run on an engine whose worker side has
+    a fresh (empty) store while its scheduler side still sees the first phase's."""
+    spec = replace(
+        DriverSpec(session.connector, session.config_for(case.name), enable_prefix_caching=False), **case.options
+    )
+    drivers = [ReferenceDriver(spec, fail_first_load=fail_first_load, scrub_freed=True)]
+    if lose_blocks:
+        emptied = session.config_for(f"{case.name}-emptied")
+        drivers.append(ReferenceDriver(spec, scrub_freed=True, worker_config=emptied))
+    phase, owner, records = [0], dict[str, ReferenceDriver](), list[StepRecord]()
+
+    def current() -> ReferenceDriver:
+        return drivers[min(phase[0], len(drivers) - 1)]
+
+    def add(req_id: str, tokens: Sequence[int], max_tokens: int) -> None:
+        owner[req_id] = current()
+        current().add_request(req_id, tokens, max_tokens)
+
+    def next_phase() -> None:
+        phase[0] += 1
+
+    try:
+        run = _Run(add, lambda: records.append(current().step()), lambda: current().has_work(), next_phase)
+        try:
+            tokens = _play(case, run, lambda r: owner[r].generated(r), spec.block_size)
+            return DataResult(tokens, drivers[-1], records)
         except Exception as exc:
-            raise Violation(
-                f"in the {case.name!r} prefix-reuse run the connector raised: {type(exc).__name__}: {exc}"
-            ) from None
+            return f"the connector raised in data run {case.name!r}: {type(exc).__name__}: {exc}"
     finally:
-        driver.close()
+        for driver in drivers:
+            driver.close()
 
 
-def _compare(case: PrefixReuse, got: Mapping[str, list[int]], want: Mapping[str, list[int]], when: str) -> None:
+def _compare(case: DataRun, result: DataResult, when: str = "") -> None:
+    want = _expected(case)
     for req_id, tokens in want.items():
-        if got[req_id] != tokens:
+        if result.tokens[req_id] != tokens:
             raise Violation(
-                f"in the {case.name!r} prefix-reuse run{when}, request {req_id!r} generated {got[req_id]}, "
+                f"in the {case.name!r} data run{when}, request {req_id!r} generated {result.tokens[req_id]}, "
                 f"but {tokens} without the connector: it ran on wrong KV"
             )
+
+
+def _exact(session: Session, case: DataRun) -> None:
+    """The run loaded something, reported no failed load (none was injected), and every token is exact."""
+    result = data_run(session, case)
+    stats = result.driver.stats
+    if stats.failed_load_blocks:
+        raise Violation(
+            f"in the {case.name!r} data run the connector reported {stats.failed_load_blocks} block(s) failed to "
+            "load though nothing failed: it claimed more tokens than it holds"
+        )
+    if stats.prompt_tokens_loaded == 0:
+        raise Violation(
+            f"in the {case.name!r} data run, requests sharing full blocks with earlier ones, whose local copies "
+            "were gone, loaded no token through the connector"
+        )
+    _compare(case, result)
 
 
 @check(
     "KV040",
     "round-trip",
     fix="save each full block (every KV-cache group, every layer) on the step that fills it, keyed by its "
-    "block hash, and load it into the block ids of the live table given to update_state_after_alloc",
-    requires=("scheduler", "worker", "saves", "loads"),
+    "block hash; claim only the blocks you hold, and load them into the live table given to "
+    "update_state_after_alloc",
+    **DATA_CHECK,
 )
 def round_trip(session: Session) -> None:
     """A prefix saved by one request loads into another, and the tokens are exact.
@@ -142,24 +316,22 @@ def round_trip(session: Session) -> None:
     Catches connectors that load into the wrong blocks, load another
     prefix's data, miss a KV-cache group or layer, save a stale table on the
     block-fill step, or mishandle 256-token blocks and sliding-window null
-    blocks; and savers whose prefix never loads back at all.
+    blocks; savers whose prefix never loads back at all; and connectors that
+    claim more tokens than they hold (``b``'s prompt runs two full blocks past
+    what was saved), whether they then skip the missing blocks silently or
+    report them failed.
     """
     for case in ROUND_TRIPS:
-        got, driver = _with_connector(session, case, fail_first_load=False)
-        if driver.stats.prompt_tokens_loaded == 0:
-            raise Violation(
-                f"in the {case.name!r} prefix-reuse run, request 'b' shared {case.shared_blocks} full block(s) "
-                "with 'a', whose local copies were gone, and the connector loaded no token"
-            )
-        _compare(case, got, _expected(case), "")
+        _exact(session, case)
 
 
 @check(
     "KV041",
     "load-failure",
-    fix="do not save blocks that were loaded (or whose load failed); after the engine rolls a request back "
-    "(num_computed_tokens decreases), keep going without asserting on progress",
-    requires=("scheduler", "worker", "saves", "loads"),
+    fix="report every block you could not load in get_block_ids_with_load_errors, never save blocks that were "
+    "loaded (or whose load failed), and after the engine rolls a request back (num_computed_tokens decreases) "
+    "keep going without asserting on progress",
+    **UNTIDY_DATA_CHECK,
 )
 def load_failure(session: Session) -> None:
     """A load reported failed is recomputed, and every token stays exact, for that request and later ones.
@@ -170,13 +342,124 @@ def load_failure(session: Session) -> None:
     request's computed tokens go backwards, that save the garbage they loaded
     (poisoning the store for the next request with the same prefix), and that
     lose track of the request afterwards.
+
+    With a ``config_factory``, the connector's own store also loses data: a
+    request saves, then another runs on an engine whose scheduler side sees
+    that store while its worker side gets a fresh, empty namespace, so every
+    block claimed is missing at load time and must be reported failed (the
+    tokens stay exact). Catches loads that skip a missing block silently.
+    Without a factory, or when a fresh scheduler side claims no hit (its
+    store is not shared between instances), that part does not apply.
     """
-    got, driver = _with_connector(session, FAILED_LOAD, fail_first_load=True)
-    if not driver.injected_failure:
+    result = data_run(session, FAILED_LOAD, fail_first_load=True)
+    if not result.driver.injected_failure:
         raise Violation(
             f"in the {FAILED_LOAD.name!r} run the connector loaded nothing, so no load could be made to fail"
         )
-    _compare(FAILED_LOAD, got, _expected(FAILED_LOAD), " (its first load failed)")
-    tracked = {role: n for role, n in driver.num_tracked_requests().items() if n}
+    _compare(FAILED_LOAD, result, " (its first load failed)")
+    tracked = {role: n for role, n in result.driver.num_tracked_requests().items() if n}
     if tracked:
         raise Violation(f"after a failed load and every request ending, get_num_tracked_requests says {tracked}")
+    if session.config_factory is not None:
+        _lost_blocks(session)
+
+
+def _lost_blocks(session: Session) -> None:
+    """The connector's own store loses every block between the lookup and the load: each must be reported.
+
+    Judged by the tokens, not by the failures reported: a factory whose
+    "fresh" namespace still reaches the blocks lets every load succeed.
+    """
+    result = data_run(session, LOST_BLOCKS, lose_blocks=True)
+    if result.tokens != _expected(LOST_BLOCKS) and not result.driver.stats.failed_load_blocks:
+        claimed = sum(n for record in result.records for r, n in record.loaded.items() if r == "b")
+        raise Violation(
+            f"in the {LOST_BLOCKS.name!r} data run the connector claimed {claimed} tokens for 'b', its worker's "
+            "store (a fresh namespace) had none of them, it reported no block failed to load, and 'b' ran on wrong KV"
+        )
+    _compare(LOST_BLOCKS, result, " (its worker's store was emptied)")
+
+
+@check(
+    "KV042",
+    "mid-block-chunks",
+    fix="save a block only once it is full: blocks below (num_computed_tokens + num_scheduled_tokens) // "
+    "block_size; a prefill chunk may end in the middle of a block, which a later step completes",
+    **UNTIDY_DATA_CHECK,
+)
+def mid_block_chunks(session: Session) -> None:
+    """Chunked prefill whose chunks end mid-block saves only full blocks, and the tokens are exact.
+
+    Three prompts share a 24-token budget (16-token blocks), so chunks end
+    anywhere in a block. Catches connectors that save every block a chunk
+    touched (a half-written block saved as if full, then never saved again),
+    which is invisible while every chunk ends on a block boundary.
+    """
+    _exact(session, MID_BLOCK_CHUNKS)
+
+
+@check(
+    "KV043",
+    "preempted-saves",
+    fix="read the table each step with block_state.get_block_ids(req_id): a request resumed after preemption "
+    "has a new table (new_block_ids on resume is the whole table, not an addition to the old one)",
+    **PREEMPTED_DATA_CHECK,
+)
+def preempted_saves(session: Session) -> None:
+    """Blocks a request fills after preemption and resume are saved from its new table, and the tokens are exact.
+
+    Four growing requests share 13 blocks: they are preempted, resume with
+    new tables and fill blocks after the resume; later requests load those
+    blocks. Catches connectors that keep the table they saw when a request
+    was first scheduled and append ``new_block_ids``: after the resume they
+    save blocks at the wrong positions, or blocks that were freed.
+    """
+    result = data_run(session, PREEMPTED_SAVES)
+    if not any(record.preempted for record in result.records):
+        raise RuntimeError("the preempted-saves data run preempted nothing: the conformance suite is misconfigured")
+    _exact(session, PREEMPTED_SAVES)
+
+
+@check(
+    "KV044",
+    "freed-blocks",
+    fix="while a save still reads a request's blocks, return True from request_finished and report the "
+    "request in finished_sending once the save is done: the engine reuses freed blocks at once",
+    **UNTIDY_DATA_CHECK,
+)
+def freed_blocks(session: Session) -> None:
+    """No save reads a block after it was freed: requests finishing on their block-fill step, tokens exact.
+
+    Two requests finish on the step that fills their last block while a third
+    keeps the engine busy, and every freed block is overwritten at once (as a
+    busy GPU cache reuses it). Catches connectors that save after the step
+    (a deferred or asynchronous save) without delaying the free: they store
+    whatever reused the block, and a later request loads it.
+    """
+    _exact(session, FILL_STEP_ENDS)
+
+
+@check(
+    "KV045",
+    "fresh-store",
+    fix="give every run a store of its own: a namespace (or directory) from the config, and in pytest override "
+    "ConnectorConformance.config_factory(run) to return a fresh one per run",
+    **UNTIDY_DATA_CHECK,
+)
+def fresh_store(session: Session) -> None:
+    """Nothing loads on a run's first step, before the run computed anything.
+
+    Every data run starts with new connector instances and requests whose
+    prompts no other run uses. Catches stores that outlive their instances
+    (files, a server, a process-wide dict) without a namespace per run: hits
+    leak from one run into the next, so a test passes or fails depending on
+    what ran before it.
+    """
+    for case, result in data_runs(session):
+        first = result.records[0] if result.records else None
+        leaked = first.loaded if first is not None else {}
+        if leaked:
+            raise Violation(
+                f"in the {case.name!r} data run, {dict(sorted(leaked.items()))} tokens were loaded on its first step, "
+                "before anything was computed in it: the store kept blocks from an earlier run"
+            )

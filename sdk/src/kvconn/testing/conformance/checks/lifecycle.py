@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..catalog import check
+from ..catalog import IMPORTED, check
 from ..results import CheckSkipped, Violation
 from ..session import Session
+from .data import all_runs
 
 
 @check(
@@ -15,6 +16,7 @@ from ..session import Session
     fix="return True from request_finished only while a save still reads the request's blocks, and then "
     "report the request in get_finished's finished_sending once that save completes",
     requires=("scheduler",),
+    after=IMPORTED,
 )
 def request_finished(session: Session) -> None:
     """``request_finished`` runs once per request, and a delayed free is always released.
@@ -40,30 +42,34 @@ def request_finished(session: Session) -> None:
 @check(
     "KV031",
     "get-finished-once",
-    fix="report each request at most once in finished_sending and once in finished_recving: remove it from "
-    "your pending set when you report it",
+    fix="report a request in finished_sending only if request_finished returned True for it, in "
+    "finished_recving only for an async load, and each once: remove it from your pending set when you report it",
     requires=("worker",),
+    after=IMPORTED,
 )
 def get_finished_once(session: Session) -> None:
-    """``get_finished`` reports each request at most once, and only requests the engine knows.
+    """``get_finished`` reports each request at most once, and only what the engine is waiting for.
 
-    Catches workers that report a transfer as finished on every call until
-    the request is gone (the engine frees blocks twice, or resumes a request
-    whose load it already resumed), and workers that report ids they made up.
+    Reads every run: the scenarios (one has requests finishing, and one
+    aborted, on the step that fills a block) and the data runs. Catches
+    workers that report a transfer as finished on every call until the
+    request is gone (the engine frees blocks twice, or resumes a request
+    whose load it already resumed), that report a sync load in
+    ``finished_recving`` or a request whose free was not delayed in
+    ``finished_sending``, and that report ids they made up.
     """
-    for trace in session.completed_traces():
-        known = set(trace.request_ids)
-        for kind in ("finished_sending", "finished_recving"):
-            counts: Counter[str] = Counter()
-            for record in trace.records:
-                out = record.connector_output
-                counts.update(getattr(out, kind) if out is not None else ())
-            twice = sorted(r for r, n in counts.items() if n > 1)
+    for where, records, _ in all_runs(session):
+        counts: dict[str, Counter[str]] = {kind: Counter() for kind in ("finished_sending", "finished_recving")}
+        for record in records:
+            if record.unexpected_reports:
+                raise Violation(f"in {where}, step {record.step}: {record.unexpected_reports[0]}")
+            out = record.connector_output
+            for kind, counter in counts.items():
+                counter.update(getattr(out, kind) if out is not None else ())
+        for kind, counter in counts.items():
+            twice = sorted(r for r, n in counter.items() if n > 1)
             if twice:
-                raise Violation(f"in {trace.where()}: {kind} reported {twice} more than once")
-            unknown = sorted(set(counts) - known)
-            if unknown:
-                raise Violation(f"in {trace.where()}: {kind} reported unknown requests {unknown}")
+                raise Violation(f"in {where}: {kind} reported {twice} more than once")
 
 
 @check(
@@ -72,6 +78,7 @@ def get_finished_once(session: Session) -> None:
     fix="forget a request in request_finished (scheduler side) and when its transfers are reported finished "
     "(worker side); get_num_tracked_requests must count what you still hold",
     requires=("scheduler",),
+    after=IMPORTED,
 )
 def no_leaks(session: Session) -> None:
     """Once every request has ended, the connector tracks none and the engine holds nothing.

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import difflib
+import inspect
+import textwrap
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -9,8 +13,9 @@ import msgspec
 
 from ....connector import KVConnector, KVConnectorRole, NoConfig
 from ....context import ConnectorContext
-from ....errors import ConnectorConfigError
+from ....errors import ConnectorConfigError, KVConnError
 from ....host import ConnectorHost
+from ....manager import HOOK_NAMES, implemented_hooks
 from ....metadata import KVConnectorMetadata
 from ....registry import ENTRY_POINT_GROUP, build_config, connector_roles
 from ..catalog import check
@@ -67,7 +72,11 @@ def imports(session: Session) -> None:
             raise Violation(f"{attr} is {getattr(cls, attr)!r}, not a bool")
     for role in roles:
         instance = _instantiate(session, role)
-        ConnectorHost({session.connector: instance}, role=role).shutdown()
+        try:
+            host = ConnectorHost({session.connector: instance}, role=role)
+        except KVConnError as exc:  # pluggy refused a hook implementation, say
+            raise Violation(" ".join(str(exc).split())) from None
+        host.shutdown()
 
 
 @check(
@@ -78,10 +87,11 @@ def imports(session: Session) -> None:
 def api_version(session: Session) -> None:
     """The class declares the hook API version it was written against, in its own body.
 
-    Catches a connector that inherits ``api_version`` from ``kvconn.KVConnector``:
-    it then claims to target whatever SDK it runs on, so a future major
-    version loads it instead of refusing it with a clear message.
-    (An incompatible declared version is a load error.)
+    Catches a connector that inherits ``api_version`` from ``kvconn.KVConnector``,
+    or declares it as an expression that follows the SDK
+    (``api_version = kvconn.API_VERSION``): it then claims to target whatever
+    SDK it runs on, so a future major version loads it instead of refusing it
+    with a clear message. (An incompatible declared version is a load error.)
     """
     cls = session.cls
     owners = [klass for klass in cls.__mro__ if "api_version" in vars(klass)]
@@ -90,6 +100,75 @@ def api_version(session: Session) -> None:
             f"{cls.__qualname__} does not declare api_version (it inherits {getattr(cls, 'api_version', None)!r} "
             "from kvconn.KVConnector)"
         )
+    expression = _declared_expression(owners[0], "api_version")
+    if expression is not None and not (isinstance(expression, ast.Constant) and isinstance(expression.value, str)):
+        raise Violation(
+            f"{owners[0].__qualname__} declares api_version = {ast.unparse(expression)}, which follows the SDK it "
+            f"runs on (now {getattr(cls, 'api_version', None)!r}), not the version it was written against"
+        )
+
+
+def _declared_expression(cls: type, name: str) -> ast.expr | None:
+    """The expression assigned to ``name`` in ``cls``'s own body, or ``None`` when its source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    for statement in body:
+        if isinstance(statement, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in statement.targets
+        ):
+            return statement.value
+        if (
+            isinstance(statement, ast.AnnAssign)
+            and isinstance(statement.target, ast.Name)
+            and statement.target.id == name
+        ):
+            return statement.value
+    return None
+
+
+#: What declaring ``saves`` / ``loads`` takes, per role: at least one of these hooks.
+_NEEDED_HOOKS = {
+    ("saves", KVConnectorRole.SCHEDULER): ("build_connector_meta",),
+    ("saves", KVConnectorRole.WORKER): ("save_kv_layer", "wait_for_save"),
+    ("loads", KVConnectorRole.SCHEDULER): ("get_num_new_matched_tokens",),
+    ("loads", KVConnectorRole.WORKER): ("start_load_kv", "wait_for_layer_load"),
+}
+
+
+@check(
+    "KV006",
+    "hook-names",
+    fix="name each hook exactly as in kvconn.hookspecs (a method with another name is never called), and "
+    "implement the hooks that what you declare (saves, loads) needs",
+)
+def hook_names(session: Session) -> None:
+    """Every method named like a hook is one, and what the class declares it does, it has hooks for.
+
+    Catches misspelt hooks (``save_kv_layers``, ``build_connector_metadata``,
+    ``request_finish``): pluggy ignores them silently, so the connector never
+    saves, or never frees. Also catches a class declaring ``saves`` or
+    ``loads`` without any hook that could do it (for a role it serves).
+    """
+    cls = session.cls
+    own = {name for klass in cls.__mro__ if klass not in (KVConnector, object) for name in vars(klass)}
+    for name in sorted(own - HOOK_NAMES):
+        if name.startswith("_") or not callable(getattr(cls, name, None)):
+            continue
+        near = difflib.get_close_matches(name, HOOK_NAMES, n=1, cutoff=0.8)
+        if near and near[0] not in own:
+            raise Violation(f"{cls.__qualname__}.{name} is not a hook and is never called: did you mean {near[0]}?")
+    hooks = set(implemented_hooks(cls))
+    for role in sorted(connector_roles(cls), key=lambda r: r.value):
+        for attr in ("saves", "loads"):
+            needed = _NEEDED_HOOKS[(attr, role)]
+            if getattr(cls, attr, False) and not hooks & set(needed):
+                raise Violation(
+                    f"{cls.__qualname__} declares {attr} = True but implements none of {', '.join(needed)} "
+                    f"for its {role.value} side"
+                )
 
 
 @check(

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from ....hashing import hash_blocks
 from ..analysis import StepView, live_ids, step_views
-from ..catalog import check
+from ..catalog import IMPORTED, check
+from ..observe import hashed_blocks
 from ..results import CheckSkipped, Violation
 from ..scenarios import OFFERED_ONLY, Trace
 from ..session import Session
+from .data import Run, all_runs
 
 
 def _views(session: Session, trace: Trace) -> list[StepView]:
@@ -18,6 +21,7 @@ def _views(session: Session, trace: Trace) -> list[StepView]:
     "scenarios",
     fix="make every hook cope with the situation named in the error (see docs/checks.md for each scenario)",
     requires=("scheduler",),
+    after=IMPORTED,
 )
 def scenarios(session: Session) -> None:
     """Every scripted scenario runs to completion without the connector raising.
@@ -36,6 +40,7 @@ def scenarios(session: Session) -> None:
     fix="each step, read the table of every request you act on with block_state.get_block_ids(req_id), "
     "including requests that got no new block this step (the step that fills a block allocates none)",
     requires=("scheduler",),
+    after=IMPORTED,
 )
 def block_fill(session: Session) -> None:
     """On the step that fills a block (and allocates none), the connector sees the request's live table.
@@ -76,6 +81,7 @@ def block_fill(session: Session) -> None:
     fix="never keep a table across steps (preemption replaces it): read it each step with "
     "block_state.get_block_ids(req_id); do not rebuild it by appending new_block_ids",
     requires=("scheduler",),
+    after=IMPORTED,
 )
 def stale_tables(session: Session) -> None:
     """After preemption and resume, nothing the connector sends refers to the request's old table.
@@ -108,6 +114,39 @@ def stale_tables(session: Session) -> None:
             for req_id, table in record.tables.items():
                 if req_id not in record.preempted:
                     before[req_id] = live_ids(table)
+    for run in all_runs(session):
+        _check_positions(run)
+
+
+def _check_positions(run: Run) -> None:
+    """A block id the metadata pairs with the hash of a request's block ``i`` is at position ``i`` of its table."""
+    tokens: dict[str, list[int]] = {}
+    hashes: dict[str, list[bytes]] = {}
+    for record in run.records:
+        out = record.output
+        for new in out.scheduled_new_reqs:
+            tokens[new.req_id] = list(new.prompt_token_ids)
+        cached = out.scheduled_cached_reqs
+        for req_id, added in zip(cached.req_ids, cached.new_token_ids, strict=True):
+            tokens.setdefault(req_id, []).extend(added)
+        for req_id, all_ids in cached.all_token_ids.items():
+            tokens[req_id] = list(all_ids)
+        if record.metadata is None:
+            continue
+        for req_id, block_id, block_hash in hashed_blocks(record.metadata, tokens):
+            known = hashes.get(req_id, [])
+            if len(known) != len(tokens[req_id]) // run.block_size:
+                known = hashes[req_id] = hash_blocks(tokens[req_id], run.block_size)
+            table = record.tables.get(req_id)
+            if table is None or block_hash not in known:
+                continue
+            index = known.index(block_hash)
+            here = [group[index] for group in table if index < len(group)]
+            if block_id not in here:
+                raise Violation(
+                    f"in {run.where}, step {record.step}: the metadata pairs block {block_id} with the hash of "
+                    f"block {index} of {req_id}, but position {index} of its live table {table} holds {here}"
+                )
 
 
 @check(
@@ -116,6 +155,7 @@ def stale_tables(session: Session) -> None:
     fix="block_state.get_block_ids(req_id) returns None for a request not offered this step: skip it "
     "(or retry next step); never call block_state.resolve_block_ids yourself",
     requires=("scheduler",),
+    after=IMPORTED,
 )
 def offered_only(session: Session) -> None:
     """The connector copes with ``None`` for a request outside the offered set.
@@ -125,6 +165,7 @@ def offered_only(session: Session) -> None:
     crash when an engine offers fewer, and connectors that bypass
     ``get_block_ids`` to resolve requests that were not offered.
     """
+    session.completed_traces()  # a connector broken everywhere is reported once, by the check that meets it first
     trace = session.trace(OFFERED_ONLY)
     if trace.error:
         withheld = ", ".join(sorted(OFFERED_ONLY.withhold))
@@ -141,6 +182,7 @@ def offered_only(session: Session) -> None:
     fix="call block_state.get_block_ids only for the requests you act on this step, not for every offered "
     "one (and never iterate the deprecated block_state.block_ids)",
     requires=("scheduler",),
+    after=IMPORTED,
 )
 def lazy_resolve(session: Session) -> None:
     """The connector resolves at most the tables of the requests it acts on.
@@ -168,3 +210,28 @@ def lazy_resolve(session: Session) -> None:
                     f"in {trace.where()}, step {record.step}: resolved the tables of {unused} "
                     f"({len(set(record.resolved))} of {len(record.offered)} offered) but its metadata uses none of them"
                 )
+
+
+@check(
+    "KV015",
+    "read-only-tables",
+    fix="treat every table you are handed as read-only (the same lists go to the other connectors of the host "
+    "and to the engine): copy it before changing it, e.g. [b for b in group if b != NULL_BLOCK_ID]",
+    requires=("scheduler",),
+    after=IMPORTED,
+)
+def read_only_tables(session: Session) -> None:
+    """No hook changes a block table it was handed.
+
+    Every table a hook receives (``update_state_after_alloc``'s and
+    ``request_finished``'s ``block_ids``, ``get_block_ids``' result, the
+    scheduler output's ``block_ids`` and ``new_block_ids``) is compared with a
+    snapshot at the end of that step and every later one, in every scenario
+    and data run. Catches connectors that strip null blocks, sort or append in
+    place, or keep a table and extend it steps later: the tables are shared
+    with the other connectors of a host and with the engine itself.
+    """
+    for where, records, _ in all_runs(session):
+        for record in records:
+            if record.mutated:
+                raise Violation(f"in {where}, step {record.step}, the connector changed {record.mutated[0]}")

@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-from ....errors import BlockStateSerializationError, ConnectorError, WireError
 from ....wire import encode_metadata
-from ..catalog import check
+from ..catalog import IMPORTED, check
 from ..observe import non_plain_data
-from ..results import Violation
+from ..results import ScenarioBroken, Violation
 from ..scenarios import Arrival, Scenario, Trace, prompt
-from ..session import Session
-
-_PLAIN_FIX = (
-    "build metadata from plain data only: resolve tables with block_state.get_block_ids(req_id) into "
-    "lists of ints; never store the block state, a resolver, a request or the scheduler output"
-)
-
-
-def _wire_errors(session: Session) -> None:
-    for trace in session.standard_traces():
-        exc = trace.exception
-        if isinstance(exc, (WireError, BlockStateSerializationError)) or (
-            isinstance(exc, ConnectorError) and isinstance(exc.__cause__, TypeError) and "not an instance" in str(exc)
-        ):
-            raise Violation(f"in {trace.error}")
+from ..session import METADATA_FIX, Session
 
 
 @check(
@@ -31,6 +16,7 @@ def _wire_errors(session: Session) -> None:
     fix="type every Metadata field precisely (list[int], not Any; tuples where you build tuples), and build "
     "fresh lists each step instead of handing out your own state",
     requires=("scheduler",),
+    after=IMPORTED,
 )
 def metadata_roundtrip(session: Session) -> None:
     """Every step's metadata decodes on the worker equal to what the scheduler built, and is never changed after.
@@ -40,8 +26,7 @@ def metadata_roundtrip(session: Session) -> None:
     that shares a mutable object with the connector's own state: mutating it
     on a later step changes what an in-process worker sees after the fact.
     """
-    _wire_errors(session)
-    for trace in session.standard_traces():
+    for trace in session.completed_traces():
         for record in trace.records:
             if record.metadata is None:
                 continue
@@ -57,7 +42,7 @@ def metadata_roundtrip(session: Session) -> None:
                 )
 
 
-@check("KV021", "metadata-plain", fix=_PLAIN_FIX, requires=("scheduler",))
+@check("KV021", "metadata-plain", fix=METADATA_FIX, requires=("scheduler",), after=IMPORTED)
 def metadata_plain(session: Session) -> None:
     """Metadata is plain data: no callable, no block state, nothing that reaches the scheduler.
 
@@ -67,8 +52,7 @@ def metadata_plain(session: Session) -> None:
     process it would read tables from the wrong step. Also catches requests,
     the scheduler output and other engine objects in metadata.
     """
-    _wire_errors(session)
-    for trace in session.standard_traces():
+    for trace in session.completed_traces():
         for record in trace.records:
             found = non_plain_data(record.metadata) if record.metadata is not None else []
             if found:
@@ -76,12 +60,17 @@ def metadata_plain(session: Session) -> None:
 
 
 SMALL_CACHE, LARGE_CACHE = 32, 8192
+NUM_SEQUENTIAL, ARRIVAL_EVERY = 24, 4
+#: Steady-state windows of the sequential run (a request arrives every 4 steps until step 92): early and late.
+EARLY_STEPS, LATE_STEPS = range(12, 40), range(64, 92)
 
 
 def _size_scenario(num_blocks: int) -> Scenario:
     """Requests one after another: a small pool recycles block ids, a large one keeps handing out new ones."""
     seed = 900 + num_blocks  # prompts of their own: neither run may hit what the other saved
-    arrivals = tuple(Arrival(f"r{i}", prompt(49, seed + i), 12, at_step=4 * i) for i in range(24))
+    arrivals = tuple(
+        Arrival(f"r{i}", prompt(49, seed + i), 12, at_step=ARRIVAL_EVERY * i) for i in range(NUM_SEQUENTIAL)
+    )
     return Scenario(
         f"sequential@{num_blocks}-blocks",
         "24 requests arriving one every 4 steps",
@@ -93,22 +82,26 @@ def _size_scenario(num_blocks: int) -> Scenario:
 @check(
     "KV022",
     "metadata-size",
-    fix="carry only the block ids you act on this step: no per-block bitmaps, free lists or other "
-    "state that grows with the cache",
+    fix="carry only the block ids you act on this step: no per-block bitmaps or free lists (they grow with "
+    "the cache), no list of every request served (it grows with history)",
     requires=("scheduler",),
+    after=IMPORTED,
 )
 def metadata_size(session: Session) -> None:
-    """Metadata grows with the block ids it carries, not with the size of the KV cache.
+    """Metadata grows with the block ids it carries, not with the size of the KV cache nor with history.
 
     Catches connectors that ship cache-sized state every step (a bitmap of
     all blocks, the free list, a dense array of per-block flags): harmless in
     a test with 64 blocks, a per-step copy of megabytes in production.
-    The same requests run with 32 and with 8192 blocks.
+    The same requests run with 32 and with 8192 blocks. Also catches
+    metadata that grows with every request served (ids of every request
+    saved so far, a log never pruned): in the same long run of identical
+    requests, late steps must not carry more than early ones.
     """
     small, large = (session.trace(_size_scenario(n)) for n in (SMALL_CACHE, LARGE_CACHE))
     for trace in (small, large):
         if trace.error:
-            raise Violation(f"the connector raised in {trace.error}")
+            raise ScenarioBroken(f"the connector raised in {trace.error}")
     small_bytes, large_bytes = _total(small), _total(large)
     allowance = small_bytes // 4 + 16 * len(large.records)
     if large_bytes > small_bytes + allowance:
@@ -116,7 +109,14 @@ def metadata_size(session: Session) -> None:
             f"{small_bytes} metadata bytes over {len(small.records)} steps with a {SMALL_CACHE}-block cache, "
             f"{large_bytes} bytes with {LARGE_CACHE} blocks, for the same requests and block ids"
         )
+    early, late = (_total(small, steps) for steps in (EARLY_STEPS, LATE_STEPS))
+    if late > early + early // 4 + 16 * len(LATE_STEPS):
+        raise Violation(
+            f"{early} metadata bytes over steps {EARLY_STEPS.start}-{EARLY_STEPS.stop - 1} of a steady stream of "
+            f"like requests, {late} bytes over steps {LATE_STEPS.start}-{LATE_STEPS.stop - 1}: it grows with history"
+        )
 
 
-def _total(trace: Trace) -> int:
-    return sum(len(r.encoded or b"") for r in trace.records)
+def _total(trace: Trace, steps: range | None = None) -> int:
+    records = trace.records if steps is None else trace.records[steps.start : steps.stop]
+    return sum(len(r.encoded or b"") for r in records)
