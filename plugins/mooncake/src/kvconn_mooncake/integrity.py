@@ -25,8 +25,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import Any
 from collections.abc import Sequence
+from typing import Any
 
 import xxhash
 
@@ -61,8 +61,8 @@ class Integrity:
         self._flags = _FLAG_MAC if self._key is not None else 0
 
     def _tag(self, head: bytes, payload: Sequence[memoryview]) -> bytes:
-        mac: Any = xxhash.xxh3_128(head) if self._key is None else hashlib.blake2b(
-            head, key=self._key, digest_size=_TAG_BYTES
+        mac: Any = (
+            xxhash.xxh3_128(head) if self._key is None else hashlib.blake2b(head, key=self._key, digest_size=_TAG_BYTES)
         )
         for part in payload:
             mac.update(part)
