@@ -41,6 +41,7 @@ __all__ = [
     "HOST_CALLS",
     "ConnectorSetup",
     "EngineOptions",
+    "HookFailure",
     "RunResult",
     "Simulation",
     "StepSample",
@@ -119,6 +120,16 @@ class StepSample:
     requests_finished: int
 
 
+@dataclass(frozen=True)
+class HookFailure:
+    """How often one connector's hook failed (raised or answered out of contract) in a run, and the first error."""
+
+    connector: str
+    hook: str
+    count: int
+    first_error: str
+
+
 @dataclass
 class RunResult:
     """One run of the workload: counters, timings, per-step samples and outputs."""
@@ -132,6 +143,8 @@ class RunResult:
     outputs: list[list[int]]
     #: indices of requests whose tokens differ from the baseline (empty: verified)
     mismatched: list[int] = field(default_factory=list)
+    #: the degraded hook calls behind ``stats.degraded_events``, per connector and hook
+    hook_failures: list[HookFailure] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -166,6 +179,7 @@ class RunResult:
             "connector_ms_per_step": self.connector_ms_per_step,
             "output_verified": self.verified,
             "mismatched_requests": self.mismatched,
+            "hook_failures": [asdict(f) for f in self.hook_failures],
         }
         if samples:
             doc["samples"] = [asdict(s) for s in self.samples]
@@ -293,7 +307,14 @@ def run_workload(
     wall_s = time.perf_counter() - start
     outputs = [list(h.output_token_ids) if h is not None else [] for h in handles]
     # read engine.stats again: it sums the hosts' degraded events when read
-    return RunResult(label, setup.names if setup else (), engine.stats, wall_s, timer.total, samples, outputs)
+    result = RunResult(label, setup.names if setup else (), engine.stats, wall_s, timer.total, samples, outputs)
+    result.hook_failures = [
+        HookFailure(name, hook, count, host.first_errors[name, hook])
+        for host in (engine.scheduler_host, engine.worker_host)
+        if host is not None
+        for (name, hook), count in sorted(host.error_counts.items())
+    ]
+    return result
 
 
 def _ready(after: int | None, handles: Sequence[Request | None]) -> bool:
@@ -314,8 +335,9 @@ def _warm_up(options: EngineOptions) -> None:
     Importing torch and its first calls at a given batch size cost far more
     than later steps; without this the baseline (always run first) would look slow.
     """
+    length = min(options.max_num_batched_tokens, (options.num_blocks - 1) * options.block_size - 4)  # fits the pool
     with Engine(**options.scheduler_options()) as engine:
-        engine.generate([[i % 251 + 1] * options.max_num_batched_tokens for i in range(2)], max_tokens=4)
+        engine.generate([[i % 251 + 1] * length for i in range(2)], max_tokens=4)
 
 
 def simulate(
