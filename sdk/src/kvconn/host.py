@@ -26,7 +26,6 @@ given, so that it can
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import operator
@@ -96,6 +95,7 @@ class LoadPlan:
 
 NO_LOAD = LoadPlan()
 _FAILED = object()  # what _each holds for a call that raised
+_NO_HIT = (0, False)
 
 
 @dataclass
@@ -125,9 +125,30 @@ class BadHookAnswer(TypeError):
     """A hook returned something outside its contract; handled as if the hook had raised it."""
 
 
+def _finished(result: object) -> tuple[set[str], set[str]]:
+    """``get_finished``'s answer: ``(finished_sending, finished_recving)``, each ``None`` or request ids."""
+    if result is None:
+        return set(), set()
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise BadHookAnswer(f"returned {result!r}, not (finished_sending, finished_recving)")
+    return _id_set(result[0], "finished_sending", str), _id_set(result[1], "finished_recving", str)
+
+
+def _block_ids(result: object) -> set[int]:
+    """``get_block_ids_with_load_errors``'s answer: ``None`` or block ids."""
+    return _id_set(result, "block ids", int)
+
+
+def _count(result: object) -> int | None:
+    """``get_num_tracked_requests``'s answer: ``None`` or an int >= 0."""
+    if result is not None and (not isinstance(result, Integral) or isinstance(result, bool) or result < 0):
+        raise BadHookAnswer(f"returned {result!r}, not an int >= 0 or None")
+    return None if result is None else int(result)
+
+
 def _id_set(value: object, what: str, kind: type) -> set[Any]:
     """``value`` (``None`` or an iterable of ``kind``) as a set, or :class:`BadHookAnswer` naming ``what``."""
-    if value is None:
+    if not value and isinstance(value, (set, frozenset, list, tuple, type(None))):
         return set()
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise BadHookAnswer(f"returned {what} {value!r}, not a set of {kind.__name__}")
@@ -295,14 +316,6 @@ class ConnectorHost:
         if self.role is KVConnectorRole.WORKER:
             self._plan_layers()  # it sits out the rest of the step
 
-    @contextlib.contextmanager
-    def _checked(self, name: str, hook: str) -> Iterator[None]:
-        """Check ``hook``'s answer in the block: a :class:`BadHookAnswer` fails the connector as if the hook raised."""
-        try:
-            yield
-        except BadHookAnswer as exc:
-            self._fail(name, hook, exc)
-
     def _slow(self, name: str, hook: str, seconds: float) -> None:
         """Count a hook call over the time budget; warn about the first per (connector, hook)."""
         key = (name, hook)
@@ -314,26 +327,38 @@ class ConnectorHost:
             )  # fmt: skip
         self.slow_calls[key] += 1
 
-    def _each(self, hook: str, args: tuple[Any, ...] | Callable[[str], tuple[Any, ...]]) -> Iterator[tuple[str, Any]]:
+    def _each(
+        self,
+        hook: str,
+        args: tuple[Any, ...] | Callable[[str], tuple[Any, ...]],
+        check: Callable[[Any], Any] | None = None,
+    ) -> Iterator[tuple[str, Any]]:
         """Call ``hook`` on every connector implementing it, in order; yield ``(name, result)`` of the successes.
 
         ``args`` are the spec's arguments in order, or a function of the
-        connector's name returning them. On the worker, a connector that
-        raised earlier in the step sits out the rest of it.
+        connector's name returning them. ``check`` validates and converts a
+        result; a :class:`BadHookAnswer` it raises is a failure of the hook.
+        On the worker, a connector that raised earlier in the step sits out
+        the rest of it.
         """
         skip = self._failed_this_step if self.role is KVConnectorRole.WORKER else ()
+        # One clock read per call: each call's time runs from the previous read, so it also holds the
+        # caller's bookkeeping between two yields (microseconds; the budget is in seconds).
+        started = perf_counter()
         for name, call in self._impls[hook]:
             if name in skip:
                 continue
-            started = perf_counter()
             try:
                 result = call(*(args(name) if callable(args) else args))
+                if check is not None:
+                    result = check(result)
             except Exception as exc:
                 self._fail(name, hook, exc)
                 result = _FAILED
-            elapsed = perf_counter() - started
-            if elapsed > self.hook_budget_s:
-                self._slow(name, hook, elapsed)
+            now = perf_counter()
+            if now - started > self.hook_budget_s:
+                self._slow(name, hook, now - started)
+            started = now
             if result is not _FAILED:
                 yield name, result
 
@@ -354,11 +379,14 @@ class ConnectorHost:
         """
         req_id = request.request_id
         for name, result in self._each("get_num_new_matched_tokens", (request, num_computed_tokens)):
-            try:
-                num_tokens, load_async = self._check_match(result, request, num_computed_tokens)
-            except BadHookAnswer as exc:
-                self._fail(name, "get_num_new_matched_tokens", exc)
-                continue
+            if result is None or (result.__class__ is tuple and result == _NO_HIT):  # the usual answer, checked fast
+                num_tokens, load_async = 0, False
+            else:
+                try:
+                    num_tokens, load_async = self._check_match(result, request, num_computed_tokens)
+                except BadHookAnswer as exc:
+                    self._fail(name, "get_num_new_matched_tokens", exc)
+                    continue
             if num_tokens is None:
                 asks = self._asks[name, req_id] = self._asks.get((name, req_id), 0) + 1
                 if asks <= self.stall_steps:
@@ -390,14 +418,14 @@ class ConnectorHost:
         whole blocks, so a hit ending inside one would leave that block's
         tail uncomputed.
         """
-        if result is None:
-            return 0, False
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             raise BadHookAnswer(f"returned {result!r}, not (num_tokens, load_async)")
         num_tokens, load_async = result
-        if num_tokens is not None and (not isinstance(num_tokens, Integral) or isinstance(num_tokens, bool)):
+        if type(num_tokens) is not int and (  # the exact type first: the ABC check is slow, and this is per request
+            num_tokens is not None and (not isinstance(num_tokens, Integral) or isinstance(num_tokens, bool))
+        ):
             raise BadHookAnswer(f"returned num_tokens={num_tokens!r} ({type(num_tokens).__name__}), not an int or None")
-        if not isinstance(load_async, (bool, int)):
+        if type(load_async) is not bool and not isinstance(load_async, int):
             raise BadHookAnswer(f"returned load_async={load_async!r} ({type(load_async).__name__}), not a bool")
         if num_tokens is None:
             return None, False
@@ -620,19 +648,19 @@ class ConnectorHost:
         self._layer_saves = with_metadata("save_kv_layer")
         self._layer_waits = [(n, c) for n, c in self._impls.get("wait_for_layer_load", ()) if n not in failed]
 
-    # The per-layer loops time each call with one clock read per connector (the previous read starts the next).
+    # The per-layer hooks run layers x connectors times a step: each loop is timed as a whole (two clock
+    # reads per layer, whatever the number of connectors), and a slow call is put down to every connector
+    # that took part in it. start_load_kv runs once a step and is timed per connector.
 
     def start_load_kv(self) -> None:
-        started = perf_counter()
         for name, call, metadata in self._kv_loads:
+            started = perf_counter()
             try:
                 call(metadata)
             except Exception as exc:
                 self._fail(name, "start_load_kv", exc)
-            now = perf_counter()
-            if now - started > self.hook_budget_s:
-                self._slow(name, "start_load_kv", now - started)
-            started = now
+            if (elapsed := perf_counter() - started) > self.hook_budget_s:
+                self._slow(name, "start_load_kv", elapsed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         started = perf_counter()
@@ -641,10 +669,8 @@ class ConnectorHost:
                 call(layer_name)
             except Exception as exc:
                 self._fail(name, "wait_for_layer_load", exc)
-            now = perf_counter()
-            if now - started > self.hook_budget_s:
-                self._slow(name, "wait_for_layer_load", now - started)
-            started = now
+        if (elapsed := perf_counter() - started) > self.hook_budget_s:
+            self._slow_layer(self._layer_waits, "wait_for_layer_load", elapsed)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any) -> None:
         started = perf_counter()
@@ -653,10 +679,12 @@ class ConnectorHost:
                 call(layer_name, kv_layer, metadata)
             except Exception as exc:
                 self._fail(name, "save_kv_layer", exc)
-            now = perf_counter()
-            if now - started > self.hook_budget_s:
-                self._slow(name, "save_kv_layer", now - started)
-            started = now
+        if (elapsed := perf_counter() - started) > self.hook_budget_s:
+            self._slow_layer(self._layer_saves, "save_kv_layer", elapsed)
+
+    def _slow_layer(self, taking_part: Sequence[tuple[Any, ...]], hook: str, seconds: float) -> None:
+        for entry in taking_part:
+            self._slow(entry[0], hook, seconds)
 
     def wait_for_save(self) -> None:
         self._notify("wait_for_save")
@@ -668,19 +696,12 @@ class ConnectorHost:
         numeric stats) is a bad answer: that connector's step failed.
         """
         outputs = {name: KVConnectorOutput() for name in self.connectors}
-        for name, result in self._each("get_finished", (finished_req_ids,)):
-            with self._checked(name, "get_finished"):
-                if result is not None and (not isinstance(result, (tuple, list)) or len(result) != 2):
-                    raise BadHookAnswer(f"returned {result!r}, not (finished_sending, finished_recving)")
-                sending, recving = result or (None, None)
-                outputs[name].finished_sending = _id_set(sending, "finished_sending", str)
-                outputs[name].finished_recving = _id_set(recving, "finished_recving", str)
-        for name, errors in self._each("get_block_ids_with_load_errors", ()):
-            with self._checked(name, "get_block_ids_with_load_errors"):
-                outputs[name].invalid_block_ids = _id_set(errors, "block ids", int)
-        for name, stats in self._each("get_kv_connector_stats", ()):
-            with self._checked(name, "get_kv_connector_stats"):
-                outputs[name].stats = _stats(stats)
+        for name, (sending, recving) in self._each("get_finished", (finished_req_ids,), _finished):
+            outputs[name].finished_sending, outputs[name].finished_recving = sending, recving
+        for name, errors in self._each("get_block_ids_with_load_errors", (), _block_ids):
+            outputs[name].invalid_block_ids = errors
+        for name, stats in self._each("get_kv_connector_stats", (), _stats):
+            outputs[name].stats = stats
         for name in self._failed_this_step:
             outputs[name].failed = True
         self._failed_this_step = set(self._disabled)
@@ -692,14 +713,7 @@ class ConnectorHost:
 
     def num_tracked_requests(self) -> dict[str, int]:
         """Per connector, how many requests it still tracks (if it says; an answer that is not an int >= 0 is bad)."""
-        tracked = {}
-        for name, n in self._each("get_num_tracked_requests", ()):
-            with self._checked(name, "get_num_tracked_requests"):
-                if n is not None and (not isinstance(n, Integral) or isinstance(n, bool) or n < 0):
-                    raise BadHookAnswer(f"returned {n!r}, not an int >= 0 or None")
-                if n is not None:
-                    tracked[name] = int(n)
-        return tracked
+        return {name: n for name, n in self._each("get_num_tracked_requests", (), _count) if n is not None}
 
     def shutdown(self) -> None:
         self._notify("shutdown")
