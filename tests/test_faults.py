@@ -280,17 +280,17 @@ class SyncLoadReportedAsync(memory_connector.MemoryConnector):
 
 
 class HitEndsInsideABlock(memory_connector.MemoryConnector):
-    """Reports one token more than the blocks it holds."""
+    """Reports one token less than the blocks it holds: the engine would take the last block's tail as loaded."""
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         hit, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        return (hit + 1 if hit else 0), load_async
+        return max(0, hit - 1), load_async
 
 
 BAD_ANSWERS = {
     "lookup-type": (_bad("get_num_new_matched_tokens", "lots"), "get_num_new_matched_tokens", "'lots'"),
     "lookup-negative": (_bad("get_num_new_matched_tokens", (-16, False)), "get_num_new_matched_tokens", "-16"),
-    "lookup-partial-block": (HitEndsInsideABlock, "get_num_new_matched_tokens", "num_tokens=65"),
+    "lookup-partial-block": (HitEndsInsideABlock, "get_num_new_matched_tokens", "num_tokens=63"),
     "finished-not-a-pair": (_bad("get_finished", 42), "get_finished", "42"),
     "finished-ints": (_bad("get_finished", ({1}, None)), "get_finished", "1 (int)"),
     "sync-load-in-finished-recving": (SyncLoadReportedAsync, "get_finished", "finished_recving"),
