@@ -378,6 +378,7 @@ class ConnectorHost:
         no hit for that request.
         """
         req_id = request.request_id
+        num_tokens: int | None
         for name, result in self._each("get_num_new_matched_tokens", (request, num_computed_tokens)):
             if result is None or (result.__class__ is tuple and result == _NO_HIT):  # the usual answer, checked fast
                 num_tokens, load_async = 0, False
