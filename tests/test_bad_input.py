@@ -7,6 +7,7 @@ one-line message naming the problem, the documented exit code, no traceback.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import subprocess
 import sys
@@ -27,8 +28,11 @@ from kvconn import (
     WireError,
     load_connector,
 )
+from kvconn.engine import Engine
 from kvconn.outputs import CachedRequestData, SchedulerOutput
 from kvconn.wire import decode_model_runner_output, decode_scheduler_output, encode_scheduler_output
+from kvconn_cli.config_input import read_config
+from kvconn_cli.errors import UsageError
 
 KVCONN = shutil.which("kvconn", path=str(Path(sys.executable).parent))
 
@@ -126,6 +130,36 @@ CATALOGUE: dict[str, Case] = {
         WireError,
         "carries metadata for connector 'a', which this worker does not run",
     ),
+    "offload config: pool_blocks out of range": Case(
+        lambda: load_connector("offload", role="worker", config={"pool_blocks": 2**70}),
+        ConnectorConfigError,
+        "field 'pool_blocks': expected int <= 268435456",
+        ["simulate", "--connector", "offload", "--config", json.dumps({"pool_blocks": 2**70})],
+    ),
+    "offload config: pool_bytes out of range": Case(
+        lambda: load_connector("offload", role="worker", config={"pool_bytes": 2**64}),
+        ConnectorConfigError,
+        "field 'pool_bytes': expected int <= 70368744177664",
+    ),
+    "offload config: block_size_multiple out of range": Case(
+        lambda: load_connector("offload", role="worker", config={"block_size_multiple": 2**40}),
+        ConnectorConfigError,
+        "field 'block_size_multiple': expected int <= 1024",
+    ),
+    "engine: a block pool too large to allocate": Case(
+        lambda: Engine(num_blocks=2**63), ValueError, "num_blocks must be <= 4194304 in the reference engine"
+    ),
+    "engine: a request larger than the whole pool": Case(
+        lambda: Engine(num_blocks=16).add_request([1] * 300, max_tokens=4),
+        ValueError,
+        "can never fit the KV cache",
+    ),
+    "config: nested too deeply": Case(
+        lambda: read_config("[" * 100_000 + "]" * 100_000, None),
+        UsageError,
+        "nested too deeply",
+        ["simulate", "--connector", "dummy", "--config", "[" * 20_000 + "]" * 20_000],
+    ),
     "wire: model runner output": Case(
         lambda: decode_model_runner_output(b"\x92\x01"), WireError, "model runner output could not be decoded"
     ),
@@ -167,3 +201,23 @@ def test_mutated_real_messages_decode_or_fail_cleanly(cut: int, flip: int) -> No
     data[cut % len(data)] ^= flip
     with contextlib.suppress(WireError):
         decode_scheduler_output(bytes(data), {"a": Meta})
+
+
+@pytest.mark.parametrize(
+    ("source", "what"),
+    [("import sys\nsys.exit(0)\n", "called sys.exit(0)"), ("raise BaseException('boom')\n", "BaseException: boom")],
+    ids=["sys.exit(0)", "BaseException"],
+)
+def test_a_plugin_exiting_or_raising_base_exception_at_import_is_a_load_error(
+    source: str, what: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "bad_at_import.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for load in (
+        lambda: load_connector("bad_at_import:Connector", role="worker"),
+        lambda: Engine("bad_at_import:Connector"),
+    ):
+        with pytest.raises(ConnectorLoadError, match=r"'bad_at_import:Connector'.*") as err:
+            load()
+        assert what in str(err.value) and "\n" not in str(err.value)
+        sys.modules.pop("bad_at_import", None)

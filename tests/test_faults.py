@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any
+import time
+from typing import Any, ClassVar
 
 import pytest
 
@@ -74,14 +75,19 @@ def test_a_partial_load_failure_recomputes_from_the_failed_block_on(expected: li
     assert engine.stats.prompt_tokens_computed == engine.stats.prompt_tokens - engine.stats.prompt_tokens_loaded
 
 
-def test_reports_for_unknown_requests_are_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_unknown_finished_sends_are_ignored_with_a_warning_and_unknown_loads_degrade(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     host = ConnectorHost.from_names("dummy", role="scheduler")
     with caplog.at_level(logging.WARNING, logger="kvconn.host"):
         update = host.update_connector_output(
             {"dummy": KVConnectorOutput(finished_sending={"ghost"}, finished_recving={"ghost"})}
         )
     assert not update.finished_sending and not update.finished_recving
-    assert sum("unknown" in r.getMessage() and "ghost" in r.getMessage() for r in caplog.records) == 2
+    # an abort may have given up on a send: tolerated; a load the engine never waited for is a bad answer
+    assert sum("unknown send" in r.getMessage() and "ghost" in r.getMessage() for r in caplog.records) == 1
+    assert host.error_counts[("dummy", "get_finished")] == 1
+    assert "'ghost'" in host.first_errors[("dummy", "get_finished")]
 
 
 class NeverSends(memory_connector.MemoryConnector):
@@ -113,3 +119,206 @@ def test_aborting_a_request_while_its_async_load_runs_frees_after_the_load() -> 
         assert engine.scheduler.held_requests == {request.request_id}  # the worker may still write
         engine.scheduler.update_from_output(output, engine.worker.execute_model(output))
         assert_scheduler_empty(engine.scheduler)
+
+
+# --------------------------------------------------------------------------- livelocks (issue 14, item 3)
+# Each of these ran the engine to its step limit before (100,000 steps, then RuntimeError); the
+# tests give a limit of 1,000 steps so that they fail fast without the bound.
+
+
+def test_a_request_that_can_never_fit_the_pool_is_refused_at_add_request() -> None:
+    with Engine(num_blocks=8) as engine:  # 7 usable blocks of 16 tokens
+        with pytest.raises(ValueError, match=r"can never fit the KV cache: .* need at least 9 blocks .* holds 7"):
+            engine.add_request(list(range(1, 130)), max_tokens=8)
+        assert not engine.scheduler.has_work()
+        assert engine.generate([list(range(1, 100))], max_tokens=8)[0]  # one that fits still runs
+
+
+class AsksForever(memory_connector.MemoryConnector):
+    """Always asks to be asked again later."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[None, bool]:
+        return None, False
+
+
+class NeverReportsSends(memory_connector.MemoryConnector):
+    """Delays every free and never reports one finished."""
+
+    def request_finished(self, request: Any) -> bool:
+        super().request_finished(request)
+        return True
+
+
+class FailsEveryBlock(memory_connector.MemoryConnector):
+    """Reports every block of the pool as a failed load, every step."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        super().get_block_ids_with_load_errors()
+        return set(range(1, 64))
+
+
+@pytest.mark.parametrize(
+    ("cls", "hook"),
+    [
+        (AsksForever, "get_num_new_matched_tokens"),
+        (NeverReportsSends, "get_finished"),
+        (FailsEveryBlock, "get_block_ids_with_load_errors"),
+    ],
+)
+def test_a_connector_that_makes_no_progress_is_degraded_and_the_engine_finishes(
+    cls: type, hook: str, expected: list[list[int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    path = f"{__name__}:{cls.__name__}"
+    # 24 blocks: held sends fill the pool after a few requests, and the engine starves without the bound
+    with (
+        caplog.at_level(logging.WARNING, logger="kvconn.host"),
+        Engine(path, enable_prefix_caching=False, num_blocks=24, stall_steps=32) as engine,
+    ):
+        requests = [engine.add_request(p, max_tokens=8) for p in workload() * 2]
+        engine.run_until_done(max_steps=1_000)
+    assert [r.output_token_ids for r in requests] == expected * 2
+    host = engine.scheduler_host
+    assert host is not None and host.error_counts[(path, hook)] >= 1
+    assert any(path in r.getMessage() and hook in r.getMessage() for r in caplog.records)
+    assert engine.stats.steps < 1_000
+    assert_scheduler_empty(engine.scheduler, connectors=False)
+
+
+# --------------------------------------------------------------------------- hook time budget (item 4)
+
+
+class SlowSaves(memory_connector.MemoryConnector):
+    """Its wait_for_save takes 20 ms."""
+
+    def wait_for_save(self) -> None:
+        time.sleep(0.02)
+
+
+def test_a_hook_over_the_time_budget_is_warned_about_once_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    path = f"{__name__}:SlowSaves"
+    with (
+        caplog.at_level(logging.WARNING, logger="kvconn.host"),
+        Engine(path, hook_budget_s=0.005) as engine,
+    ):
+        engine.generate([workload()[0]], max_tokens=3)
+    host = engine.worker_host
+    assert host is not None
+    assert host.slow_calls[(path, "wait_for_save")] == engine.stats.steps
+    warned = [r.getMessage() for r in caplog.records if "hook budget" in r.getMessage()]
+    assert len(warned) == 1 and path in warned[0] and "wait_for_save" in warned[0]
+    assert not host.slow_calls.keys() - {(path, "wait_for_save")}
+
+
+# --------------------------------------------------------------------------- garbage KV (item 7)
+
+
+class NanLoads(memory_connector.MemoryConnector):
+    """Writes NaN into the blocks whose load fails (``fail_from_block``) and reports them."""
+
+    def start_load_kv(self, metadata: Any) -> None:
+        super().start_load_kv(metadata)
+        for kv in self.kv_caches.values():
+            for block in self._failed:
+                kv[block].fill_(float("nan"))
+
+
+def test_nan_in_a_failed_load_never_crashes_and_is_recomputed(expected: list[list[int]]) -> None:
+    with Engine(f"{__name__}:NanLoads", {"fail_from_block": 2}, enable_prefix_caching=False) as engine:
+        outputs = run_sequential(engine)
+    assert outputs == expected
+    assert engine.stats.failed_load_blocks == 3 * 2
+
+
+# --------------------------------------------------------------------------- every hook's answer is checked (item 8)
+
+
+class BadAnswers(memory_connector.MemoryConnector):
+    """Does its work, then answers ``ANSWERS[hook]`` from the hooks listed there."""
+
+    ANSWERS: ClassVar[dict[str, Any]] = {}
+
+    def _answer(self, hook: str, result: Any) -> Any:
+        return self.ANSWERS.get(hook, result)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        return self._answer(
+            "get_num_new_matched_tokens", super().get_num_new_matched_tokens(request, num_computed_tokens)
+        )
+
+    def request_finished(self, request: Any) -> Any:
+        return self._answer("request_finished", super().request_finished(request))
+
+    def get_finished(self, finished_req_ids: set[str]) -> Any:
+        return self._answer("get_finished", super().get_finished(finished_req_ids))
+
+    def get_block_ids_with_load_errors(self) -> Any:
+        return self._answer("get_block_ids_with_load_errors", super().get_block_ids_with_load_errors())
+
+    def get_kv_connector_stats(self) -> Any:
+        return self._answer("get_kv_connector_stats", None)
+
+    def get_num_tracked_requests(self) -> Any:
+        return self._answer("get_num_tracked_requests", super().get_num_tracked_requests())
+
+
+def _bad(hook: str, value: Any) -> type:
+    """A memory connector whose ``hook`` answers ``value``, loadable by its path in this module."""
+    cls = type(f"Bad_{hook}_{len(globals())}", (BadAnswers,), {"ANSWERS": {hook: value}})
+    globals()[cls.__name__] = cls
+    return cls
+
+
+class SyncLoadReportedAsync(memory_connector.MemoryConnector):
+    """Reports its (sync) loads in finished_recving."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str]]:
+        return None, {t.req_id for t in self._reported}
+
+    def start_load_kv(self, metadata: Any) -> None:
+        super().start_load_kv(metadata)
+        self._reported = metadata.loads
+
+
+class HitEndsInsideABlock(memory_connector.MemoryConnector):
+    """Reports one token less than the blocks it holds: the engine would take the last block's tail as loaded."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        hit, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return max(0, hit - 1), load_async
+
+
+BAD_ANSWERS = {
+    "lookup-type": (_bad("get_num_new_matched_tokens", "lots"), "get_num_new_matched_tokens", "'lots'"),
+    "lookup-negative": (_bad("get_num_new_matched_tokens", (-16, False)), "get_num_new_matched_tokens", "-16"),
+    "lookup-partial-block": (HitEndsInsideABlock, "get_num_new_matched_tokens", "num_tokens=63"),
+    "finished-not-a-pair": (_bad("get_finished", 42), "get_finished", "42"),
+    "finished-ints": (_bad("get_finished", ({1}, None)), "get_finished", "1 (int)"),
+    "sync-load-in-finished-recving": (SyncLoadReportedAsync, "get_finished", "finished_recving"),
+    "load-errors-type": (_bad("get_block_ids_with_load_errors", "abc"), "get_block_ids_with_load_errors", "'abc'"),
+    "load-errors-not-ints": (_bad("get_block_ids_with_load_errors", {"x"}), "get_block_ids_with_load_errors", "'x'"),
+    "stats": (_bad("get_kv_connector_stats", {"blocks_saved": "many"}), "get_kv_connector_stats", "'many'"),
+    "request-finished": (_bad("request_finished", "yes"), "request_finished", "'yes'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ANSWERS))
+def test_a_bad_answer_degrades_the_connector_naming_it_the_hook_and_the_value(
+    case: str, expected: list[list[int]]
+) -> None:
+    cls, hook, value = BAD_ANSWERS[case]
+    path = f"{__name__}:{cls.__name__}"
+    with Engine(path, enable_prefix_caching=False) as engine:
+        outputs = run_sequential(engine)
+    assert outputs == expected
+    # a type is checked where the hook runs, whether a report names the connector's own loads by the scheduler
+    errors = {k: v for h in (engine.scheduler_host, engine.worker_host) if h for k, v in h.first_errors.items()}
+    assert value in errors[(path, hook)]
+    assert engine.stats.degraded_events >= 1
+    assert_scheduler_empty(engine.scheduler, connectors=False)
+
+
+def test_a_bad_tracked_request_count_is_a_degraded_answer() -> None:
+    path = f"{__name__}:{_bad('get_num_tracked_requests', '3').__name__}"
+    host = ConnectorHost.from_names(path, role="scheduler")
+    assert host.num_tracked_requests() == {}
+    assert "'3'" in host.first_errors[(path, "get_num_tracked_requests")]

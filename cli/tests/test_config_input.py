@@ -27,6 +27,8 @@ def test_inline_and_file(tmp_path: Path) -> None:
         ("{bad", r"--config is not valid JSON \(Expecting property name"),
         ("[1, 2]", "must be a JSON object of config fields, got an array"),
         ('"x"', "got a string"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ('{"a": ' * 100_000 + "1" + "}" * 100_000, "nested too deeply"),
     ],
 )
 def test_bad_inline_config(text: str, message: str) -> None:

@@ -80,3 +80,52 @@ def test_config_goes_to_the_one_connector_or_per_name() -> None:
     together, alone = setups_from_options([f"{MEMORY},dummy", "dummy"], {MEMORY: {"load_async": True}})
     assert together.names == (MEMORY, "dummy") and together.config == {MEMORY: {"load_async": True}}
     assert alone.config is None
+
+
+# Issue 14: bad numbers, plugins that exit or print, failing hooks.
+
+
+def test_bad_numbers_are_one_usage_error_line_without_running(run_kvconn: RunKvconn) -> None:
+    cases = {
+        ("--num-blocks", "0"): "--num-blocks must be between 16 and 65536, got 0",
+        ("--num-blocks=-5",): "--num-blocks must be between 16 and 65536, got -5",
+        ("--num-blocks", str(2**63)): f"--num-blocks must be between 16 and 65536, got {2**63}",
+        ("--num-blocks", "16"): "--num-blocks 16 is too small for this workload: its longest request needs",
+        ("--requests", "0"): "--requests must be between 1 and 10000, got 0",
+        ("--requests", str(10**9)): "--requests must be between 1 and 10000",
+    }
+    for args, message in cases.items():
+        proc = run_kvconn("simulate", "--connector", "dummy", *args)
+        lines = proc.stderr.splitlines()
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert len(lines) == 1 and lines[0].startswith(f"kvconn: error: {message}"), (args, proc.stderr)
+
+
+def test_a_plugin_that_exits_at_import_is_a_clear_error(run_kvconn: RunKvconn, broken_env: dict[str, str]) -> None:
+    proc = run_kvconn("simulate", "--connector", "e2e-exits", *SMALL, env=broken_env)
+    assert proc.returncode == 1, proc.stderr
+    assert "kvconn: error: connector 'e2e-exits'" in proc.stderr and "called sys.exit(3)" in proc.stderr
+
+
+def test_a_plugin_printing_at_import_leaves_the_json_intact(run_kvconn: RunKvconn, broken_env: dict[str, str]) -> None:
+    proc = run_kvconn("simulate", "--connector", "e2e-noisy", "--requests", "2", "--json", env=broken_env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["runs"][0]["label"] == "e2e-noisy"
+    assert "noisy plugin says hello" in proc.stderr
+
+
+def test_failing_hooks_are_summed_up_one_line_each_without_traceback(run_kvconn: RunKvconn) -> None:
+    config = json.dumps({"fail_hook": "save_kv_layer"})
+    proc = run_kvconn("simulate", "--connector", MEMORY, "--config", config, "--requests", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if "save_kv_layer" in line]
+    assert line.startswith(f"kvconn: warning: {MEMORY}: connector {MEMORY!r} failed in save_kv_layer ")
+    assert "time(s)" in line and "injected failure in save_kv_layer" in line
+
+
+def test_an_offload_pool_too_small_for_one_block_is_refused(run_kvconn: RunKvconn) -> None:
+    env = env_with_path(KVCONN_PLUGINS="offload")
+    proc = run_kvconn("simulate", "--connector", "offload", "--config", '{"pool_bytes": 1}', "--requests", "2", env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "kvconn: error: invalid config for connector 'offload': field 'pool_bytes': 1 bytes hold no" in proc.stderr

@@ -243,3 +243,49 @@ def test_per_layer_hooks_skip_a_connector_for_the_rest_of_the_step_it_failed_in(
     second = step()
     assert flaky.calls == [("wait", "L0"), ("save", "L0:f"), ("wait", "L1"), ("save", "L1:f")]  # back next step
     assert not second["flaky"].failed
+
+
+@pytest.mark.parametrize(
+    ("env", "path", "why"),
+    [
+        (
+            {"KVCONN_DISABLE_PLUGINS": "offload"},
+            "kvconn_offload:OffloadConnector",
+            "disabled by KVCONN_DISABLE_PLUGINS",
+        ),
+        ({"KVCONN_DISABLE_PLUGINS": "offload"}, "kvconn_offload.connector:OffloadConnector", "plugin 'offload'"),
+        ({"KVCONN_PLUGINS": "dummy"}, "kvconn_offload:OffloadConnector", "not in KVCONN_PLUGINS='dummy'"),
+        (
+            {"KVCONN_DISABLE_PLUGINS": "kvconn.testing"},
+            memory_connector.__name__ + ":MemoryConnector",
+            "'kvconn.testing'",
+        ),
+    ],
+)
+def test_the_plugin_lists_apply_to_module_paths(
+    env: dict[str, str], path: str, why: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    for load in (lambda: Engine(path), lambda: kvconn.load_connector(path, role="worker")):
+        with pytest.raises(kvconn.ConnectorNotFoundError, match=f"{path!r} is not available") as err:
+            load()
+        assert why in str(err.value)
+
+
+def test_an_allow_list_leaves_paths_outside_every_plugin_and_allowed_plugins_loadable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVCONN_PLUGINS", "dummy")
+    with Engine([f"{memory_connector.__name__}:MemoryConnector", "kvconn_dummy:DummyConnector"]) as engine:
+        assert engine.generate([[1, 2, 3]], max_tokens=2)[0]
+
+
+class TooSmallPool(KVConnector):
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        raise kvconn.ConnectorConfigError("invalid config for connector 'x': field 'pool_bytes': too small")
+
+
+def test_a_config_error_at_register_kv_caches_is_raised_not_degraded() -> None:
+    with pytest.raises(kvconn.ConnectorConfigError, match="pool_bytes"):
+        Engine(f"{__name__}:TooSmallPool")

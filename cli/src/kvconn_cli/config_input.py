@@ -48,6 +48,8 @@ def _parse(text: str, source: str) -> dict[str, Any]:
             f"{source} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
             "pass an object such as '{\"field\": 1}'"
         ) from None
+    except RecursionError:
+        raise UsageError(f"{source} is nested too deeply to read; a connector config is a flat JSON object") from None
     if not isinstance(value, dict):
         kind = _JSON_KINDS.get(type(value), type(value).__name__)
         raise UsageError(f"{source} must be a JSON object of config fields, got {kind}")

@@ -12,16 +12,28 @@ given, so that it can
   reported as failed so the engine recomputes them (never runs on wrong KV),
   frees it was delaying are released, the error is logged once per
   (connector, hook) with the plugin's name and counted. Under ``"raise"`` the
-  error surfaces as :class:`~kvconn.errors.ConnectorError`.
+  error surfaces as :class:`~kvconn.errors.ConnectorError`;
+* check answers: what a per-step hook returns is validated here (types, whole-block
+  hits, load errors and finished loads that belong to the connector's own loads);
+  a bad answer is handled as if the hook had raised, with an error naming the
+  connector, the hook and the value. The per-layer hooks return nothing and are
+  not checked (they are the hot path);
+* bound what a connector can stall: a request it keeps asking to be asked
+  again about, a free it delays or an async load it never reports, for more
+  than ``stall_steps`` steps, is failed as above, and a hook call longer than
+  ``hook_budget_s`` is warned about once per (connector, hook) and counted.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral, Real
+from time import perf_counter
 from typing import Any, Literal
 
 import pluggy
@@ -29,7 +41,7 @@ import pluggy
 from .block_state import BlockIds, KVConnectorBlockState, block_ids_in_range
 from .connector import KVConnectorRole
 from .context import ConnectorContext
-from .errors import ConnectorError, ConnectorLoadError
+from .errors import ConnectorConfigError, ConnectorError, ConnectorLoadError
 from .hookspecs import SCHEDULER_HOOKS, WORKER_HOOKS
 from .manager import KVConnPluginManager
 from .metadata import KVConnectorMetadata
@@ -37,13 +49,19 @@ from .outputs import KVConnectorOutput, SchedulerOutput
 from .registry import connector_roles, instantiate_connector, load_connector_class
 from .request import ConnectorRequest
 
-__all__ = ["ConnectorHost", "LoadPlan", "StepUpdate"]
+__all__ = ["DEFAULT_HOOK_BUDGET_S", "DEFAULT_STALL_STEPS", "ConnectorHost", "LoadPlan", "StepUpdate"]
 
 logger = logging.getLogger("kvconn.host")
 
 OnError = Literal["degrade", "raise"]
 #: (connector name, a callable taking the hook's arguments positionally, in spec order)
 _Impl = tuple[str, Callable[..., Any]]
+
+#: Steps a connector may keep a request waiting on it (asking to be asked again, a
+#: delayed free, an async load) before the host gives up on it and degrades the connector.
+DEFAULT_STALL_STEPS = 128
+#: Seconds one hook call may take before the host warns (once per connector and hook) and counts it.
+DEFAULT_HOOK_BUDGET_S = 1.0
 
 
 def _positional(function: Callable[..., Any], argnames: Sequence[str], spec: Sequence[str]) -> Callable[..., Any]:
@@ -76,6 +94,8 @@ class LoadPlan:
 
 
 NO_LOAD = LoadPlan()
+_FAILED = object()  # what _each holds for a call that raised
+_NO_HIT = (0, False)
 
 
 @dataclass
@@ -97,7 +117,62 @@ class StepUpdate:
 class _Load:
     block_ids: list[int]
     is_async: bool
+    step: int  # the host's step count when the load was planned
     sent: bool = False  # its metadata reached the workers
+
+
+class BadHookAnswer(TypeError):
+    """A hook returned something outside its contract; handled as if the hook had raised it."""
+
+
+def _finished(result: object) -> tuple[set[str], set[str]]:
+    """``get_finished``'s answer: ``(finished_sending, finished_recving)``, each ``None`` or request ids."""
+    if result is None:
+        return set(), set()
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise BadHookAnswer(f"returned {result!r}, not (finished_sending, finished_recving)")
+    return _id_set(result[0], "finished_sending", str), _id_set(result[1], "finished_recving", str)
+
+
+def _block_ids(result: object) -> set[int]:
+    """``get_block_ids_with_load_errors``'s answer: ``None`` or block ids."""
+    return _id_set(result, "block ids", int)
+
+
+def _count(result: object) -> int | None:
+    """``get_num_tracked_requests``'s answer: ``None`` or an int >= 0."""
+    if result is not None and (not isinstance(result, Integral) or isinstance(result, bool) or result < 0):
+        raise BadHookAnswer(f"returned {result!r}, not an int >= 0 or None")
+    return None if result is None else int(result)
+
+
+def _id_set(value: object, what: str, kind: type) -> set[Any]:
+    """``value`` (``None`` or an iterable of ``kind``) as a set, or :class:`BadHookAnswer` naming ``what``."""
+    if not value and isinstance(value, (set, frozenset, list, tuple, type(None))):
+        return set()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise BadHookAnswer(f"returned {what} {value!r}, not a set of {kind.__name__}")
+    try:
+        items = set(value)
+    except TypeError as exc:
+        raise BadHookAnswer(f"returned {what} that cannot be a set: {exc}") from None
+    ok = Integral if kind is int else kind
+    bad = next((v for v in items if not isinstance(v, ok) or isinstance(v, bool)), None)
+    if bad is not None:
+        raise BadHookAnswer(f"returned {what} holding {bad!r} ({type(bad).__name__}), not {kind.__name__}")
+    return {int(v) for v in items} if kind is int else items
+
+
+def _stats(value: object) -> dict[str, float]:
+    """``value`` (``None`` or a mapping of names to finite numbers) as a dict, or :class:`BadHookAnswer`."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise BadHookAnswer(f"returned {value!r}, not a mapping of stat names to numbers")
+    for key, number in value.items():
+        if not isinstance(key, str) or not isinstance(number, Real) or not math.isfinite(number):
+            raise BadHookAnswer(f"returned stat {key!r}: {number!r}, not a name and a finite number")
+    return dict(value)
 
 
 class ConnectorHost:
@@ -109,6 +184,9 @@ class ConnectorHost:
         role: the side of the engine this host serves.
         context: the engine facts (block size is used to map loads to blocks).
         on_error: ``"degrade"`` (default) or ``"raise"``.
+        stall_steps: steps without progress a connector may cause (see the module docstring).
+        hook_budget_s: seconds a hook call may take before it is warned about and
+            counted in :attr:`slow_calls`; ``None``: no budget.
     """
 
     def __init__(
@@ -118,9 +196,15 @@ class ConnectorHost:
         role: KVConnectorRole | str,
         context: ConnectorContext | None = None,
         on_error: OnError = "degrade",
+        stall_steps: int = DEFAULT_STALL_STEPS,
+        hook_budget_s: float | None = DEFAULT_HOOK_BUDGET_S,
     ) -> None:
         if on_error not in ("degrade", "raise"):
             raise ValueError(f"on_error must be 'degrade' or 'raise', not {on_error!r}")
+        if stall_steps < 1:
+            raise ValueError(f"stall_steps must be >= 1, got {stall_steps}")
+        self.stall_steps = stall_steps
+        self.hook_budget_s = math.inf if hook_budget_s is None else hook_budget_s
         items = list(connectors.items() if isinstance(connectors, Mapping) else connectors)
         self.role = KVConnectorRole(role)
         self.context = context or ConnectorContext()
@@ -140,6 +224,13 @@ class ConnectorHost:
             impls = sorted(caller.get_hookimpls(), key=lambda i: order[i.plugin_name])
             self._impls[hook] = [(i.plugin_name, _positional(i.function, i.argnames, spec)) for i in impls]
         self.error_counts: Counter[tuple[str, str]] = Counter()
+        #: the first error of each (connector, hook), as ``"Type: message"``
+        self.first_errors: dict[tuple[str, str], str] = {}
+        #: hook calls longer than ``hook_budget_s``, per (connector, hook)
+        self.slow_calls: Counter[tuple[str, str]] = Counter()
+        self._step = 0  # update_connector_output calls: the scheduler's step count
+        self._asks: dict[tuple[str, str], int] = {}  # (connector, request) -> "ask again" answers in a row
+        self._send_steps: dict[str, int] = {}  # delayed free -> the step it began
         # scheduler side: loads in flight per connector, frees delayed per request
         self._loads: dict[str, dict[str, _Load]] = {name: {} for name in self.connectors}
         self._sending: dict[str, set[str]] = {}
@@ -159,6 +250,8 @@ class ConnectorHost:
         config: Mapping[str, Any] | None = None,
         context: ConnectorContext | None = None,
         on_error: OnError = "degrade",
+        stall_steps: int = DEFAULT_STALL_STEPS,
+        hook_budget_s: float | None = DEFAULT_HOOK_BUDGET_S,
     ) -> ConnectorHost:
         """Load connectors by name (or ``"pkg.mod:Class"``) and host them.
 
@@ -179,7 +272,9 @@ class ConnectorHost:
             for n, c in classes
             if role in connector_roles(c)
         ]
-        return cls(loaded, role=role, context=ctx, on_error=on_error)
+        return cls(
+            loaded, role=role, context=ctx, on_error=on_error, stall_steps=stall_steps, hook_budget_s=hook_budget_s
+        )
 
     def _register(self, name: str, connector: object) -> None:
         if name in self.connectors:
@@ -210,31 +305,61 @@ class ConnectorHost:
             raise ConnectorError(name, hook, exc) from exc
         key = (name, hook)
         if not self.error_counts[key]:
+            self.first_errors[key] = f"{type(exc).__name__}: {exc}"
             logger.warning(
                 "connector %r failed in %s; its work for this step is dropped (degraded): %s: %s",
-                name, hook, type(exc).__name__, exc, exc_info=exc,
+                name, hook, type(exc).__name__, exc, exc_info=None if isinstance(exc, BadHookAnswer) else exc,
+                extra={"kvconn_hook_failure": key},
             )  # fmt: skip
         self.error_counts[key] += 1
         self._failed_this_step.add(name)
         if self.role is KVConnectorRole.WORKER:
             self._plan_layers()  # it sits out the rest of the step
 
-    def _each(self, hook: str, args: tuple[Any, ...] | Callable[[str], tuple[Any, ...]]) -> Iterator[tuple[str, Any]]:
+    def _slow(self, name: str, hook: str, seconds: float) -> None:
+        """Count a hook call over the time budget; warn about the first per (connector, hook)."""
+        key = (name, hook)
+        if not self.slow_calls[key]:
+            logger.warning(
+                "connector %r took %.3f s in %s, over the hook budget of %.3f s: the engine waited for it "
+                "(warned once; counted in slow_calls)",
+                name, seconds, hook, self.hook_budget_s,
+            )  # fmt: skip
+        self.slow_calls[key] += 1
+
+    def _each(
+        self,
+        hook: str,
+        args: tuple[Any, ...] | Callable[[str], tuple[Any, ...]],
+        check: Callable[[Any], Any] | None = None,
+    ) -> Iterator[tuple[str, Any]]:
         """Call ``hook`` on every connector implementing it, in order; yield ``(name, result)`` of the successes.
 
         ``args`` are the spec's arguments in order, or a function of the
-        connector's name returning them. On the worker, a connector that
-        raised earlier in the step sits out the rest of it.
+        connector's name returning them. ``check`` validates and converts a
+        result; a :class:`BadHookAnswer` it raises is a failure of the hook.
+        On the worker, a connector that raised earlier in the step sits out
+        the rest of it.
         """
         skip = self._failed_this_step if self.role is KVConnectorRole.WORKER else ()
+        # One clock read per call: each call's time runs from the previous read, so it also holds the
+        # caller's bookkeeping between two yields (microseconds; the budget is in seconds).
+        started = perf_counter()
         for name, call in self._impls[hook]:
             if name in skip:
                 continue
             try:
                 result = call(*(args(name) if callable(args) else args))
+                if check is not None:
+                    result = check(result)
             except Exception as exc:
                 self._fail(name, hook, exc)
-            else:
+                result = _FAILED
+            now = perf_counter()
+            if now - started > self.hook_budget_s:
+                self._slow(name, hook, now - started)
+            started = now
+            if result is not _FAILED:
                 yield name, result
 
     def _notify(self, hook: str, args: tuple[Any, ...] | Callable[[str], tuple[Any, ...]] = ()) -> None:
@@ -245,14 +370,74 @@ class ConnectorHost:
     # ------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> LoadPlan:
-        """Ask each connector in order; the first that reports tokens loads."""
+        """Ask each connector in order; the first that reports tokens loads.
+
+        A bad answer (see :meth:`_check_match`) counts as no hit. A connector
+        that asks to be asked again about one request more than
+        ``stall_steps`` times in a row is failed once, then counts as having
+        no hit for that request.
+        """
+        req_id = request.request_id
+        num_tokens: int | None
         for name, result in self._each("get_num_new_matched_tokens", (request, num_computed_tokens)):
-            num_tokens, load_async = result if result is not None else (0, False)
+            if result is None or (result.__class__ is tuple and result == _NO_HIT):  # the usual answer, checked fast
+                num_tokens, load_async = 0, False
+            else:
+                try:
+                    num_tokens, load_async = self._check_match(result, request, num_computed_tokens)
+                except BadHookAnswer as exc:
+                    self._fail(name, "get_num_new_matched_tokens", exc)
+                    continue
             if num_tokens is None:
-                return LoadPlan(None, False, name)
+                asks = self._asks[name, req_id] = self._asks.get((name, req_id), 0) + 1
+                if asks <= self.stall_steps:
+                    return LoadPlan(None, False, name)
+                if asks == self.stall_steps + 1:
+                    self._fail(
+                        name,
+                        "get_num_new_matched_tokens",
+                        BadHookAnswer(
+                            f"asked to be asked again about request {req_id!r} {self.stall_steps} times in a row "
+                            "(stall_steps); the engine stops waiting for it and computes the request"
+                        ),
+                    )
+                continue
+            if self._asks:
+                self._asks.pop((name, req_id), None)
             if num_tokens > 0:
-                return LoadPlan(num_tokens, bool(load_async), name)
+                return LoadPlan(num_tokens, load_async, name)
         return NO_LOAD
+
+    def _check_match(
+        self, result: object, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """``(num_tokens, load_async)`` from a lookup answer, or :class:`BadHookAnswer`.
+
+        ``num_tokens`` must be an int >= 0 or ``None``, ``load_async`` a bool,
+        and a hit must end on a block boundary unless it reaches the last
+        token (the engine then trims it to whole blocks): the engine loads
+        whole blocks, so a hit ending inside one would leave that block's
+        tail uncomputed.
+        """
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            raise BadHookAnswer(f"returned {result!r}, not (num_tokens, load_async)")
+        num_tokens, load_async = result
+        if type(num_tokens) is not int and (  # the exact type first: the ABC check is slow, and this is per request
+            num_tokens is not None and (not isinstance(num_tokens, Integral) or isinstance(num_tokens, bool))
+        ):
+            raise BadHookAnswer(f"returned num_tokens={num_tokens!r} ({type(num_tokens).__name__}), not an int or None")
+        if type(load_async) is not bool and not isinstance(load_async, int):
+            raise BadHookAnswer(f"returned load_async={load_async!r} ({type(load_async).__name__}), not a bool")
+        if num_tokens is None:
+            return None, False
+        num_tokens = int(num_tokens)
+        end, block_size = num_computed_tokens + num_tokens, self.context.block_size
+        if num_tokens < 0 or (end % block_size and end < request.num_tokens - 1):
+            raise BadHookAnswer(
+                f"returned num_tokens={num_tokens} after {num_computed_tokens} computed tokens: a hit must be >= 0 "
+                f"and end on a block boundary (block size {block_size}), the engine loads whole blocks"
+            )
+        return num_tokens, bool(load_async)
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: BlockIds, plan: LoadPlan) -> bool:
         """Tell every connector about the allocation; the planned loader gets its tokens.
@@ -269,7 +454,7 @@ class ConnectorHost:
             if name == plan.connector and num_external:
                 start = request.num_computed_tokens
                 blocks = block_ids_in_range(block_ids, start, start + num_external, self.context.block_size)
-                self._loads[name][request.request_id] = _Load(blocks, plan.load_async)
+                self._loads[name][request.request_id] = _Load(blocks, plan.load_async, self._step)
                 loading = True
         return loading
 
@@ -307,40 +492,74 @@ class ConnectorHost:
             scheduler_output.kv_connector_block_state = None
 
     def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> bool:
-        """Tell every connector; returns whether any delays freeing the blocks."""
-        delayed = {
-            name
-            for name, result in self._each("request_finished", (request, block_ids))
-            if (result[0] if isinstance(result, tuple) else result)
-        }
+        """Tell every connector; returns whether any delays freeing the blocks.
+
+        An answer other than a bool (or ``(bool, params)``) is a bad answer: no delay.
+        """
+        req_id = request.request_id
+        delayed = set()
+        for name, result in self._each("request_finished", (request, block_ids)):
+            delay = result[0] if isinstance(result, tuple) and result else result
+            if delay is not None and not isinstance(delay, (bool, int)):
+                self._fail(
+                    name, "request_finished", BadHookAnswer(f"returned {result!r}, not a bool or (bool, params)")
+                )
+            elif delay:
+                delayed.add(name)
+            if self._asks:
+                self._asks.pop((name, req_id), None)
         if delayed:
-            self._sending[request.request_id] = delayed
+            self._sending[req_id] = delayed
+            self._send_steps[req_id] = self._step
         return bool(delayed)
 
     def update_connector_output(self, outputs: Mapping[str, KVConnectorOutput]) -> StepUpdate:
         """Hand each connector its worker report and merge what the engine must do."""
         update = StepUpdate()
         empty = KVConnectorOutput()
+        self._step += 1
         self._notify("update_connector_output", lambda name: (outputs.get(name, empty),))
         for name in self.connectors:
             out = outputs.get(name, empty)
             update.stats.update(out.stats)
-            self._settle_loads(name, out, update)
-            self._settle_sends(name, out, update)
-            update.invalid_block_ids |= out.invalid_block_ids
+            failed = out.failed or not self._report_ok(name, out)
+            self._settle_loads(name, out, failed, update)
+            self._settle_sends(name, out, failed, update)
+            if not failed:
+                update.invalid_block_ids |= out.invalid_block_ids
         return update
 
-    def _settle_loads(self, name: str, out: KVConnectorOutput, update: StepUpdate) -> None:
+    def _report_ok(self, name: str, out: KVConnectorOutput) -> bool:
+        """Whether a worker report speaks only of the connector's own loads; a bad one fails its step.
+
+        ``finished_recving`` may name only its async loads in flight (not a
+        sync load, not another connector's), and ``invalid_block_ids`` only
+        blocks of its loads in flight: anything else would make the engine
+        land a load nobody made, or recompute (forever) blocks it computed.
+        """
+        loads = self._loads[name]
+        stray: list[Any] = sorted(r for r in out.finished_recving if r not in loads or not loads[r].is_async)
+        if stray:
+            hook, what = "get_finished", f"{stray[:8]} in finished_recving, which are not its async loads in flight"
+        else:
+            own = {b for load in loads.values() for b in load.block_ids} if out.invalid_block_ids else set()
+            stray = sorted(out.invalid_block_ids - own)
+            hook, what = "get_block_ids_with_load_errors", f"blocks {stray[:8]}, which are not in its loads in flight"
+        if not stray:
+            return True
+        self._fail(name, hook, BadHookAnswer(f"reported {what} ({len(stray)} in all); its loads are recomputed"))
+        return False
+
+    def _settle_loads(self, name: str, out: KVConnectorOutput, failed: bool, update: StepUpdate) -> None:
         """Sync loads end with their step, async ones when reported.
 
         A load fails (its blocks are recomputed) when its metadata never went
-        out (``build_connector_meta`` failed) or the worker side raised.
+        out (``build_connector_meta`` failed), the worker side raised or the
+        report was bad (``failed``).
         """
         loads = self._loads[name]
-        for req_id in out.finished_recving - loads.keys():
-            logger.warning("connector %r reported an unknown load as finished: %r (ignored)", name, req_id)
         for req_id, load in list(loads.items()):
-            if out.failed or not load.sent:
+            if failed or not load.sent:
                 update.invalid_block_ids.update(load.block_ids)
             elif load.is_async and req_id not in out.finished_recving:
                 continue  # still loading
@@ -348,25 +567,44 @@ class ConnectorHost:
             if load.is_async:
                 update.finished_recving.add(req_id)
 
-    def _settle_sends(self, name: str, out: KVConnectorOutput, update: StepUpdate) -> None:
+    def _settle_sends(self, name: str, out: KVConnectorOutput, failed: bool, update: StepUpdate) -> None:
         """Free delayed blocks once every connector that delayed them is done.
 
         A worker side that raised is presumed to have lost its transfers: the
-        frees it was delaying are released rather than leaked.
+        frees it was delaying are released rather than leaked. So are those
+        it has not reported within ``stall_steps`` steps (and it is failed):
+        held blocks would otherwise starve the engine for good. A report of a
+        send it never delayed is ignored with a warning (an abort may have
+        given up on it).
         """
         for req_id in out.finished_sending:
             if name not in self._sending.get(req_id, ()):
                 logger.warning("connector %r reported an unknown send as finished: %r (ignored)", name, req_id)
+        stalled = []
         for req_id, waiting in list(self._sending.items()):
-            if out.failed or req_id in out.finished_sending:
+            if failed or req_id in out.finished_sending:
                 waiting.discard(name)
+            elif name in waiting and self._step - self._send_steps.get(req_id, self._step) > self.stall_steps:
+                waiting.discard(name)
+                stalled.append(req_id)
             if not waiting:
                 del self._sending[req_id]
+                self._send_steps.pop(req_id, None)
                 update.finished_sending.add(req_id)
+        if stalled:
+            self._fail(
+                name,
+                "get_finished",
+                BadHookAnswer(
+                    f"did not report the delayed frees of {stalled[:8]} in finished_sending within "
+                    f"{self.stall_steps} steps (stall_steps); their blocks are released"
+                ),
+            )
 
     def abandon_send(self, req_id: str) -> None:
         """Stop waiting for connectors to finish sending ``req_id`` (it was aborted)."""
         self._sending.pop(req_id, None)
+        self._send_steps.pop(req_id, None)
 
     def pending_loads(self) -> dict[str, set[str]]:
         """Requests with a load in flight, per connector."""
@@ -375,8 +613,19 @@ class ConnectorHost:
     # --------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """A connector that fails here is disabled: every step reports it failed (loads recompute)."""
-        self._notify("register_kv_caches", (kv_caches,))
+        """A connector that fails here is disabled: every step reports it failed (loads recompute).
+
+        A :class:`~kvconn.errors.ConnectorConfigError` is raised instead: the
+        config does not fit this engine (a pool smaller than one block, say),
+        which only the operator can fix; running without the connector would hide it.
+        """
+        for name, call in self._impls["register_kv_caches"]:
+            try:
+                call(kv_caches)
+            except ConnectorConfigError:
+                raise
+            except Exception as exc:
+                self._fail(name, "register_kv_caches", exc)
         self._disabled = set(self._failed_this_step)
 
     def bind_connector_metadata(self, metadata: Mapping[str, KVConnectorMetadata] | None) -> None:
@@ -400,41 +649,60 @@ class ConnectorHost:
         self._layer_saves = with_metadata("save_kv_layer")
         self._layer_waits = [(n, c) for n, c in self._impls.get("wait_for_layer_load", ()) if n not in failed]
 
+    # The per-layer hooks run layers x connectors times a step: each loop is timed as a whole (two clock
+    # reads per layer, whatever the number of connectors), and a slow call is put down to every connector
+    # that took part in it. start_load_kv runs once a step and is timed per connector.
+
     def start_load_kv(self) -> None:
         for name, call, metadata in self._kv_loads:
+            started = perf_counter()
             try:
                 call(metadata)
             except Exception as exc:
                 self._fail(name, "start_load_kv", exc)
+            if (elapsed := perf_counter() - started) > self.hook_budget_s:
+                self._slow(name, "start_load_kv", elapsed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        started = perf_counter()
         for name, call in self._layer_waits:
             try:
                 call(layer_name)
             except Exception as exc:
                 self._fail(name, "wait_for_layer_load", exc)
+        if (elapsed := perf_counter() - started) > self.hook_budget_s:
+            self._slow_layer(self._layer_waits, "wait_for_layer_load", elapsed)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any) -> None:
+        started = perf_counter()
         for name, call, metadata in self._layer_saves:
             try:
                 call(layer_name, kv_layer, metadata)
             except Exception as exc:
                 self._fail(name, "save_kv_layer", exc)
+        if (elapsed := perf_counter() - started) > self.hook_budget_s:
+            self._slow_layer(self._layer_saves, "save_kv_layer", elapsed)
+
+    def _slow_layer(self, taking_part: Sequence[tuple[Any, ...]], hook: str, seconds: float) -> None:
+        for entry in taking_part:
+            self._slow(entry[0], hook, seconds)
 
     def wait_for_save(self) -> None:
         self._notify("wait_for_save")
 
     def get_finished(self, finished_req_ids: set[str]) -> dict[str, KVConnectorOutput]:
-        """Collect each connector's report for this step and end the step."""
+        """Collect each connector's report for this step and end the step.
+
+        A report of the wrong type (not sets of request ids, block ids and
+        numeric stats) is a bad answer: that connector's step failed.
+        """
         outputs = {name: KVConnectorOutput() for name in self.connectors}
-        for name, result in self._each("get_finished", (finished_req_ids,)):
-            sending, recving = result if result is not None else (None, None)
-            outputs[name].finished_sending = set(sending or ())
-            outputs[name].finished_recving = set(recving or ())
-        for name, errors in self._each("get_block_ids_with_load_errors", ()):
-            outputs[name].invalid_block_ids = set(errors or ())
-        for name, stats in self._each("get_kv_connector_stats", ()):
-            outputs[name].stats = dict(stats or {})
+        for name, (sending, recving) in self._each("get_finished", (finished_req_ids,), _finished):
+            outputs[name].finished_sending, outputs[name].finished_recving = sending, recving
+        for name, errors in self._each("get_block_ids_with_load_errors", (), _block_ids):
+            outputs[name].invalid_block_ids = errors
+        for name, stats in self._each("get_kv_connector_stats", (), _stats):
+            outputs[name].stats = stats
         for name in self._failed_this_step:
             outputs[name].failed = True
         self._failed_this_step = set(self._disabled)
@@ -445,8 +713,8 @@ class ConnectorHost:
     # ---------------------------------------------------------------------- both
 
     def num_tracked_requests(self) -> dict[str, int]:
-        """Per connector, how many requests it still tracks (if it says)."""
-        return {name: int(n) for name, n in self._each("get_num_tracked_requests", ()) if n is not None}
+        """Per connector, how many requests it still tracks (if it says; an answer that is not an int >= 0 is bad)."""
+        return {name: n for name, n in self._each("get_num_tracked_requests", (), _count) if n is not None}
 
     def shutdown(self) -> None:
         self._notify("shutdown")

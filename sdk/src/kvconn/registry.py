@@ -6,7 +6,12 @@ import is reported with its distribution and never affects the others.
 
 Two environment variables restrict discovery everywhere (engine, CLI, host):
 ``KVCONN_PLUGINS`` (comma-separated allow-list) and
-``KVCONN_DISABLE_PLUGINS`` (comma-separated block-list).
+``KVCONN_DISABLE_PLUGINS`` (comma-separated block-list). They name plugins,
+and apply to a ``"pkg.mod:Class"`` path too: a path into an installed plugin's
+package is that plugin (``KVCONN_DISABLE_PLUGINS=offload`` refuses
+``kvconn_offload:OffloadConnector``), and the block-list may also name a path
+or a module or package of one (``kvconn.testing``). A path into code that is no
+installed plugin is not a plugin: the allow-list does not restrict it.
 """
 
 from __future__ import annotations
@@ -68,6 +73,23 @@ def _filtered_out(name: str) -> str | None:
     return None
 
 
+def _path_filtered_out(path: str) -> str | None:
+    """Why the connector path ``path`` is refused by the environment, or ``None`` (see the module docstring)."""
+    module = path.partition(":")[0]
+    parts = module.split(".")
+    prefixes = {path} | {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    blocked = prefixes & (_env_names("KVCONN_DISABLE_PLUGINS") or set())
+    if blocked:
+        return f"{sorted(blocked)[0]!r} is disabled by KVCONN_DISABLE_PLUGINS={os.environ['KVCONN_DISABLE_PLUGINS']!r}"
+    if "KVCONN_PLUGINS" not in os.environ and "KVCONN_DISABLE_PLUGINS" not in os.environ:
+        return None
+    # The plugins it belongs to: those whose target is in its module, else in its top-level package.
+    targets = [(ep.name, ep.value.partition(":")[0]) for ep in _entry_points()]
+    owners = [n for n, m in targets if m == module] or [n for n, m in targets if m.split(".")[0] == parts[0]]
+    reasons = [f"it belongs to plugin {n!r} and {why}" for n in owners if (why := _filtered_out(n))]
+    return reasons[0] if owners and len(reasons) == len(owners) else None
+
+
 def _entry_points() -> Any:
     # importlib.metadata costs ~30 ms to import: only when discovery runs, not at `import kvconn`.
     from importlib.metadata import entry_points
@@ -95,7 +117,13 @@ def _import_target(target: str, *, source: str) -> object:
         raise ConnectorLoadError(f"{target!r} is not a connector path: use the form 'package.module:ClassName'")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:
+    except SystemExit as exc:
+        raise ConnectorLoadError(
+            f"{source}: importing module {module_name!r} called sys.exit({exc.code!r}); a plugin must not exit"
+        ) from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a plugin raising BaseException must not take the engine or the CLI down
         raise ConnectorLoadError(
             f"{source} failed to import module {module_name!r}: {type(exc).__name__}: {exc}"
         ) from exc
@@ -115,6 +143,9 @@ def load_connector_class(name: str) -> type:
     """
     if ":" in name:
         source = f"connector path {name!r}"
+        hidden = _path_filtered_out(name)
+        if hidden:
+            raise ConnectorNotFoundError(f"{source} is not available: {hidden}")
         obj = _import_target(name, source=source)
     else:
         installed = available_connectors()
@@ -226,9 +257,9 @@ def instantiate_connector(
     cfg = build_config(cls, config, name=name)
     try:
         return cls(cfg, role=role, context=context or ConnectorContext())
-    except (ConnectorConfigError, ConnectorLoadError):
+    except (ConnectorConfigError, ConnectorLoadError, KeyboardInterrupt):
         raise
-    except Exception as exc:
+    except BaseException as exc:  # sys.exit in a constructor included
         raise ConnectorLoadError(
             f"connector {name!r} failed to start ({role.value}): {type(exc).__name__}: {exc}"
         ) from exc

@@ -49,6 +49,7 @@ __all__ = [
     "HOST_CALLS",
     "ConnectorSetup",
     "EngineOptions",
+    "HookFailure",
     "RunResult",
     "Simulation",
     "StepSample",
@@ -129,6 +130,16 @@ class StepSample:
     requests_finished: int
 
 
+@dataclass(frozen=True)
+class HookFailure:
+    """How often one connector's hook failed (raised or answered out of contract) in a run, and the first error."""
+
+    connector: str
+    hook: str
+    count: int
+    first_error: str
+
+
 @dataclass
 class RunResult:
     """One run of the workload: counters, timings, per-step samples and outputs."""
@@ -144,6 +155,8 @@ class RunResult:
     mismatched: list[int] = field(default_factory=list)
     #: wall seconds of every timed repeat; the other fields are the median repeat's (by wall time)
     wall_s_repeats: list[float] = field(default_factory=list)
+    #: the degraded hook calls behind ``stats.degraded_events``, per connector and hook
+    hook_failures: list[HookFailure] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -187,6 +200,7 @@ class RunResult:
             "connector_ms_per_step": self.connector_ms_per_step,
             "output_verified": self.verified,
             "mismatched_requests": self.mismatched,
+            "hook_failures": [asdict(f) for f in self.hook_failures],
         }
         if samples:
             doc["samples"] = [asdict(s) for s in self.samples]
@@ -314,7 +328,14 @@ def run_workload(
     wall_s = time.perf_counter() - start
     outputs = [list(h.output_token_ids) if h is not None else [] for h in handles]
     # read engine.stats again: it sums the hosts' degraded events when read
-    return RunResult(label, setup.names if setup else (), engine.stats, wall_s, timer.total, samples, outputs)
+    result = RunResult(label, setup.names if setup else (), engine.stats, wall_s, timer.total, samples, outputs)
+    result.hook_failures = [
+        HookFailure(name, hook, count, host.first_errors[name, hook])
+        for host in (engine.scheduler_host, engine.worker_host)
+        if host is not None
+        for (name, hook), count in sorted(host.error_counts.items())
+    ]
+    return result
 
 
 def _ready(after: int | None, handles: Sequence[Request | None]) -> bool:

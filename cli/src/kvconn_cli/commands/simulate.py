@@ -3,13 +3,20 @@
 Exit codes: 0 every run produced exactly the tokens of the run without a
 connector, 1 a run's output differs (or a connector cannot be loaded), 2 a
 usage error.
+
+Hook failures are not printed as they happen (no tracebacks unless
+``KVCONN_DEBUG=1``): after the runs, one line per connector and hook says how
+often it failed. With ``--json``, whatever a plugin prints goes to stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
-from collections.abc import Sequence
+import logging
+import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -18,7 +25,21 @@ import typer
 if TYPE_CHECKING:
     from kvconn.simulate import ConnectorSetup, RunResult, Simulation
 
-__all__ = ["WorkloadName", "register", "setups_from_options", "simulate"]
+__all__ = [
+    "MAX_NUM_BLOCKS",
+    "MAX_REQUESTS",
+    "MIN_NUM_BLOCKS",
+    "WorkloadName",
+    "register",
+    "setups_from_options",
+    "simulate",
+]
+
+#: Bounds of --num-blocks: a pool smaller than a block table is useless, a larger one only eats memory
+#: (each block holds KV for every layer of the reference model).
+MIN_NUM_BLOCKS, MAX_NUM_BLOCKS = 16, 1 << 16
+#: Bound of --requests: the workload is built and run in memory, three times and more.
+MAX_REQUESTS = 10_000
 
 
 class WorkloadName(str, enum.Enum):
@@ -48,12 +69,14 @@ def simulate(
     workload: Annotated[
         WorkloadName, typer.Option("--workload", help="The workload shape.")
     ] = WorkloadName.shared_prefix,
-    requests: Annotated[int, typer.Option("--requests", min=1, help="Number of requests.")] = 48,
+    requests: Annotated[int, typer.Option("--requests", help=f"Number of requests (1 to {MAX_REQUESTS}).")] = 48,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the workload generator.")] = 0,
     num_blocks: Annotated[
         int,
         typer.Option(
-            "--num-blocks", min=16, help="Local (GPU-side) block pool: running requests and the local prefix cache."
+            "--num-blocks",
+            help=f"Local (GPU-side) block pool: running requests and the local prefix cache "
+            f"({MIN_NUM_BLOCKS} to {MAX_NUM_BLOCKS}, and enough for the workload's longest request).",
         ),
     ] = 256,
     prefix_cache: Annotated[
@@ -82,6 +105,7 @@ def simulate(
 
     from ..config_input import read_config
     from ..errors import EXIT_FAILURE, ConnectorFailure, UsageError
+    from ..logs import configure_logging, debug_from_env
     from ..output import error, note, print_json
     from ..unregistered import not_found
 
@@ -91,11 +115,16 @@ def simulate(
         if plot.suffix.lower() != ".png":
             raise UsageError(f"--plot writes a PNG: give a file name ending in .png, not {str(plot)!r}")
         require_matplotlib()
+    _check_range("--requests", requests, 1, MAX_REQUESTS)
+    _check_range("--num-blocks", num_blocks, MIN_NUM_BLOCKS, MAX_NUM_BLOCKS)
     setups = setups_from_options(connectors, read_config(config, config_file))
     options = EngineOptions(num_blocks=num_blocks, enable_prefix_caching=prefix_cache)
     work = make_workload(workload.value, requests, seed)
+    _check_pool_fits(work, options)
+    debug = debug_from_env()
+    configure_logging(debug)
     try:
-        with _Progress(len(setups) + 1, requests) as progress:
+        with _quiet_failures(debug), _stdout_for_data(as_json), _Progress(len(setups) + 1, requests) as progress:
             result = run_simulation(work, setups, options, on_progress=progress.update, repeats=repeats)
     except kvconn.ConnectorNotFoundError as exc:
         raise not_found(exc) from None
@@ -103,6 +132,9 @@ def simulate(
         raise UsageError(str(exc)) from None
     except kvconn.KVConnError as exc:
         raise ConnectorFailure(str(exc)) from None
+    except SystemExit as exc:  # plugin code calling sys.exit must not end the command with its code, silently
+        raise ConnectorFailure(f"a connector called sys.exit({exc.code!r}) during the simulation") from None
+    _report_failures(result.runs)
     if plot is not None:
         from ..simulate_plot import plot_simulation
 
@@ -120,6 +152,63 @@ def simulate(
             )
     if not result.verified:
         raise typer.Exit(EXIT_FAILURE)
+
+
+def _check_range(option: str, value: int, low: int, high: int) -> None:
+    from ..errors import UsageError
+
+    if not low <= value <= high:
+        raise UsageError(f"{option} must be between {low} and {high}, got {value}")
+
+
+def _check_pool_fits(work: Any, options: Any) -> None:
+    """Refuse a pool that cannot hold the workload's longest request (it would never be scheduled)."""
+    from ..errors import UsageError
+
+    bs = options.block_size
+    longest = max(len(r.prompt) + r.max_tokens - 1 for r in work.requests)
+    needed = -(-longest // bs) + 1  # block 0 is the null block
+    if options.num_blocks < needed:
+        raise UsageError(
+            f"--num-blocks {options.num_blocks} is too small for this workload: its longest request needs "
+            f"{needed - 1} blocks of {bs} tokens ({longest} tokens) plus the null block; "
+            f"pass --num-blocks {needed} or more"
+        )
+
+
+@contextlib.contextmanager
+def _stdout_for_data(as_json: bool) -> Iterator[None]:
+    """With ``--json``, send what plugins print while loading and running to stderr: stdout is for the document."""
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        yield
+
+
+@contextlib.contextmanager
+def _quiet_failures(debug: bool) -> Iterator[None]:
+    """Hold back the host's per-failure log lines (summarised after the runs), unless debugging."""
+    host_log = logging.getLogger("kvconn.host")
+
+    def not_a_hook_failure(record: logging.LogRecord) -> bool:
+        return not hasattr(record, "kvconn_hook_failure")
+
+    if not debug:
+        host_log.addFilter(not_a_hook_failure)
+    try:
+        yield
+    finally:
+        host_log.removeFilter(not_a_hook_failure)
+
+
+def _report_failures(runs: Sequence[RunResult]) -> None:
+    """One warning line per (run, connector, hook) that failed: how often, and the first error."""
+    from ..output import warn
+
+    for run in runs:
+        for failure in run.hook_failures:
+            warn(
+                f"{run.label}: connector {failure.connector!r} failed in {failure.hook} {failure.count} time(s); "
+                f"its work there was dropped (degraded). First error: {failure.first_error}"
+            )
 
 
 def setups_from_options(connectors: Sequence[str], config: dict[str, Any] | None) -> list[ConnectorSetup]:

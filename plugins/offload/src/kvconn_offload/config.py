@@ -6,10 +6,15 @@ from typing import Annotated, Literal
 
 import msgspec
 
-__all__ = ["DEFAULT_POOL_BLOCKS", "OffloadConfig"]
+__all__ = ["DEFAULT_POOL_BLOCKS", "MAX_BLOCK_SIZE_MULTIPLE", "MAX_POOL_BLOCKS", "MAX_POOL_BYTES", "OffloadConfig"]
 
 #: Pool size, in offloaded blocks, when neither ``pool_blocks`` nor ``pool_bytes`` is set.
 DEFAULT_POOL_BLOCKS = 1024
+#: Upper bounds, far above any host's memory: a larger value is a typo, refused when the config is
+#: validated rather than failing (or overflowing) when the pool is allocated.
+MAX_POOL_BLOCKS = 1 << 28
+MAX_POOL_BYTES = 1 << 46  # 64 TiB
+MAX_BLOCK_SIZE_MULTIPLE = 1024
 
 PinMode = Literal["auto", "always", "never"]
 EvictionPolicy = Literal["lru", "fifo"]
@@ -19,13 +24,13 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Options of the ``offload`` connector. Set at most one of ``pool_blocks`` and ``pool_bytes``."""
 
     pool_blocks: Annotated[
-        Annotated[int, msgspec.Meta(ge=1)] | None,
+        Annotated[int, msgspec.Meta(ge=1, le=MAX_POOL_BLOCKS)] | None,
         msgspec.Meta(
             description=f"Host pool size in offloaded blocks (default {DEFAULT_POOL_BLOCKS} if pool_bytes is unset)"
         ),
     ] = None
     pool_bytes: Annotated[
-        Annotated[int, msgspec.Meta(ge=1)] | None,
+        Annotated[int, msgspec.Meta(ge=1, le=MAX_POOL_BYTES)] | None,
         msgspec.Meta(
             description="Host pool size in bytes (rounded down to whole offloaded blocks); "
             "the scheduler learns the block count from the worker's first report"
@@ -33,7 +38,11 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ] = None
     block_size_multiple: Annotated[
         int,
-        msgspec.Meta(ge=1, description="Engine blocks per offloaded block; prefix hits are whole offloaded blocks"),
+        msgspec.Meta(
+            ge=1,
+            le=MAX_BLOCK_SIZE_MULTIPLE,
+            description="Engine blocks per offloaded block; prefix hits are whole offloaded blocks",
+        ),
     ] = 1
     pin_memory: Annotated[
         PinMode,

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..connector import KVConnectorRole
 from ..context import ConnectorContext
-from ..host import ConnectorHost, OnError
+from ..host import DEFAULT_HOOK_BUDGET_S, DEFAULT_STALL_STEPS, ConnectorHost, OnError
 from ..wire import (
     decode_model_runner_output,
     decode_scheduler_output,
@@ -37,6 +37,8 @@ class Engine:
             connectors: every one saves, the first with a hit loads), or ``None``.
         config: the connector's config (with several: ``{name: config}``).
         on_error: the hosts' error policy (``"degrade"`` or ``"raise"``).
+        stall_steps, hook_budget_s: the hosts' bounds on a stalling or slow
+            connector (:class:`~kvconn.ConnectorHost`).
         model, dtype: engine facts connectors may namespace keys with.
         num_kv_heads, head_dim: KV-cache tensor shape of each layer.
         device: where the KV caches live (``"cuda"`` runs connectors against accelerator memory).
@@ -49,6 +51,8 @@ class Engine:
         config: Mapping[str, Any] | None = None,
         *,
         on_error: OnError = "degrade",
+        stall_steps: int = DEFAULT_STALL_STEPS,
+        hook_budget_s: float | None = DEFAULT_HOOK_BUDGET_S,
         model: str = "kvconn-reference",
         dtype: str = "float16",
         num_kv_heads: int = 2,
@@ -70,11 +74,17 @@ class Engine:
         self.scheduler_host: ConnectorHost | None = None
         self.worker_host: ConnectorHost | None = None
         if connector:
-            self.scheduler_host = ConnectorHost.from_names(
-                connector, role=KVConnectorRole.SCHEDULER, config=config, context=self.context, on_error=on_error
-            )
-            self.worker_host = ConnectorHost.from_names(
-                connector, role=KVConnectorRole.WORKER, config=config, context=self.context, on_error=on_error
+            self.scheduler_host, self.worker_host = (
+                ConnectorHost.from_names(
+                    connector,
+                    role=role,
+                    config=config,
+                    context=self.context,
+                    on_error=on_error,
+                    stall_steps=stall_steps,
+                    hook_budget_s=hook_budget_s,
+                )
+                for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
             )
         self.scheduler = Scheduler(scheduler_config, host=self.scheduler_host, context=self.context)
         self.worker = ReferenceWorker(

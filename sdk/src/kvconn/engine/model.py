@@ -9,6 +9,7 @@ so a wrong, missing or stale block changes the generated tokens.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +53,12 @@ class ReferenceModel:
         return values.view(len(inputs), 2, self.num_kv_heads, self.head_dim).to(self.dtype)
 
     def next_token(self, layer_reads: Sequence[Any]) -> int:
-        """Sample from the per-layer reductions of the KV read for the last position."""
+        """Sample from the per-layer reductions of the KV read for the last position.
+
+        Any KV gives a token, NaN and infinities included: a step that read a
+        failed load's garbage is discarded by the scheduler, never a crash.
+        """
         total = sum(float(r) * (i + 1) for i, r in enumerate(layer_reads))
+        if not math.isfinite(total):
+            return 0
         return int(abs(total) * 10_007) % self.vocab_size

@@ -26,9 +26,13 @@ from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 from .stats import EngineStats
 
-__all__ = ["Scheduler", "SchedulerConfig"]
+__all__ = ["MAX_NUM_BLOCKS", "Scheduler", "SchedulerConfig"]
 
 logger = logging.getLogger("kvconn.engine")
+
+#: The largest block pool of the reference engine: each block is a Python object and KV in every layer,
+#: so a pool far larger only exhausts memory slowly instead of failing at once.
+MAX_NUM_BLOCKS = 1 << 22
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -46,6 +50,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for field in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        if self.num_blocks > MAX_NUM_BLOCKS:
+            raise ValueError(f"num_blocks must be <= {MAX_NUM_BLOCKS} in the reference engine, got {self.num_blocks}")
         if not self.kv_cache_groups:
             raise ValueError("kv_cache_groups must hold at least one group")
 
@@ -101,9 +107,24 @@ class Scheduler:
                 f"request {request.request_id!r}: {request.num_tokens} prompt tokens + max_tokens "
                 f"{request.max_tokens} exceed max_model_len {self.config.max_model_len}"
             )
+        needed, usable = self._min_blocks(request), self.config.num_blocks - 1  # block 0 is the null block
+        if needed > usable:
+            raise ValueError(
+                f"request {request.request_id!r} can never fit the KV cache: its {request.num_tokens} prompt tokens "
+                f"+ max_tokens {request.max_tokens} need at least {needed} blocks of {self.block_size} tokens, and the "
+                f"pool holds {usable} (num_blocks {self.config.num_blocks}, one is the null block); "
+                "shorten the request or raise num_blocks"
+            )
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self.stats.prompt_tokens += request.num_prompt_tokens
+
+    def _min_blocks(self, request: Request) -> int:
+        """A lower bound of the blocks ``request`` holds at once: every group's table at its last computed token."""
+        tokens = request.num_tokens + request.max_tokens - 1  # the last sampled token is never computed
+        return sum(
+            -(-min(tokens, spec.sliding_window or tokens) // self.block_size) for spec in self.config.kv_cache_groups
+        )
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Abort (or finish) requests; unknown ids are ignored.
