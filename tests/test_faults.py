@@ -322,3 +322,18 @@ def test_a_bad_tracked_request_count_is_a_degraded_answer() -> None:
     host = ConnectorHost.from_names(path, role="scheduler")
     assert host.num_tracked_requests() == {}
     assert "'3'" in host.first_errors[(path, "get_num_tracked_requests")]
+
+
+class DropsWork(memory_connector.MemoryConnector):
+    """Reports one degraded event a step, as a store connector does when a put or get fails and it gives up."""
+
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        return {"degraded_events": 1}
+
+
+def test_work_a_connector_reports_dropping_counts_as_degraded_events() -> None:
+    with Engine(f"{__name__}:DropsWork") as engine:
+        engine.generate([list(range(40))], max_tokens=4)
+        stats = engine.stats
+        hook_failures = engine.worker_host.degraded_events + engine.scheduler_host.degraded_events  # type: ignore[union-attr]
+    assert hook_failures == 0 and stats.degraded_events == stats.steps > 0

@@ -174,7 +174,9 @@ class KVConnectorSpec:
     def get_kv_connector_stats(self) -> dict[str, float] | None:
         """Counters since the last call (``blocks_saved``, ``bytes_loaded``, ...).
 
-        Engines sum counters over steps and workers. A key starting with ``_``
+        Engines sum counters over steps and workers; ``degraded_events`` counts work
+        the connector dropped itself (a store error degraded to "no save" or
+        "recompute") and is added to the engine's degraded events. A key starting with ``_``
         is private: it reaches this connector's scheduler side (in
         ``update_connector_output``) but is neither summed nor shown, so use it
         for gauges and state such as a pool size or a sequence number.

@@ -58,8 +58,6 @@ def _failed(report: ConnectorReport) -> dict[str, str]:
         ("GrowsHandedTable", "KV015", "in scenario 'chunked-prefill', step 1, the connector changed "
          "update_state_after_alloc 'r0' block_ids: [(1, 2, 3)] became [(1, 2, 3, 4, 5)]"),
         ("RemembersHistory", "KV022", "it grows with history"),
-        ("ReportsSyncLoads", "KV031", "finished_recving reported 'r3', which the engine was not waiting for: no "
-         "async load of it was in flight (a sync load is never reported)"),
         ("ReportsUndelayedSends", "KV031", "finished_sending reported 'r0', which the engine was not waiting for: "
          "request_finished did not delay its free"),
         ("OverClaims", "KV040", "in the 'chunked-reuse' data run, request 'b' generated"),
@@ -89,7 +87,6 @@ def test_broken_connector_fails_its_check(connector: str, check_id: str, observe
         ("SavesTouchedBlocks", "KV042"),  # fine while chunks end on block boundaries
         ("KeepsFirstTable", "KV012"),  # its ids are in the live table, at the wrong positions (KV043 not run)
         ("KeepsFirstTableUnnamed", "KV043"),  # the same, with transfers naming no request: only the tokens show it
-        ("ReportsSyncLoads", "KV031"),
         ("StripsNullBlocks", "KV015"),
         ("DeferredSaver", "KV044"),  # its preempted-saves run goes wrong too: not run, KV044 is the root cause
         ("WrongLayerLoad", "KV040"),  # every data run goes wrong: the later data checks are not run
@@ -210,3 +207,16 @@ def test_a_store_ignoring_its_namespace_leaks_even_with_a_config_factory() -> No
             run_conformance(BROKEN + "IgnoresNamespace", select="KV045", config_factory=_fresh_namespaces())
         )
     assert "{'a': 48} tokens were loaded on its first step" in failed["KV045"]
+
+
+def test_a_sync_load_reported_finished_is_refused_by_the_host_and_reported_once_as_the_root_cause() -> None:
+    """The host checks get_finished's answer before KV031 can: the scenario breaks at KV010, naming hook and value."""
+    from kvconn.testing.conformance.session import ANSWER_FIX
+
+    with _quiet():
+        report = run_conformance(BROKEN + "ReportsSyncLoads")
+    failed = _failed(report)
+    assert set(failed) == {"KV010"}
+    assert "failed in get_finished: BadHookAnswer: reported ['r3'] in finished_recving" in failed["KV010"]
+    assert failed["KV010"].endswith(f"; fix: {ANSWER_FIX}")
+    assert next(r for r in report.results if r.id == "KV031").status == "skipped"  # not run: KV010 failed first

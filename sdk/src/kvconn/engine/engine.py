@@ -101,9 +101,10 @@ class Engine:
 
     @property
     def stats(self) -> EngineStats:
-        """The scheduler's counters, with degraded events of both hosts."""
+        """The scheduler's counters; degraded events: both hosts' failed hooks and what connectors report dropping."""
         stats = self.scheduler.stats
-        stats.degraded_events = sum(h.degraded_events for h in (self.scheduler_host, self.worker_host) if h)
+        hosts = sum(h.degraded_events for h in (self.scheduler_host, self.worker_host) if h)
+        stats.degraded_events = hosts + self.scheduler.connector_degraded_events
         return stats
 
     def add_request(self, prompt: Sequence[int], max_tokens: int = 16, request_id: str | None = None) -> Request:

@@ -89,6 +89,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = EngineStats()
+        #: work the connectors report they dropped themselves (their ``degraded_events`` stat)
+        self.connector_degraded_events = 0
         self._step = 0
         self._finished_for_workers: set[str] = set()
         self._tokens_on_worker: dict[str, int] = {}
@@ -356,6 +358,7 @@ class Scheduler:
         if update is not None:
             for key in ("blocks_saved", "blocks_loaded", "bytes_saved", "bytes_loaded"):
                 setattr(self.stats, key, getattr(self.stats, key) + int(update.stats.get(key, 0)))
+            self.connector_degraded_events += int(update.stats.get("degraded_events", 0))
             if update.invalid_block_ids:
                 discarded = self._recover_invalid_blocks(update.invalid_block_ids)
         for req_id, (start, loaded) in self._sync_loads.items():  # what survived recovery counts as loaded

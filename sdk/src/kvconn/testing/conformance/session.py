@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from ...errors import BlockStateSerializationError, ConnectorConfigError, ConnectorError, WireError
+from ...host import BadHookAnswer
 from ...registry import build_config, connector_roles, load_connector_class
 from .catalog import Check, get_check
 from .driver import DriverFactory, get_driver
@@ -28,8 +29,21 @@ METADATA_FIX = (
 )
 
 
+ANSWER_FIX = (
+    "answer each hook as its docstring in kvconn.hookspecs says: the host checks every per-step answer and "
+    "degrades a connector whose answer breaks the contract (the error names the hook and the value)"
+)
+
+
 def _fix_for(exc: BaseException | None) -> str | None:
-    """A fix more precise than the check's own, when the error says what is wrong (metadata that cannot travel)."""
+    """A fix more precise than the check's own, when the error says what is wrong.
+
+    Metadata that cannot travel, or an answer the host refused (``BadHookAnswer``:
+    e.g. a sync load reported in ``finished_recving``, which the host catches
+    before any check of the run can).
+    """
+    if isinstance(exc, ConnectorError) and isinstance(exc.__cause__, BadHookAnswer):
+        return ANSWER_FIX
     if isinstance(exc, (WireError, BlockStateSerializationError)) or (
         isinstance(exc, ConnectorError) and isinstance(exc.__cause__, TypeError) and "not an instance" in str(exc)
     ):
