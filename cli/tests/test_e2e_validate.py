@@ -163,3 +163,23 @@ def test_validate_unknown_name_suggests(run_kvconn: RunKvconn, make_env: Callabl
     proc = run_kvconn("validate", "dumy", env=make_env())
     assert proc.returncode == 2
     assert "did you mean 'dummy'" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+FIXTURES = Path(__file__).resolve().parents[2] / "sdk" / "tests" / "conformance" / "fixtures"
+
+
+def test_a_config_factory_lets_validate_catch_a_load_that_skips_missing_blocks(
+    run_kvconn: RunKvconn, make_env: Callable[..., dict[str, str]]
+) -> None:
+    """Only with a fresh namespace per run can the suite make the store lose what the scheduler saw."""
+    env = make_env(FIXTURES, KVCONN_PLUGINS="dummy")
+    broken = ("validate", "--module", "kvconn_conformance_fixtures.broken:SkipsMissing", "--check", "KV04*")
+    proc = run_kvconn(*broken, "--config-factory", "kvconn_conformance_fixtures.store:fresh_namespace", env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "its worker's store (a fresh namespace) had none of them, it reported no block failed" in proc.stdout
+    proc = run_kvconn(*broken[:3], "--config-factory", "kvconn_conformance_fixtures.store:nope", env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "kvconn: error: --config-factory 'kvconn_conformance_fixtures.store:nope': module "
+        "'kvconn_conformance_fixtures.store' has no function 'nope'"
+    ]

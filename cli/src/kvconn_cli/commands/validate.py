@@ -9,14 +9,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from kvconn.testing.conformance import CheckResult, ConnectorReport
+    from kvconn.testing.conformance import CheckResult, ConfigFactory, ConnectorReport
 
 __all__ = ["Driver", "register", "validate"]
 
@@ -53,6 +53,15 @@ def validate(
     config_file: Annotated[
         Path | None, typer.Option("--config-file", metavar="FILE", help="Read the connector config from a JSON file.")
     ] = None,
+    config_factory: Annotated[
+        str | None,
+        typer.Option(
+            "--config-factory",
+            metavar="PKG.MOD:FUNCTION",
+            help="A function run(name) -> config called for each scenario and data run: a fresh store namespace "
+            "per run for a connector whose store outlives its instances (and the lost-blocks part of KV041).",
+        ),
+    ] = None,
     check: Annotated[
         str | None,
         typer.Option(
@@ -83,6 +92,7 @@ def validate(
     debug = debug or debug_from_env()
     configure_logging(debug)
     config_map = read_config(config, config_file)
+    factory = _load_config_factory(config_factory) if config_factory else None
     targets = resolve_targets(names or [], all_installed, modules or [])
     num_checks = len(select_checks(list_checks(), check))
     if junit is not None:
@@ -95,7 +105,7 @@ def validate(
     def run(target: str, on_result: Callable[[CheckResult], None]) -> ConnectorReport:
         if target in problems:  # known not to load: report it without importing it again
             return ConnectorReport(name=target, results=[], load_error=problems[target].message)
-        return _run_one(target, config_map, check, engine.value, on_result, debug)
+        return _run_one(target, config_map, factory, check, engine.value, on_result, debug)
 
     with plugin_output_to_stderr():
         reports = _run_with_progress(err_console(), targets, num_checks, run)
@@ -109,9 +119,29 @@ def validate(
         raise typer.Exit(EXIT_FAILURE)
 
 
+def _load_config_factory(path: str) -> ConfigFactory:
+    """The ``--config-factory`` function, or a usage error saying what is wrong with ``path``."""
+    import importlib
+
+    from ..errors import UsageError
+
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise UsageError(f"--config-factory takes 'package.module:function', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise UsageError(f"--config-factory {path!r}: cannot import {module_name!r}: {exc}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UsageError(f"--config-factory {path!r}: module {module_name!r} has no function {attr!r}")
+    return cast("ConfigFactory", factory)
+
+
 def _run_one(
     target: str,
     config: dict[str, Any] | None,
+    config_factory: ConfigFactory | None,
     select: str | None,
     driver: str,
     on_result: Callable[[CheckResult], None],
@@ -124,7 +154,9 @@ def _run_one(
     from ..output import print_traceback
 
     try:
-        return run_conformance(target, config=config, select=select, on_result=on_result, driver=driver)
+        return run_conformance(
+            target, config=config, select=select, on_result=on_result, driver=driver, config_factory=config_factory
+        )
     except (Exception, SystemExit) as exc:  # a plugin calling sys.exit must not end the other connectors' runs
         if debug:
             print_traceback(exc)
