@@ -21,6 +21,7 @@ from .errors import (
     KVConnError,
     WireError,
 )
+from .filled import FilledBlocks, filled_blocks, iter_block_ids
 from .host import ConnectorHost, LoadPlan, StepUpdate
 from .markers import hookimpl, hookspec
 from .metadata import KVConnectorMetadata
@@ -46,6 +47,7 @@ __all__ = [
     "ConnectorLoadError",
     "ConnectorNotFoundError",
     "ConnectorRequest",
+    "FilledBlocks",
     "KVCacheGroupSpec",
     "KVConnError",
     "KVConnector",
@@ -62,8 +64,10 @@ __all__ = [
     "WireError",
     "available_connectors",
     "block_ids_in_range",
+    "filled_blocks",
     "hookimpl",
     "hookspec",
+    "iter_block_ids",
     "load_connector",
     "load_connector_class",
 ]

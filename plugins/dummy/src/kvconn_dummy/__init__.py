@@ -74,18 +74,18 @@ class DummyConnector(kvconn.KVConnector):
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
     ) -> DummyMetadata:
-        block_size = self.context.block_size
-        computed = scheduler_output.num_computed_tokens_by_request()
         filled: dict[str, BlockIds] = {}
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        for req_id, _, full in kvconn.filled_blocks(scheduler_output, self.context.block_size):
             shipped = self._requests.get(req_id)
-            full = (computed[req_id] + num_tokens) // block_size
             if shipped is None or full <= shipped:
                 continue  # fills no block this step: nothing to resolve
             table = block_state.get_block_ids(req_id)
             if table is None:
                 continue  # not offered this step: its blocks are shipped on a step it is
-            filled[req_id] = tuple([b for b in ids[shipped:full] if b != kvconn.NULL_BLOCK_ID] for ids in table)
+            blocks: BlockIds = tuple([] for _ in table)
+            for _, group, block_id in kvconn.iter_block_ids(table, shipped, full):
+                blocks[group].append(block_id)
+            filled[req_id] = blocks
             self._requests[req_id] = full
         self._record("build_connector_meta", sorted(filled))
         return DummyMetadata(block_ids_by_req=filled)

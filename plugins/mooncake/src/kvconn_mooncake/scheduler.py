@@ -20,17 +20,18 @@ may be asked again for the same request.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvconn import (
-    NULL_BLOCK_ID,
     BlockIds,
     ConnectorContext,
     ConnectorRequest,
     KVConnectorBlockState,
     KVConnectorOutput,
     SchedulerOutput,
+    filled_blocks,
+    iter_block_ids,
 )
 
 from .degrade import Degradations
@@ -119,19 +120,17 @@ class SchedulerSide:
         bs = self.block_size
         first = request.num_computed_tokens // bs
         last = first + num_external_tokens // bs
-        loads = list(self._transfers(request, block_ids, range(first, last))) if num_external_tokens else []
+        loads = list(self._transfers(request, block_ids, first, last))
         self._requests[request.request_id] = _Request(request, saved_upto=last, loads=loads)
 
-    def _transfers(self, request: ConnectorRequest, table: BlockIds, blocks: Iterable[int]) -> Iterable[BlockTransfer]:
+    def _transfers(self, request: ConnectorRequest, table: BlockIds, start: int, end: int) -> Iterator[BlockTransfer]:
         hashes = request.block_hashes
-        for i in blocks:
-            for g, ids in enumerate(table):
-                if i < len(ids) and ids[i] != NULL_BLOCK_ID:
-                    yield BlockTransfer(self.keys.key(g, hashes[i]), ids[i], g)
+        for i, g, block_id in iter_block_ids(table, start, end):
+            yield BlockTransfer(self.keys.key(g, hashes[i]), block_id, g)
 
-    def _save_limit(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
-        """One past the last block that may be saved once ``num_computed_tokens`` are computed."""
-        limit = min(num_computed_tokens // self.block_size, len(request.block_hashes))
+    def _save_limit(self, request: ConnectorRequest, full_blocks: int) -> int:
+        """One past the last block that may be saved once its first ``full_blocks`` blocks are computed."""
+        limit = min(full_blocks, len(request.block_hashes))
         if not self.save_decode_cache:
             limit = min(limit, len(request.prompt_token_ids) // self.block_size)
         return limit
@@ -146,20 +145,18 @@ class SchedulerSide:
                 meta.loads.extend(state.loads)
                 state.loads = []
                 loading.add(req_id)
-        starts = output.num_computed_tokens_by_request()
-        for req_id, num_tokens in output.num_scheduled_tokens.items():
+        for req_id, start, end in filled_blocks(output, self.block_size):
             state = self._requests.get(req_id)
             if state is None:
                 continue
-            start = starts[req_id]
-            state.saved_upto = min(state.saved_upto, start // self.block_size)
-            limit = self._save_limit(state.request, start + num_tokens)
+            state.saved_upto = min(state.saved_upto, start)
+            limit = self._save_limit(state.request, end)
             if req_id in loading or limit <= state.saved_upto:
                 continue
             table = block_state.get_block_ids(req_id)
             if table is None:
                 continue
-            meta.saves.extend(self._transfers(state.request, table, range(state.saved_upto, limit)))
+            meta.saves.extend(self._transfers(state.request, table, state.saved_upto, limit))
             state.saved_upto = limit
         for req_id, transfers in self._final.items():
             meta.saves.extend(transfers)
@@ -175,8 +172,8 @@ class SchedulerSide:
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return False
-        limit = self._save_limit(request, request.num_computed_tokens)
-        transfers = list(self._transfers(request, block_ids, range(state.saved_upto, limit)))
+        limit = self._save_limit(request, request.num_computed_tokens // self.block_size)
+        transfers = list(self._transfers(request, block_ids, state.saved_upto, limit))
         if not transfers:
             return False
         self._final[request.request_id] = transfers

@@ -22,13 +22,14 @@ from collections import deque
 from collections.abc import Sequence
 
 from kvconn import (
-    NULL_BLOCK_ID,
     BlockIds,
     ConnectorContext,
     ConnectorRequest,
     KVConnectorBlockState,
     KVConnectorOutput,
     SchedulerOutput,
+    filled_blocks,
+    iter_block_ids,
 )
 
 from .config import OffloadConfig
@@ -115,17 +116,13 @@ class OffloadScheduler:
         keys = self._keys(request, 0, -(-end // m))
         used = keys[first // m :]
         transfer = BlockTransfer(request.request_id, [[] for _ in block_ids], [[] for _ in block_ids])
-        for g, table in enumerate(block_ids):
-            for i in range(first, end):
-                device = table[i]
-                if device == NULL_BLOCK_ID:
-                    continue
-                entry = self.manager.get(keys[i // m]) if i // m < len(keys) else None
-                if entry is None or not entry.ready or not entry.valid[g] >> (i % m) & 1:
-                    transfer.failed_blocks.append(device)
-                    continue
-                transfer.device_blocks[g].append(device)
-                transfer.host_blocks[g].append(entry.slot * m + i % m)
+        for i, g, device in iter_block_ids(block_ids, first, end):
+            entry = self.manager.get(keys[i // m]) if i // m < len(keys) else None
+            if entry is None or not entry.ready or not entry.valid[g] >> (i % m) & 1:
+                transfer.failed_blocks.append(device)
+                continue
+            transfer.device_blocks[g].append(device)
+            transfer.host_blocks[g].append(entry.slot * m + i % m)
         present = [(key, entry) for key in used if (entry := self.manager.get(key)) is not None]
         transfer.keys = [key for key, _ in present]
         transfer.slots = [entry.slot for _, entry in present]
@@ -143,13 +140,12 @@ class OffloadScheduler:
         self._new_loads, self._new_delayed = [], []
         if self.manager is None:
             return meta
-        computed = scheduler_output.num_computed_tokens_by_request()
         stored: list[bytes] = []
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        for req_id, first, end in filled_blocks(scheduler_output, self.block_size * self.multiple):
             request = self._requests.get(req_id)
             if request is None:
                 continue
-            transfer = self._plan_store(request, block_state, computed[req_id], num_tokens)
+            transfer = self._plan_store(request, block_state, first, end)
             if transfer is not None:
                 meta.stores.append(transfer)
                 stored.extend(transfer.keys)
@@ -162,16 +158,15 @@ class OffloadScheduler:
         return meta
 
     def _plan_store(
-        self, request: ConnectorRequest, block_state: KVConnectorBlockState, num_computed: int, num_tokens: int
+        self, request: ConnectorRequest, block_state: KVConnectorBlockState, first: int, end: int
     ) -> BlockTransfer | None:
-        """The offloaded blocks this step fills, not already offloaded, with their device blocks.
+        """Of the offloaded blocks ``[first, end)`` this step fills, those not offloaded yet, with their device blocks.
 
         The table is resolved only when there is something to store.
         """
         manager = self.manager
         assert manager is not None
-        bs, m = self.block_size, self.multiple
-        first, end = num_computed // (bs * m), (num_computed + num_tokens) // (bs * m)
+        m = self.multiple
         keys = self._keys(request, first, end)
         if all(manager.get(key) is not None for key in keys):
             return None
@@ -186,13 +181,10 @@ class OffloadScheduler:
         for key, entry in new:
             k = index[key]
             entry.valid = [0] * len(table)
-            for g, ids in enumerate(table):
-                for j in range(m):
-                    device = ids[k * m + j]
-                    if device != NULL_BLOCK_ID:
-                        transfer.device_blocks[g].append(device)
-                        transfer.host_blocks[g].append(entry.slot * m + j)
-                        entry.valid[g] |= 1 << j
+            for i, g, device in iter_block_ids(table, k * m, (k + 1) * m):
+                transfer.device_blocks[g].append(device)
+                transfer.host_blocks[g].append(entry.slot * m + i % m)
+                entry.valid[g] |= 1 << i % m
             transfer.slots.append(entry.slot)
             transfer.keys.append(key)
         return transfer

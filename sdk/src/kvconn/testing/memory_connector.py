@@ -17,7 +17,6 @@ from typing import Any
 import msgspec
 
 from .. import (
-    NULL_BLOCK_ID,
     BlockIds,
     ConnectorRequest,
     KVConnector,
@@ -25,6 +24,8 @@ from .. import (
     KVConnectorMetadata,
     KVConnectorRole,
     SchedulerOutput,
+    filled_blocks,
+    iter_block_ids,
 )
 from ..manager import HOOK_NAMES
 
@@ -96,35 +97,28 @@ class MemoryConnector(KVConnector):
         self._hashes[request.request_id] = list(request.block_hashes)
         bs = self.context.block_size
         first = request.num_computed_tokens // bs
-        for group, table in enumerate(block_ids):
-            for i in range(first, first + num_external_tokens // bs):
-                if table[i] != NULL_BLOCK_ID:
-                    self._pending_loads.append(
-                        Transfer(request.request_id, request.block_hashes[i], group, table[i], i - first)
-                    )
+        self._pending_loads += [
+            Transfer(request.request_id, request.block_hashes[i], g, b, i - first)
+            for i, g, b in iter_block_ids(block_ids, first, first + num_external_tokens // bs)
+        ]
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
     ) -> MemoryMetadata:
         meta = MemoryMetadata(loads=self._pending_loads)
         self._pending_loads = []
-        bs = self.context.block_size
-        computed = scheduler_output.num_computed_tokens_by_request()
-        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        for req_id, start, end in filled_blocks(scheduler_output, self.context.block_size):
             hashes = self._hashes.get(req_id)
             if hashes is None:
                 continue
-            start, end = computed[req_id], computed[req_id] + n
             # blocks this step fills, not saved yet: the table is read only for a request that has some
-            fills = [i for i in range(start // bs, min(end // bs, len(hashes))) if hashes[i] not in self._saved]
+            fills = [i for i in range(start, min(end, len(hashes))) if hashes[i] not in self._saved]
             table = block_state.get_block_ids(req_id) if fills else None
             if table is None:
                 continue
             for i in fills:
                 self._saved.add(hashes[i])
-                meta.saves.extend(
-                    Transfer(req_id, hashes[i], g, t[i], 0) for g, t in enumerate(table) if t[i] != NULL_BLOCK_ID
-                )
+                meta.saves.extend(Transfer(req_id, hashes[i], g, b, 0) for _, g, b in iter_block_ids(table, i, i + 1))
         return meta
 
     def request_finished(self, request: ConnectorRequest) -> bool:
