@@ -442,8 +442,9 @@ def freed_blocks(session: Session) -> None:
 @check(
     "KV045",
     "fresh-store",
-    fix="give every run a store of its own: a namespace (or directory) from the config, and in pytest override "
-    "ConnectorConformance.config_factory(run) to return a fresh one per run",
+    fix="give every run a store of its own: a namespace (or directory) from the config, and a config factory "
+    "returning a fresh one per run: kvconn validate --config-factory pkg.mod:function, or in pytest override "
+    "ConnectorConformance.config_factory(run)",
     **UNTIDY_DATA_CHECK,
 )
 def fresh_store(session: Session) -> None:
