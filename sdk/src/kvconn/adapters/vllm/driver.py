@@ -43,7 +43,7 @@ def load_driver() -> DriverFactory:
     if error is not None:
         raise ConnectorLoadError(
             f"vLLM is not installed in this environment: {error} "
-            "(install it with scripts/install-vllm-venv.sh and run kvconn from that venv)"
+            "(install it with scripts/install-vllm-venv.sh scheduler and run kvconn from that venv)"
         )
     return VllmDriver
 
