@@ -128,6 +128,35 @@ def test_failed_worker_side_fails_its_loads_and_releases_its_delayed_frees() -> 
     assert update.finished_sending == {"done"}
 
 
+class AsyncRecorder(Recorder):
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return self.hits, True
+
+
+def test_an_async_load_failed_with_its_worker_may_still_be_reported_without_failing_the_connector_again() -> None:
+    """The worker raised mid-load (its loads were recomputed); a step later it reports that load done."""
+    host = scheduler_host(a=AsyncRecorder(role="scheduler", hits=16))
+    request = Request("r", list(range(40)), 4, 16)
+    host.update_state_after_alloc(request, ([5, 6, 7],), host.get_num_new_matched_tokens(request, 0))
+    host.build_connector_meta(
+        kvconn.SchedulerOutput(0, [], kvconn.CachedRequestData(), {}, 0), kvconn.KVConnectorBlockState(set(), dict)
+    )
+    failed = host.update_connector_output({"a": KVConnectorOutput(failed=True)})
+    assert failed.invalid_block_ids == {5} and failed.finished_recving == {"r"}
+    late = host.update_connector_output({"a": KVConnectorOutput(finished_recving={"r"})})
+    assert host.degraded_events == 0 and late.finished_recving == set() and not late.invalid_block_ids
+    host.update_connector_output({"a": KVConnectorOutput(finished_recving={"r"})})  # a second report: a stray
+    assert host.degraded_events == 1
+
+
+def test_a_bad_report_keeps_the_delayed_frees_its_worker_may_still_be_reading() -> None:
+    """Only a worker that raised has lost its sends; one that answered badly may still read the blocks."""
+    host = scheduler_host(a=sched())
+    host._sending["done"] = {"a"}
+    update = host.update_connector_output({"a": KVConnectorOutput(finished_recving={"nobody"})})
+    assert host.degraded_events == 1 and update.finished_sending == set() and host._sending == {"done": {"a"}}
+
+
 class Marked:
     """A connector that is not a KVConnector subclass: hooks need the marker."""
 

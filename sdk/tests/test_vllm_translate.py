@@ -31,6 +31,17 @@ def test_mla_shaped_caches_are_refused() -> None:
         check_kv_caches({"layer.0": torch.zeros(8, 32, 576)}, CONTEXT)
 
 
+def route_as_under_vllm(names: set[str] | None = None) -> None:
+    """``route_logs_to_vllm`` with no root handler, as in a vLLM process (pytest gives the root its own)."""
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers.clear()
+    try:
+        route_logs_to_vllm(names or set())
+    finally:
+        root.handlers[:] = saved
+
+
 @pytest.fixture
 def loggers() -> Iterator[tuple[logging.Logger, logging.Logger, logging.Logger]]:
     names = ("vllm", "kvconn", "kvconn_someplugin")
@@ -49,9 +60,18 @@ def test_kvconn_and_plugin_logs_go_to_vllms_handlers_at_vllms_level(
     handler = logging.Handler()
     vllm_logger.addHandler(handler)
     vllm_logger.setLevel(logging.INFO)
-    route_logs_to_vllm({"kvconn_someplugin"})
+    route_as_under_vllm({"kvconn_someplugin"})
     for logger in (kvconn_logger, plugin_logger):
         assert logger.handlers == [handler] and logger.level == logging.INFO and not logger.propagate
+
+
+def test_nothing_is_routed_when_the_process_configured_the_root_logger(
+    loggers: tuple[logging.Logger, logging.Logger, logging.Logger],
+) -> None:
+    vllm_logger, kvconn_logger, _ = loggers
+    vllm_logger.addHandler(logging.Handler())
+    route_logs_to_vllm()  # pytest has given the root logger its handlers
+    assert logging.getLogger().handlers and kvconn_logger.handlers == [] and kvconn_logger.propagate
 
 
 def test_loggers_the_operator_configured_are_left_alone(
@@ -61,7 +81,7 @@ def test_loggers_the_operator_configured_are_left_alone(
     vllm_logger.addHandler(logging.Handler())
     own = logging.NullHandler()
     kvconn_logger.addHandler(own)
-    route_logs_to_vllm()
+    route_as_under_vllm()
     assert kvconn_logger.handlers == [own]
 
 

@@ -348,3 +348,35 @@ def test_the_vllm_step_overhead_benchmark_runs(tmp_path: Any) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert rows and all(math.isfinite(x) for row in rows for x in row)
+
+
+def test_without_worker_reports_each_connector_gets_only_its_own_loads(test_connectors: str) -> None:
+    """vLLM without worker metadata merges every connector's sets; the adapter splits them back by load."""
+    from types import SimpleNamespace
+
+    from kvconn.host import _Load
+
+    first, second = f"{test_connectors}:HandoffConnector", f"{test_connectors}:SlowHandoffConnector"
+    adapter = make_scheduler([first, second]).connector
+    adapter.host._loads[first]["a"] = _Load([7, 8], True, sent=True)
+    adapter.host._loads[second]["b"] = _Load([9], True, sent=True)
+    merged = SimpleNamespace(finished_sending={"x"}, finished_recving={"a", "b", "gone"}, invalid_block_ids={8, 9})
+    outputs, failed_recving = adapter._attribute(merged)
+    assert (outputs[first].finished_recving, outputs[first].invalid_block_ids) == ({"a"}, {8})
+    assert (outputs[second].finished_recving, outputs[second].invalid_block_ids) == ({"b"}, {9})
+    assert failed_recving == {"gone"} and outputs[first].finished_sending == outputs[second].finished_sending == {"x"}
+    adapter.host.update_connector_output(outputs)
+    assert adapter.host.degraded_events == 0  # before, each connector was failed for the other's report
+
+
+def test_the_hosts_bounds_are_set_from_vllms_extra_config() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvconn.adapters.vllm import KVConnVllmConnector
+
+    scheduler = make_scheduler("dummy")
+    scheduler.vllm_config.kv_transfer_config.kv_connector_extra_config.update(
+        {"kvconn_stall_steps": 7, "kvconn_hook_budget_s": 0.5}
+    )
+    adapter = KVConnVllmConnector(scheduler.vllm_config, KVConnectorRole.SCHEDULER, scheduler.kv_cache_config)
+    assert (adapter.host.stall_steps, adapter.host.hook_budget_s) == (7, 0.5)

@@ -9,6 +9,7 @@ and keys already stored.
 
 from __future__ import annotations
 
+import ctypes
 import uuid
 
 import pytest
@@ -17,12 +18,14 @@ import torch
 from kvconn import ConnectorContext, KVCacheGroupSpec
 from kvconn_mooncake import BlockTransfer, EmbeddedStore, MooncakeMetadata
 from kvconn_mooncake.integrity import HEADER_BYTES, Integrity
+from kvconn_mooncake.keys import BlockKeys
 from kvconn_mooncake.worker import WorkerSide
 
 NUM_BLOCKS = 8
 GROUPS = (KVCacheGroupSpec(("full.0", "full.1")), KVCacheGroupSpec(("swa.0",), sliding_window=32))
 SHAPES = {"full.0": (2, 4, 8), "full.1": (2, 4, 8), "swa.0": (2, 4, 3)}  # per block; the groups differ in size
 VALUE_BYTES = (2 * 2 * 4 * 8 * 2, 2 * 4 * 3 * 2)  # fp16: group 0 (two layers), group 1 (one layer)
+KEYS = BlockKeys(ConnectorContext(kv_cache_groups=GROUPS))
 
 
 def _worker(store: EmbeddedStore, secret: str | None = None) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
@@ -37,7 +40,8 @@ def _layers(group: int) -> tuple[str, ...]:
 
 
 def _key(group: int, i: int) -> str:
-    return f"{uuid.uuid4().hex}-g{group}-{i}"
+    """A fresh key in the test workers' namespace for ``group`` (the one the scheduler side would name)."""
+    return KEYS.key(group, uuid.uuid4().bytes + bytes([i]))
 
 
 def _save(worker: WorkerSide, transfers: list[BlockTransfer]) -> dict[str, float]:
@@ -83,9 +87,9 @@ def test_loads_land_in_their_blocks_and_only_failed_blocks_are_reported(store: E
 
 
 def test_repeat_of_a_failed_key_fails_too_and_other_sizes_are_short_reads(store: EmbeddedStore) -> None:
-    writer, _ = _worker(store)
-    small = _key(1, 1)
-    _save(writer, [BlockTransfer(small, 1, 1)])  # a group-1 value ...
+    small = KEYS.key(0, b"small")
+    value = bytearray(VALUE_BYTES[1])  # a value of a group-1 block's size, stored by another client under a group-0 key
+    assert store.batch_put_from([small], [[ctypes.addressof(ctypes.c_char.from_buffer(value))]], [[len(value)]]) == [0]
     reader, _ = _worker(store)
     loads = [BlockTransfer("gone", 2, 0), BlockTransfer("gone", 3, 0), BlockTransfer(small, 4, 0)]
     reader.start_load_kv(MooncakeMetadata(loads=loads))  # ... read as a (bigger) group-0 block
@@ -179,3 +183,25 @@ def test_with_a_secret_only_values_sealed_with_it_load(
     failed, stats = _load(reader, dst, [BlockTransfer(forged, 3, 0), BlockTransfer(sealed, 4, 0)])
     assert failed == {3} and stats[reason] == 1
     assert stats["blocks_loaded"] == 1 and all(torch.equal(dst[n][4], src[n][2]) for n in _layers(0))
+
+
+def test_tensor_parallel_ranks_store_and_load_their_own_shards(store: EmbeddedStore) -> None:
+    """Under vLLM the scheduler names keys for TP rank 0; every rank must still keep its shard under keys of its own.
+
+    The shards have one layout, so the header check cannot tell them apart: rank 1 would load rank 0's shard.
+    """
+    scheduler_keys = BlockKeys(ConnectorContext(kv_cache_groups=GROUPS, tp_size=2))
+    transfers = [BlockTransfer(scheduler_keys.key(0, bytes([i]) * 32), i, 0) for i in (1, 2)]
+    shards = {}
+    for rank in (0, 1):  # each rank saves its own shard of the same blocks
+        worker = WorkerSide(store, ConnectorContext(kv_cache_groups=GROUPS, tp_rank=rank, tp_size=2))
+        shards[rank] = {name: torch.randn((NUM_BLOCKS, *shape)).half() for name, shape in SHAPES.items()}
+        worker.register_kv_caches(shards[rank])
+        assert _save(worker, transfers)["blocks_saved"] == 2
+    reader = WorkerSide(store, ConnectorContext(kv_cache_groups=GROUPS, tp_rank=1, tp_size=2))
+    kv = {name: torch.zeros((NUM_BLOCKS, *shape)).half() for name, shape in SHAPES.items()}
+    reader.register_kv_caches(kv)
+    reader.start_load_kv(MooncakeMetadata(loads=transfers))
+    assert not reader.take_load_errors()
+    for name in _layers(0):
+        assert torch.equal(kv[name][1:3], shards[1][name][1:3]), f"rank 1 loaded another rank's shard of {name}"

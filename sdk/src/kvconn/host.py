@@ -19,9 +19,11 @@ given, so that it can
   connector, the hook and the value. The per-layer hooks return nothing and are
   not checked (they are the hot path);
 * bound what a connector can stall: a request it keeps asking to be asked
-  again about, a free it delays or an async load it never reports, for more
-  than ``stall_steps`` steps, is failed as above, and a hook call longer than
-  ``hook_budget_s`` is warned about once per (connector, hook) and counted.
+  again about, or a free it delays, for more than ``stall_steps`` steps, is
+  failed as above, and a hook call longer than ``hook_budget_s`` is warned
+  about once per (connector, hook) and counted. An async load it never
+  reports is not bounded: its worker may still be writing into those blocks,
+  so handing them to another request could put wrong KV in front of it.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ OnError = Literal["degrade", "raise"]
 _Impl = tuple[str, Callable[..., Any]]
 
 #: Steps a connector may keep a request waiting on it (asking to be asked again, a
-#: delayed free, an async load) before the host gives up on it and degrades the connector.
+#: delayed free) before the host gives up on it and degrades the connector.
 DEFAULT_STALL_STEPS = 128
 #: Seconds one hook call may take before the host warns (once per connector and hook) and counts it.
 DEFAULT_HOOK_BUDGET_S = 1.0
@@ -117,7 +119,6 @@ class StepUpdate:
 class _Load:
     block_ids: list[int]
     is_async: bool
-    step: int  # the host's step count when the load was planned
     sent: bool = False  # its metadata reached the workers
 
 
@@ -233,6 +234,8 @@ class ConnectorHost:
         self._send_steps: dict[str, int] = {}  # delayed free -> the step it began
         # scheduler side: loads in flight per connector, frees delayed per request
         self._loads: dict[str, dict[str, _Load]] = {name: {} for name in self.connectors}
+        #: per connector, async loads failed while in flight (request id -> step): a later report of one is no stray
+        self._abandoned: dict[str, dict[str, int]] = {name: {} for name in self.connectors}
         self._sending: dict[str, set[str]] = {}
         self._failed_this_step: set[str] = set()
         # worker side: this step's metadata per connector; connectors whose
@@ -454,7 +457,7 @@ class ConnectorHost:
             if name == plan.connector and num_external:
                 start = request.num_computed_tokens
                 blocks = block_ids_in_range(block_ids, start, start + num_external, self.context.block_size)
-                self._loads[name][request.request_id] = _Load(blocks, plan.load_async, self._step)
+                self._loads[name][request.request_id] = _Load(blocks, plan.load_async)
                 loading = True
         return loading
 
@@ -524,7 +527,9 @@ class ConnectorHost:
             update.stats.update(out.stats)
             failed = out.failed or not self._report_ok(name, out)
             self._settle_loads(name, out, failed, update)
-            self._settle_sends(name, out, failed, update)
+            # Only a worker side that raised has lost its sends: after a bad answer it may still be reading
+            # the blocks of a delayed free, so those stay held (the stall bound still applies).
+            self._settle_sends(name, out, out.failed, update)
             if not failed:
                 update.invalid_block_ids |= out.invalid_block_ids
         return update
@@ -537,8 +542,13 @@ class ConnectorHost:
         blocks of its loads in flight: anything else would make the engine
         land a load nobody made, or recompute (forever) blocks it computed.
         """
-        loads = self._loads[name]
-        stray: list[Any] = sorted(r for r in out.finished_recving if r not in loads or not loads[r].is_async)
+        loads, abandoned = self._loads[name], self._abandoned[name]
+        late = out.finished_recving & abandoned.keys()
+        for req_id in late:  # a load already failed (a step it raised in): its worker finished it after all
+            del abandoned[req_id]
+        for req_id in [r for r, step in abandoned.items() if self._step - step > self.stall_steps]:
+            del abandoned[req_id]  # never reported: forget it
+        stray: list[Any] = sorted(r for r in out.finished_recving - late if r not in loads or not loads[r].is_async)
         if stray:
             hook, what = "get_finished", f"{stray[:8]} in finished_recving, which are not its async loads in flight"
         else:
@@ -561,6 +571,8 @@ class ConnectorHost:
         for req_id, load in list(loads.items()):
             if failed or not load.sent:
                 update.invalid_block_ids.update(load.block_ids)
+                if load.is_async and load.sent:  # its worker may still report it: not a stray report then
+                    self._abandoned[name][req_id] = self._step
             elif load.is_async and req_id not in out.finished_recving:
                 continue  # still loading
             del loads[req_id]
@@ -609,6 +621,10 @@ class ConnectorHost:
     def pending_loads(self) -> dict[str, set[str]]:
         """Requests with a load in flight, per connector."""
         return {name: set(loads) for name, loads in self._loads.items()}
+
+    def pending_load_blocks(self) -> dict[str, set[int]]:
+        """Blocks of the loads in flight, per connector: the only ones it may report as failed to load."""
+        return {name: {b for load in loads.values() for b in load.block_ids} for name, loads in self._loads.items()}
 
     # --------------------------------------------------------------- worker side
 

@@ -92,7 +92,8 @@ def validate(
     debug = debug or debug_from_env()
     configure_logging(debug)
     config_map = read_config(config, config_file)
-    factory = _load_config_factory(config_factory) if config_factory else None
+    with plugin_output_to_stderr():  # the factory's module is the author's code: its prints must not reach --json
+        factory = _load_config_factory(config_factory) if config_factory else None
     targets = resolve_targets(names or [], all_installed, modules or [])
     num_checks = len(select_checks(list_checks(), check))
     if junit is not None:
@@ -130,8 +131,8 @@ def _load_config_factory(path: str) -> ConfigFactory:
         raise UsageError(f"--config-factory takes 'package.module:function', got {path!r}")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise UsageError(f"--config-factory {path!r}: cannot import {module_name!r}: {exc}") from None
+    except (Exception, SystemExit) as exc:  # a module calling sys.exit must not end kvconn silently
+        raise UsageError(f"--config-factory {path!r}: cannot import {module_name!r}: {exc!r}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise UsageError(f"--config-factory {path!r}: module {module_name!r} has no function {attr!r}")

@@ -14,6 +14,7 @@ engine did; the log is bounded, so a long-running engine does not grow it.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 import msgspec
@@ -60,6 +61,11 @@ class DummyConnector(kvconn.KVConnector):
         if self.config.record_calls:
             self.calls.append((hook, detail))
 
+    def _record_ids(self, hook: str, ids: Iterable[str]) -> None:
+        """Record request ids, sorted only when calls are recorded (no per-step sort otherwise)."""
+        if self.config.record_calls:
+            self.calls.append((hook, sorted(ids)))
+
     # scheduler side
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         self._record("get_num_new_matched_tokens", request.request_id)
@@ -87,7 +93,7 @@ class DummyConnector(kvconn.KVConnector):
                 blocks[group].append(block_id)
             filled[req_id] = blocks
             self._requests[req_id] = full
-        self._record("build_connector_meta", sorted(filled))
+        self._record_ids("build_connector_meta", filled)
         return DummyMetadata(block_ids_by_req=filled)
 
     def request_finished(self, request: ConnectorRequest) -> bool:
@@ -100,11 +106,11 @@ class DummyConnector(kvconn.KVConnector):
 
     # worker side
     def start_load_kv(self, metadata: DummyMetadata) -> None:
-        self._record("start_load_kv", sorted(metadata.block_ids_by_req))
+        self._record_ids("start_load_kv", metadata.block_ids_by_req)
 
     def save_kv_layer(self, layer_name: str) -> None:
         self._record("save_kv_layer", layer_name)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[None, None]:
-        self._record("get_finished", sorted(finished_req_ids))
+        self._record_ids("get_finished", finished_req_ids)
         return None, None

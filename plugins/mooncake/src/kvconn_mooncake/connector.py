@@ -56,7 +56,7 @@ class MooncakeConnector(KVConnector):
             else None
         )
         self._worker = (
-            WorkerSide(store, self.context, Integrity(secret)) if self.role is KVConnectorRole.WORKER else None
+            WorkerSide(store, self.context, Integrity(secret), keys) if self.role is KVConnectorRole.WORKER else None
         )
 
     @property

@@ -115,8 +115,8 @@ class _Caller:
                 box.append(fn())
             except Exception as exc:  # re-raised in the caller's thread
                 box.append(exc)
+            self.idle.set()  # before done: the woken caller may start its next call at once
             done.set()
-            self.idle.set()
 
     def call(self, fn: Callable[[], Any], timeout: float) -> Any:
         """``fn()``'s result; ``TimeoutError`` past ``timeout`` seconds, :class:`_Busy` if a late call still runs."""
@@ -271,19 +271,22 @@ class MooncakeStore:
             )  # fmt: skip
             self._in_background(self._recover)
             return [RPC_FAIL] * len(keys)
+        except Exception as exc:  # the client binding raised: this call degrades, like an error code
+            logger.warning("mooncake %s of %d keys raised %s: %s; this step degrades", name, len(keys),
+                           type(exc).__name__, exc)  # fmt: skip
+            return [RPC_FAIL] * len(keys)
 
     # ---------------------------------------------------------------- Store
 
     def _register_pending(self, client: Any) -> None:
         """Register the buffers added since the last call (on the caller thread: registering may block too)."""
         while self._unregistered:
-            ptr, size = self._unregistered[0]
+            ptr, size = self._unregistered.popleft()  # first: a register that raises is not retried forever
             code = client.register_buffer(ptr, size)
             if code != OK:
                 logger.warning(
                     "mooncake register_buffer of %d bytes returned %s; transfers are tried anyway", size, code
                 )
-            self._unregistered.popleft()
 
     def register_buffer(self, ptr: int, size: int) -> int:
         """Remember the buffer; the next store call registers it, within that call's deadline."""

@@ -38,6 +38,7 @@ from kvconn import NULL_BLOCK_ID, ConnectorContext
 from .codes import LEASE_EXPIRED, NOT_FOUND, OK, RPC_FAIL, STORE_FULL, code_name
 from .degrade import Degradations
 from .integrity import HEADER_BYTES, Integrity, layout_digest
+from .keys import BlockKeys
 from .metadata import BlockTransfer, MooncakeMetadata
 from .store import Store
 
@@ -143,10 +144,18 @@ class _Arena:
 class WorkerSide:
     """The worker side of ``mooncake``: one batched get before compute, one batched put after it."""
 
-    def __init__(self, store: Store, context: ConnectorContext, integrity: Integrity | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        context: ConnectorContext,
+        integrity: Integrity | None = None,
+        keys: BlockKeys | None = None,
+    ) -> None:
         self.store = store
         self.context = context
         self.integrity = integrity or Integrity()
+        # This worker's own namespace per group: under tensor parallelism each rank stores its shard apart.
+        self._prefixes = (keys or BlockKeys(context)).prefixes
         self.degraded = Degradations()
         self.totals: Counter[str] = Counter()
         self._stats: Counter[str] = Counter()
@@ -187,7 +196,11 @@ class WorkerSide:
             if not 0 <= g < len(self._groups):
                 bad += buckets.pop(g)
                 continue
-            bucket, limit = buckets[g], self._groups[g].num_blocks
+            bucket, limit, prefix = buckets[g], self._groups[g].num_blocks, self._prefixes[g]
+            if not all(t.key.startswith(prefix) for t in bucket):
+                # Named in the scheduler's namespace (TP rank 0 under vLLM): this rank's shard has keys of its own,
+                # or ranks would load each other's shards (same layout, so the header check cannot tell).
+                bucket = buckets[g] = [BlockTransfer(prefix + t.key.rpartition("/")[2], t.block_id, g) for t in bucket]
             ids = [t.block_id for t in bucket]
             if min(ids) <= NULL_BLOCK_ID or max(ids) >= limit:  # the null block holds no data
                 buckets[g] = [t for t in bucket if NULL_BLOCK_ID < t.block_id < limit]

@@ -42,10 +42,10 @@ class StepContractConnector(KVConnector):
     ) -> StepContractMetadata:
         return StepContractMetadata(step=scheduler_output.step)
 
-    def _expect(self, call: str, allowed_after: set[str | None], *, ok: bool = True) -> None:
+    def _expect(self, call: str, allowed_after: set[str | None]) -> None:
         last = self._calls[-1] if self._calls else None
         self._calls.append(call)
-        if last not in allowed_after or not ok:
+        if last not in allowed_after:
             raise StepContractError(
                 f"worker step contract broken in step {self.steps + 1}: {call!r} after {self._calls[:-1]}"
             )
@@ -73,4 +73,5 @@ class StepContractConnector(KVConnector):
         self._expect("get_kv_connector_stats", {"get_block_ids_with_load_errors"})
         self.steps += 1
         self._calls = []
-        return {"contract_steps": 1.0, "contract_layers_seen": float(len(self._layers))}
+        # A counter (summed by engines) and a private gauge (the layers seen so far, not summed).
+        return {"contract_steps": 1.0, "_contract_layers_seen": float(len(self._layers))}

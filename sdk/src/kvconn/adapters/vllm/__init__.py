@@ -56,8 +56,8 @@ def route_logs_to_vllm(names: Iterable[str] = ()) -> None:
     and is left alone; so is everything when vLLM's logging is not configured.
     """
     vllm_logger = logging.getLogger("vllm")
-    if not vllm_logger.handlers:
-        return
+    if not vllm_logger.handlers or logging.getLogger().handlers:
+        return  # vLLM's logging is off, or the process configured logging itself: records reach the root
     for name in ("kvconn", *names):
         target = logging.getLogger(name)
         if target.handlers:

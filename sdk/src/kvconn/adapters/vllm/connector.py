@@ -30,7 +30,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -124,7 +123,8 @@ class KVConnVllmStats(KVConnectorStats):
         return not self.data
 
 
-def _host_options(extra: dict[str, Any]) -> tuple[str | list[str], Any, Any]:
+def _host_options(extra: dict[str, Any]) -> tuple[str | list[str], Any, dict[str, Any]]:
+    """The connector name(s), their config, and the host's own options (``kvconn_on_error`` ...)."""
     names = extra.get("kvconn_connector")
     if not names or not isinstance(names, (str, list)) or not all(isinstance(n, str) for n in names):
         raise ConnectorConfigError(
@@ -132,8 +132,10 @@ def _host_options(extra: dict[str, Any]) -> tuple[str | list[str], Any, Any]:
             '{"kvconn_connector": "offload"} or {"kvconn_connector": ["offload", "mooncake"]}; '
             f"got kvconn_connector={names!r} (see `kvconn list` for the installed ones)"
         )
-    on_error = extra.get("kvconn_on_error", "degrade")
-    return names, extra.get("kvconn_config"), on_error
+    options = {
+        key: extra[f"kvconn_{key}"] for key in ("on_error", "stall_steps", "hook_budget_s") if f"kvconn_{key}" in extra
+    }
+    return names, extra.get("kvconn_config"), options
 
 
 #: vLLM executors that run the workers in the scheduler's process.
@@ -183,7 +185,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         route_logs_to_vllm()
-        names, config, on_error = _host_options(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
+        names, config, options = _host_options(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         is_worker = role == KVConnectorRole.WORKER
         self.context = context_from_vllm(vllm_config, kv_cache_config, tp_rank=_tp_rank() if is_worker else 0)
         self.host = ConnectorHost.from_names(
@@ -191,7 +193,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             role=KVConnRole.WORKER if is_worker else KVConnRole.SCHEDULER,
             config=config,
             context=self.context,
-            on_error=on_error,
+            **options,
         )
         _refuse_split_in_process_state(self.host, vllm_config)
         route_logs_to_vllm({type(c).__module__.partition(".")[0] for c in self.host.connectors.values()})
@@ -311,7 +313,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(worker_meta, KVConnVllmWorkerMetadata):
             outputs, failed_recving = self._collector.collect(worker_meta.reports)
         else:
-            outputs, failed_recving = self._attribute(connector_output), set()
+            outputs, failed_recving = self._attribute(connector_output)
         update = self.host.update_connector_output(outputs)
         for reqs in self._loads.values():
             for req_id in update.finished_recving:
@@ -319,14 +321,29 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         connector_output.finished_sending = update.finished_sending or None
         connector_output.finished_recving = (update.finished_recving | failed_recving) or None
 
-    def _attribute(self, connector_output: Any) -> dict[str, KVConnectorOutput]:
-        """Without worker reports: vLLM's merged sets go to every connector."""
-        out = KVConnectorOutput(
-            finished_sending=set(connector_output.finished_sending or ()),
-            finished_recving=set(connector_output.finished_recving or ()),
-            invalid_block_ids=set(connector_output.invalid_block_ids or ()),
-        )
-        return {name: msgspec.structs.replace(out) for name in self.host.names}
+    def _attribute(self, connector_output: Any) -> tuple[dict[str, KVConnectorOutput], set[str]]:
+        """Without worker reports: vLLM's merged sets, each connector given what is its own.
+
+        A finished load goes to the connector it is in flight with, and an
+        invalid block to the connector whose load holds it: the host fails a
+        connector that reports another's. Ids no connector has in flight are
+        loads the scheduler failed itself (returned apart, as the workers'
+        reports do). Finished sends go to every connector: a free waits for all
+        that delayed it.
+        """
+        sending = set(connector_output.finished_sending or ())
+        recving = set(connector_output.finished_recving or ())
+        invalid = set(connector_output.invalid_block_ids or ())
+        loads, blocks = self.host.pending_loads(), self.host.pending_load_blocks()
+        outputs = {
+            name: KVConnectorOutput(
+                finished_sending=set(sending),
+                finished_recving=recving & loads.get(name, set()),
+                invalid_block_ids=invalid & blocks.get(name, set()),
+            )
+            for name in self.host.names
+        }
+        return outputs, recving - {r for ids in loads.values() for r in ids}
 
     # --------------------------------------------------------------- worker side
 
