@@ -56,15 +56,19 @@ def test_multiprocess_engine_is_exact_and_loads(tiny_model: str, baseline: dict[
     assert_exact_with_loads(result, baseline)
 
 
-def test_tensor_parallel_2_is_exact_and_loads(tiny_model: str, baseline: dict[str, Any], run_engine: Any) -> None:
-    """Two worker processes, each with its own kvconn worker side; their reports merge in the scheduler."""
+def tp2_env() -> dict[str, str]:
+    """What vLLM's CPU backend needs for two tensor-parallel workers here, or skip."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip(f"tensor parallelism on vLLM's CPU backend needs a core per worker; this machine allows {cpus}")
     # vLLM binds each CPU worker's threads to a NUMA node; with one node, bind them to a core each by hand.
-    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
-    result = run_engine({"model": tiny_model, "connector": ["offload", CONTRACT], "tp": 2}, multiprocess=True, env=env)
-    assert_exact_with_loads(result.ok(), baseline)
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
+
+
+def test_tensor_parallel_2_is_exact_and_loads(tiny_model: str, baseline: dict[str, Any], run_engine: Any) -> None:
+    """Two worker processes, each with its own kvconn worker side; their reports merge in the scheduler."""
+    spec = {"model": tiny_model, "connector": ["offload", CONTRACT], "tp": 2}
+    assert_exact_with_loads(run_engine(spec, multiprocess=True, env=tp2_env()).ok(), baseline)
 
 
 def test_mooncake_embedded_store_is_refused_when_workers_run_in_other_processes(
@@ -77,12 +81,19 @@ def test_mooncake_embedded_store_is_refused_when_workers_run_in_other_processes(
 
 
 @pytest.mark.parametrize(
-    "connectors", [["mooncake", CONTRACT], ["offload", "mooncake"]], ids=["mooncake", "offload+mooncake"]
+    ("connectors", "tp"),
+    [(["mooncake", CONTRACT], 1), (["offload", "mooncake"], 1), (["mooncake", CONTRACT], 2)],
+    ids=["mooncake", "offload+mooncake", "mooncake-tp2"],
 )
 def test_mooncake_on_a_real_master_in_a_multiprocess_engine(
-    tiny_model: str, baseline: dict[str, Any], netns_harness: Any, run_engine: Any, connectors: list[str]
+    tiny_model: str, baseline: dict[str, Any], netns_harness: Any, run_engine: Any, connectors: list[str], tp: int
 ) -> None:
-    """The real store, shared by vLLM's scheduler and worker processes, inside a network namespace."""
+    """The real store, shared by vLLM's scheduler and worker processes, inside a network namespace.
+
+    With two tensor-parallel ranks each stores its own shard of every block under keys of its own: the shards
+    have one layout, so a rank loading another's would pass every check but the tokens.
+    """
+    env = tp2_env() if tp == 2 else None
     h = netns_harness
     with h.netns() as ns, h.mooncake_master(ns) as master:
         mooncake = {
@@ -93,7 +104,6 @@ def test_mooncake_on_a_real_master_in_a_multiprocess_engine(
             "global_segment_size": 64 << 20,
         }
         config = {name: mooncake if name == "mooncake" else None for name in connectors}
-        result = run_engine(
-            {"model": tiny_model, "connector": connectors, "config": config}, multiprocess=True, netns=ns
-        )
+        spec = {"model": tiny_model, "connector": connectors, "config": config, "tp": tp}
+        result = run_engine(spec, multiprocess=True, netns=ns, env=env)
     assert_exact_with_loads(result.ok(), baseline)
