@@ -122,3 +122,18 @@ def test_an_address_that_is_not_a_master_leaves_the_store_off(answer: bytes, pro
         store = MooncakeStore(dataclasses.replace(_settings(address), setup_timeout_s=0.3), lambda: client)
         assert store.batch_is_exist(["a"]) == [RPC_FAIL] and client.calls == []  # setup was never attempted
         store.close()
+
+
+def test_closing_a_store_ends_its_caller_thread() -> None:
+    """One thread per store: `kvconn validate --config-factory` and engine restarts would otherwise pile them up."""
+    import threading
+
+    def callers() -> int:
+        return sum(t.name == "kvconn-mooncake-store" and t.is_alive() for t in threading.enumerate())
+
+    before = callers()
+    with listener(MASTER_ANSWER) as master:
+        store = MooncakeStore(_settings(master), StandInClient)
+        assert store.batch_is_exist(["a"]) == [0] and callers() == before + 1
+        store.close()
+    assert _eventually(lambda: callers() == before)

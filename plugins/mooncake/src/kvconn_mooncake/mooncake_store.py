@@ -105,12 +105,18 @@ class _Caller:
         self.idle = threading.Event()
         self.idle.set()
         self._claim = threading.Lock()  # makes "idle? then busy" one step for concurrent callers
-        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event] | None] = (
+            queue.SimpleQueue()
+        )
         threading.Thread(target=self._run, name="kvconn-mooncake-store", daemon=True).start()
 
+    def stop(self) -> None:
+        """End the thread once the calls already queued (a late one, say) have run."""
+        self._queue.put(None)
+
     def _run(self) -> None:
-        while True:
-            fn, box, done = self._queue.get()
+        while (item := self._queue.get()) is not None:
+            fn, box, done = item
             try:
                 box.append(fn())
             except Exception as exc:  # re-raised in the caller's thread
@@ -327,6 +333,12 @@ class MooncakeStore:
                 return
             self._closed = True
             client, self._client = self._client, None
+        try:
+            self._close_client(client)
+        finally:
+            self._caller.stop()
+
+    def _close_client(self, client: Any) -> None:
         if client is None:
             return
         if not self._caller.idle.wait(self.settings.store_timeout_s):
