@@ -126,14 +126,9 @@ def test_an_address_that_is_not_a_master_leaves_the_store_off(answer: bytes, pro
 
 def test_closing_a_store_ends_its_caller_thread() -> None:
     """One thread per store: `kvconn validate --config-factory` and engine restarts would otherwise pile them up."""
-    import threading
-
-    def callers() -> int:
-        return sum(t.name == "kvconn-mooncake-store" and t.is_alive() for t in threading.enumerate())
-
-    before = callers()
     with listener(MASTER_ANSWER) as master:
         store = MooncakeStore(_settings(master), StandInClient)
-        assert store.batch_is_exist(["a"]) == [0] and callers() == before + 1
+        assert store.batch_is_exist(["a"]) == [0] and store._caller.thread.is_alive()
         store.close()
-    assert _eventually(lambda: callers() == before)
+    store._caller.thread.join(timeout=20)
+    assert not store._caller.thread.is_alive()

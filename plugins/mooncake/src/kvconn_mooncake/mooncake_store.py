@@ -108,7 +108,8 @@ class _Caller:
         self._queue: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event] | None] = (
             queue.SimpleQueue()
         )
-        threading.Thread(target=self._run, name="kvconn-mooncake-store", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="kvconn-mooncake-store", daemon=True)
+        self.thread.start()
 
     def stop(self) -> None:
         """End the thread once the calls already queued (a late one, say) have run."""
