@@ -164,7 +164,8 @@ class ReferenceWorker:
             blocks += [table[p // bs] for p in range(start, start + n)]
             offsets += [p % bs for p in range(start, start + n)]
         torch = self.model.torch
-        return torch.tensor(blocks), torch.tensor(offsets)
+        device = self.model.device  # where the scatter runs, as the read index (no host-to-device copy per layer)
+        return torch.tensor(blocks, device=device), torch.tensor(offsets, device=device)
 
     def _read_index(self, sampling: list[tuple[str, int]], group: int, window: int | None) -> tuple[Any, Any]:
         """The blocks the sampling requests read in ``group``, and per token slot of them the request it counts for.

@@ -294,7 +294,7 @@ class VllmLoop:
         layers = scheduler.vllm_config.compilation_config.static_forward_context
         layers.update({name: SimpleNamespace(kv_cache=kv) for name, kv in self.kv_caches.items()})
         self._attention = maybe_transfer_kv_layer(self._layer_forward)
-        self._output: Any = None
+        self._step_writes: list[list[tuple[int, int, float]]] = []
         self.worker.register_kv_caches(self.kv_caches)
         self.outputs: list[Any] = []
         self.last_kv_output: Any = None
@@ -303,19 +303,27 @@ class VllmLoop:
         """What the fake model writes for the token at ``position`` (depends on the prefix)."""
         return float(hash(tuple(token_ids[: position + 1])) % 997)
 
-    def _layer_forward(self, layer_name: str) -> None:
-        """One attention layer of the fake model: write this step's KV into ``layer_name``'s cache."""
-        output, kv = self._output, self.kv_caches[layer_name]
-        group = self._group_of[layer_name]
+    def _writes(self, output: Any) -> list[list[tuple[int, int, float]]]:
+        """Per KV-cache group, ``(block, offset, value)`` of every token this step computes (null blocks skipped)."""
+        writes: list[list[tuple[int, int, float]]] = [[] for _ in self.group_layers]
         for req_id, n in output.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
-            table = self.scheduler.kv_cache_manager.get_block_ids(req_id)[group]
+            tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             start = request.num_computed_tokens - n
             tokens = list(request.all_token_ids)
             for pos in range(start, start + n):
-                block = table[pos // self.block_size]
-                if block != NULL_BLOCK_ID:  # else a sliding window already dropped this position
-                    kv[block, :, pos % self.block_size, :] = self.token_value(tokens, pos)
+                value = self.token_value(tokens, pos)
+                for table, group in zip(tables, writes, strict=True):
+                    block = table[pos // self.block_size]
+                    if block != NULL_BLOCK_ID:  # else a sliding window already dropped this position
+                        group.append((block, pos % self.block_size, value))
+        return writes
+
+    def _layer_forward(self, layer_name: str) -> None:
+        """One attention layer of the fake model: write this step's KV into ``layer_name``'s cache."""
+        kv = self.kv_caches[layer_name]
+        for block, offset, value in self._step_writes[self._group_of[layer_name]]:
+            kv[block, :, offset, :] = value
 
     def step(self, *, eos_req_ids: Iterable[str] = (), inspect: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
         """One engine step; returns ``(scheduler_output, engine_core_outputs)``.
@@ -327,7 +335,7 @@ class VllmLoop:
         if inspect is not None:
             inspect(output)
         sent = pickle.loads(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
-        self._output = output  # the fake model reads the scheduler's live requests
+        self._step_writes = self._writes(output)  # from the scheduler's live requests, before the step advances them
         kv_output = self.last_kv_output = self.run_worker(sent)
         self.outputs.append(output)
         runner_output = make_model_runner_output(
