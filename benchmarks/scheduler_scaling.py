@@ -18,7 +18,7 @@ import time
 
 from benchlib import Bench, parse_args
 
-from kvconn.engine import Scheduler
+from kvconn.reference import Scheduler
 from kvconn.testing import create_requests, create_scheduler, make_model_runner_output
 
 __all__ = ["decode_scheduler", "decode_step_seconds", "main"]

@@ -18,7 +18,7 @@ from typing import Any
 from benchlib import Bench, median_times, parse_args
 
 import kvconn
-from kvconn.adapters.vllm.harness import (
+from kvconn_vllm.harness import (
     make_model_runner_output,
     make_request,
     make_scheduler,
@@ -60,7 +60,7 @@ def step_function(scheduler: Any) -> Any:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.outputs import KVConnectorOutput
 
-        from kvconn.adapters.vllm import KVConnVllmConnector
+        from kvconn_vllm import KVConnVllmConnector
 
         worker = KVConnVllmConnector(scheduler.vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
 

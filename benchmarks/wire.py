@@ -25,7 +25,7 @@ import msgspec
 from benchlib import Bench, median_times, parse_args
 
 from kvconn import CachedRequestData, KVConnectorMetadata, NewRequestData, SchedulerOutput
-from kvconn.wire import decode_scheduler_output, encode_scheduler_output
+from kvconn.host.wire import decode_scheduler_output, encode_scheduler_output
 
 __all__ = ["BenchMetadata", "Transfer", "as_dataclasses", "main", "realistic_output"]
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     pickled = len(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
     bench = Bench("wire: SchedulerOutput encode + decode", ["format", "bytes", "encode+decode us", "vs msgspec"])
-    bench.row("msgspec (kvconn.wire)", len(data), wire_s * 1e6, 1.0)
+    bench.row("msgspec (kvconn.host.wire)", len(data), wire_s * 1e6, 1.0)
     bench.row("pickle (highest protocol)", pickled, pickle_s * 1e6, pickle_s / wire_s)
     bench.row("pickle, vLLM-style dataclasses", len(pickle.dumps(twin, protocol=pickle.HIGHEST_PROTOCOL)),
               twin_s * 1e6, twin_s / wire_s)  # fmt: skip

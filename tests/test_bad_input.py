@@ -28,9 +28,9 @@ from kvconn import (
     WireError,
     load_connector,
 )
-from kvconn.engine import Engine
+from kvconn.host.wire import decode_model_runner_output, decode_scheduler_output, encode_scheduler_output
 from kvconn.outputs import CachedRequestData, SchedulerOutput
-from kvconn.wire import decode_model_runner_output, decode_scheduler_output, encode_scheduler_output
+from kvconn.reference import Engine
 from kvconn_cli.config_input import read_config
 from kvconn_cli.errors import UsageError
 
@@ -99,10 +99,10 @@ CATALOGUE: dict[str, Case] = {
         exit_code=1,
     ),
     "module path: not a connector": Case(
-        lambda: load_connector("kvconn.wire:encode_scheduler_output", role="worker"),
+        lambda: load_connector("kvconn.host.wire:encode_scheduler_output", role="worker"),
         ConnectorLoadError,
         "not a connector class",
-        ["validate", "--module", "kvconn.wire:encode_scheduler_output"],
+        ["validate", "--module", "kvconn.host.wire:encode_scheduler_output"],
         exit_code=1,
     ),
     "module path: malformed": Case(

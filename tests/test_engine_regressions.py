@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from kvconn.engine import Engine
+from kvconn.reference import Engine
 
 
 def test_finished_async_loads_holding_the_pool_do_not_stall_the_engine() -> None:

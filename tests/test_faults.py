@@ -10,8 +10,8 @@ from typing import Any, ClassVar
 import pytest
 
 from kvconn import ConnectorError, ConnectorHost, KVConnectorOutput
-from kvconn.engine import Engine, RequestStatus
 from kvconn.hookspecs import SCHEDULER_HOOKS, WORKER_HOOKS
+from kvconn.reference import Engine, RequestStatus
 from kvconn.testing import assert_scheduler_empty, create_requests, memory_connector
 
 MEMORY = "kvconn.testing.memory_connector:MemoryConnector"

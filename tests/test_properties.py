@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvconn import DEFAULT_KV_CACHE_GROUPS, KVCacheGroupSpec, KVConnector, KVConnectorBlockState, SchedulerOutput
-from kvconn.engine import Engine
+from kvconn.host.wire import decode_model_runner_output, encode_model_runner_output
+from kvconn.reference import Engine
 from kvconn.testing import assert_scheduler_empty
-from kvconn.wire import decode_model_runner_output, encode_model_runner_output
 
 from .conftest import installed
 
@@ -125,7 +125,7 @@ def run(workload: dict[str, Any], connectors: list[str], config: dict[str, Any])
 
 
 def engine_wire(engine: Engine, output: SchedulerOutput) -> SchedulerOutput:
-    from kvconn.wire import decode_scheduler_output, encode_scheduler_output
+    from kvconn.host.wire import decode_scheduler_output, encode_scheduler_output
 
     return decode_scheduler_output(encode_scheduler_output(output), engine._metadata_types)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from importlib.metadata import distribution
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,14 @@ def test_a_forgotten_entry_point_prints_the_pyproject_lines(
     assert validated.returncode == 2 and intro + lines in validated.stderr
     assert validated.stderr.endswith("kvconn: error: no connector named 'forgot' is installed (installed: dummy). "
                                      "Install its distribution, or pass 'package.module:ClassName'.\n")  # fmt: skip
+
+
+def test_an_engine_adapter_is_not_taken_for_a_forgotten_connector() -> None:
+    """kvconn-vllm (installed by `make install`) declares a conformance driver, not a connector: no warning."""
+    from kvconn_cli.unregistered import find_unregistered
+
+    assert distribution("kvconn-vllm").entry_points.select(group="kvconn.conformance_drivers")
+    assert "kvconn-vllm" not in {u.distribution for u in find_unregistered()}
 
 
 @pytest.mark.parametrize("command", ["", *(str(c.name) for c in app.registered_commands)])

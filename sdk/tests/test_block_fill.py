@@ -6,8 +6,8 @@ import msgspec
 import pytest
 
 from kvconn import KVConnector, KVConnectorBlockState, KVConnectorMetadata, SchedulerOutput
+from kvconn.host.wire import decode_scheduler_output, encode_scheduler_output
 from kvconn.testing import create_requests, create_scheduler, make_model_runner_output, run_to_completion
-from kvconn.wire import decode_scheduler_output, encode_scheduler_output
 
 
 def test_block_fill_step_offers_the_live_table() -> None:

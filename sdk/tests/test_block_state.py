@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from kvconn import BlockStateSerializationError, KVConnectorBlockState, KVConnectorMetadata
-from kvconn.wire import encode_metadata
+from kvconn.host.wire import encode_metadata
 
 
 def make_state(offered: set[str]) -> tuple[KVConnectorBlockState, MagicMock]:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvconn import KVCacheGroupSpec
-from kvconn.engine import Engine
+from kvconn.reference import Engine
 from kvconn.testing import memory_connector
 
 MEMORY = f"{memory_connector.__name__}:MemoryConnector"

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvconn import KVCacheGroupSpec
-from kvconn.engine import KVCacheManager, Request
 from kvconn.hashing import ROOT_HASH, hash_block, hash_blocks, namespace_key
+from kvconn.reference import KVCacheManager, Request
 
 
 def test_block_hashes_chain_over_the_whole_prefix() -> None:

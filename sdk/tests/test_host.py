@@ -17,7 +17,7 @@ from kvconn import (
     KVConnectorOutput,
     LoadPlan,
 )
-from kvconn.engine import Engine, Request
+from kvconn.reference import Engine, Request
 from kvconn.testing import create_requests, memory_connector
 
 

@@ -1,12 +1,12 @@
-"""``kvconn.simulate``: side-by-side runs, per-step samples, connector time and output verification."""
+"""``kvconn.reference.simulate``: side-by-side runs, per-step samples, connector time and output verification."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvconn import ConnectorNotFoundError, ConnectorRequest, KVConnector, KVConnectorMetadata
-from kvconn.simulate import ConnectorSetup, EngineOptions, run_workload, simulate
-from kvconn.workloads import Workload, WorkloadRequest, make_workload
+from kvconn.reference.simulate import ConnectorSetup, EngineOptions, run_workload, simulate
+from kvconn.reference.workloads import Workload, WorkloadRequest, make_workload
 
 MEMORY = "kvconn.testing.memory_connector:MemoryConnector"
 NO_LOCAL_CACHE = EngineOptions(enable_prefix_caching=False, num_blocks=256)
@@ -94,7 +94,7 @@ def test_an_unknown_connector_fails_before_any_run() -> None:
 
 
 def test_timed_rounds_follow_one_warm_up_round_and_rotate_the_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvconn.simulate as sim_module
+    import kvconn.reference.simulate as sim_module
 
     order: list[str] = []
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvconn import KVConnectorRole
-from kvconn.engine import Engine
+from kvconn.reference import Engine
 from kvconn.testing import memory_connector
 from kvconn.testing.step_contract import StepContractConnector, StepContractError, StepContractMetadata
 

@@ -9,15 +9,15 @@ import msgspec
 import pytest
 
 from kvconn import KVConnectorMetadata, ModelRunnerOutput, WireError
-from kvconn.engine import Engine
-from kvconn.outputs import CachedRequestData, KVConnectorOutput, NewRequestData, SchedulerOutput
-from kvconn.wire import (
+from kvconn.host.wire import (
     decode_model_runner_output,
     decode_scheduler_output,
     encode_metadata,
     encode_model_runner_output,
     encode_scheduler_output,
 )
+from kvconn.outputs import CachedRequestData, KVConnectorOutput, NewRequestData, SchedulerOutput
+from kvconn.reference import Engine
 
 
 class Tables(KVConnectorMetadata):

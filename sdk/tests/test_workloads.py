@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvconn.workloads import WORKLOADS, make_workload, reusable_prompt_tokens
+from kvconn.reference.workloads import WORKLOADS, make_workload, reusable_prompt_tokens
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvconn.adapters.vllm.harness import prepare_environment, vllm_import_error
+from kvconn_vllm.harness import prepare_environment, vllm_import_error
 
 prepare_environment()  # before anything imports vLLM: offline, persistent VLLM_CACHE_ROOT
 VLLM_ERROR = vllm_import_error()

@@ -1,4 +1,4 @@
-"""kvconn plugins loaded into vLLM's real scheduler through ``kvconn.adapters.vllm``."""
+"""kvconn plugins loaded into vLLM's real scheduler through ``kvconn_vllm``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import msgspec
 import pytest
 
 from kvconn import NULL_BLOCK_ID
-from kvconn.adapters.vllm import harness
-from kvconn.adapters.vllm.harness import VllmLoop, make_request, make_scheduler
+from kvconn_vllm import harness
+from kvconn_vllm.harness import VllmLoop, make_request, make_scheduler
 
 PROMPT_47 = list(range(1000, 1047))
 
@@ -31,7 +31,7 @@ def offered_tables(output: Any, name: str) -> dict[str, Any]:
 
 
 def test_vllm_loads_dummy_by_module_path() -> None:
-    from kvconn.adapters.vllm import KVConnVllmConnector
+    from kvconn_vllm import KVConnVllmConnector
 
     scheduler = make_scheduler("dummy")
     adapter = scheduler.connector
@@ -48,7 +48,7 @@ def test_general_plugin_registers_short_name_idempotently() -> None:
 
     assert "kvconn" in {ep.name for ep in entry_points(group="vllm.general_plugins")}
     load_general_plugins()
-    from kvconn.adapters.vllm import register
+    from kvconn_vllm import register
 
     register()  # a second call must not raise "already registered"
     assert "kvconn" in KVConnectorFactory._registry
@@ -77,7 +77,7 @@ def test_block_fill_step_reaches_plugin_with_live_table() -> None:
 
 
 def test_metadata_survives_pickling_as_vllm_sends_it() -> None:
-    from kvconn.adapters.vllm import KVConnVllmMetadata
+    from kvconn_vllm import KVConnVllmMetadata
 
     scheduler = make_scheduler("dummy")
     scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=2))
@@ -259,7 +259,7 @@ def test_the_vllm_driver_catches_a_connector_that_only_reads_new_blocks(monkeypa
 
 def test_report_collector_counts_finished_transfers_over_all_workers() -> None:
     from kvconn import KVConnectorOutput
-    from kvconn.adapters.vllm.reports import ReportCollector, WorkerReport, encode_report
+    from kvconn_vllm.reports import ReportCollector, WorkerReport, encode_report
 
     collector = ReportCollector(["a", "b"], world_size=2)
 
@@ -308,11 +308,11 @@ def test_a_scheduler_only_connector_sends_workers_nothing(
     scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=3))
     loop = VllmLoop(scheduler)
     assert loop.worker.host.names == ["dummy"]
-    with caplog.at_level(logging.WARNING, logger="kvconn.adapters.vllm"):
+    with caplog.at_level(logging.WARNING, logger="kvconn.vllm"):
         loop.run()
     assert all(set(o.kv_connector_metadata.connectors) == {"dummy"} for o in loop.outputs)
     assert all(o.kv_connector_metadata.dropped == [] for o in loop.outputs)
-    adapter_warnings = [r for r in caplog.records if r.name == "kvconn.adapters.vllm"]
+    adapter_warnings = [r for r in caplog.records if r.name == "kvconn.vllm"]
     assert not adapter_warnings  # no worker complains about metadata it cannot decode
 
 
@@ -354,7 +354,7 @@ def test_without_worker_reports_each_connector_gets_only_its_own_loads(test_conn
     """vLLM without worker metadata merges every connector's sets; the adapter splits them back by load."""
     from types import SimpleNamespace
 
-    from kvconn.host import _Load
+    from kvconn.host.connector_host import _Load
 
     first, second = f"{test_connectors}:HandoffConnector", f"{test_connectors}:SlowHandoffConnector"
     adapter = make_scheduler([first, second]).connector
@@ -372,7 +372,7 @@ def test_without_worker_reports_each_connector_gets_only_its_own_loads(test_conn
 def test_the_hosts_bounds_are_set_from_vllms_extra_config() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvconn.adapters.vllm import KVConnVllmConnector
+    from kvconn_vllm import KVConnVllmConnector
 
     scheduler = make_scheduler("dummy")
     scheduler.vllm_config.kv_transfer_config.kv_connector_extra_config.update(

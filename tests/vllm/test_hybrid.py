@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvconn import NULL_BLOCK_ID, BlockIds, KVCacheGroupSpec
-from kvconn.adapters.vllm.harness import VllmLoop, make_request, make_scheduler
+from kvconn_vllm.harness import VllmLoop, make_request, make_scheduler
 
 from .test_adapter import offered_tables, reuse_a_prefix_through
 
@@ -79,7 +79,7 @@ def test_without_vllms_block_state_sliding_window_tables_are_not_guessed(
     scheduler.add_request(make_request("r0", list(range(100)), max_tokens=20))
     loop = VllmLoop(scheduler)
     offered: list[dict[str, BlockIds]] = []
-    with caplog.at_level(logging.INFO, logger="kvconn.adapters.vllm"):
+    with caplog.at_level(logging.INFO, logger="kvconn.vllm"):
         loop.run(inspect=lambda output: offered.append(offered_tables(output, name)))
     assert len(offered) > 3 and all(tables == {} for tables in offered)
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
@@ -93,7 +93,7 @@ def test_groups_of_different_block_sizes_are_refused_with_the_reason() -> None:
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec as VllmGroupSpec
 
     from kvconn import ConnectorConfigError
-    from kvconn.adapters.vllm.translate import context_from_vllm
+    from kvconn_vllm.translate import context_from_vllm
 
     scheduler = make_scheduler("dummy")
 

@@ -45,7 +45,7 @@ def transfer_config(spec: dict[str, Any]) -> dict[str, Any] | None:
         return {"kv_connector": "kvconn", "kv_role": "kv_both", "kv_connector_extra_config": extra}
     return {
         "kv_connector": "KVConnVllmConnector",
-        "kv_connector_module_path": "kvconn.adapters.vllm",
+        "kv_connector_module_path": "kvconn_vllm",
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
     }

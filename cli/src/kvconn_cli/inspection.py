@@ -22,8 +22,8 @@ from typing import Any
 import msgspec
 
 import kvconn
-from kvconn.manager import implemented_hooks
-from kvconn.registry import connector_roles
+from kvconn._plugins.manager import implemented_hooks
+from kvconn._plugins.registry import connector_roles
 
 __all__ = [
     "ConfigField",

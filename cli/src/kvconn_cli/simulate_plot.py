@@ -10,7 +10,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from kvconn.simulate import RunResult, Simulation
+from kvconn.reference.simulate import RunResult, Simulation
 
 from .errors import UsageError
 

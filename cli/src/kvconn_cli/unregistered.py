@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from importlib.metadata import distributions
 
 import kvconn
-from kvconn.registry import ENTRY_POINT_GROUP
+from kvconn._plugins.registry import ENTRY_POINT_GROUP
 
 from .errors import UsageError
 from .inspection import plugin_output_to_stderr
@@ -26,6 +26,8 @@ __all__ = ["Unregistered", "find_unregistered", "not_found", "warn_unregistered"
 
 #: kvconn's own distributions that are not connectors.
 _NOT_CONNECTORS = frozenset({"kvconn-sdk", "kvconn-cli"})
+#: Entry-point groups of kvconn's extension points (connectors, conformance drivers).
+_KVCONN_GROUPS = "kvconn."
 _REQUIREMENT_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
 
@@ -92,8 +94,8 @@ def find_unregistered() -> list[Unregistered]:
             continue
         if not _looks_like_connector(name, metadata.get_all("Requires-Dist") or []):
             continue
-        if any(ep.group == ENTRY_POINT_GROUP for ep in dist.entry_points):
-            continue
+        if any(ep.group.startswith(_KVCONN_GROUPS) for ep in dist.entry_points):
+            continue  # a connector, or another kvconn extension (an engine adapter's conformance driver)
         package = name.replace("-", "_")
         entry_name = name.removeprefix("kvconn-").replace("-", "_")
         targets = _connector_classes(package) or (f"{package}:<YourConnectorClass>",)

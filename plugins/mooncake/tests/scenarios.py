@@ -22,8 +22,8 @@ from typing import Any
 import msgspec
 
 from kvconn import KVCacheGroupSpec, KVConnectorOutput
-from kvconn.engine import Engine
 from kvconn.hashing import hash_blocks
+from kvconn.reference import Engine
 from kvconn_mooncake import BlockKeys, MooncakeConfig, MooncakeConnector, acquire_store
 from kvconn_mooncake.integrity import HEADER_BYTES, Integrity, secret_id
 

@@ -14,7 +14,7 @@ import pytest
 import kvconn_mooncake.backends as backends
 from kvconn import ConnectorConfigError, load_connector
 from kvconn.context import KVCacheGroupSpec
-from kvconn.engine import Engine
+from kvconn.reference import Engine
 from kvconn_mooncake import EmbeddedStore, MooncakeConnector, MooncakeMetadata
 from kvconn_mooncake.codes import LEASE_EXPIRED, NOT_FOUND, RPC_FAIL
 
@@ -217,8 +217,8 @@ def test_every_simulate_round_starts_with_a_cold_embedded_store(embedded_config:
     Warm, the timed rounds saved nothing (the warm-up had stored every block) and loaded far more than a
     first run can: the comparison with a per-engine store such as offload's was skewed.
     """
-    from kvconn.simulate import ConnectorSetup, simulate
-    from kvconn.workloads import make_workload
+    from kvconn.reference.simulate import ConnectorSetup, simulate
+    from kvconn.reference.workloads import make_workload
 
     work = make_workload("shared-prefix", 16, 0)
     (run,) = simulate(work, [ConnectorSetup(("mooncake",), embedded_config)], repeats=2).runs

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvconn import KVCacheGroupSpec
-from kvconn.engine import Engine
+from kvconn.reference import Engine
 from kvconn.testing import assert_scheduler_empty
 
 

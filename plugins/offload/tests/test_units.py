@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvconn import ConnectorConfigError, KVConnectorBlockState, KVConnectorOutput, load_connector
-from kvconn.engine.request import Request
 from kvconn.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from kvconn.reference.request import Request
 from kvconn_offload import BlockCopier, BlockTransfer, CopyPlan, OffloadManager, OffloadMetadata, wide_rows
 from kvconn_offload.copy import MAX_RUNS
 from kvconn_offload.scheduler import STORES_DONE_STAT

@@ -9,6 +9,8 @@ import torch.
 
 from __future__ import annotations
 
+from ._plugins.markers import hookimpl, hookspec
+from ._plugins.registry import ConnectorEntry, available_connectors, load_connector, load_connector_class
 from .block_state import BlockIds, KVConnectorBlockState, block_ids_in_range
 from .connector import KVConnector, KVConnectorRole, NoConfig
 from .context import DEFAULT_KV_CACHE_GROUPS, NULL_BLOCK_ID, ConnectorContext, KVCacheGroupSpec
@@ -23,10 +25,8 @@ from .errors import (
 )
 from .filled import FilledBlocks, filled_blocks, iter_block_ids
 from .host import ConnectorHost, LoadPlan, StepUpdate
-from .markers import hookimpl, hookspec
 from .metadata import KVConnectorMetadata
 from .outputs import CachedRequestData, KVConnectorOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from .registry import ConnectorEntry, available_connectors, load_connector, load_connector_class
 from .request import ConnectorRequest
 from .version import API_VERSION
 

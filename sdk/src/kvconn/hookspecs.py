@@ -15,7 +15,7 @@ stops another (see its error policy).
 The worker step contract
 ------------------------
 Every engine kvconn runs in (the reference engine, vLLM through
-:mod:`kvconn.adapters.vllm`) calls a worker-side connector in this order
+:mod:`kvconn_vllm`) calls a worker-side connector in this order
 within one step, whatever order the engine calls its own methods in:
 
 1. ``start_load_kv(metadata)``: exactly once, first, before any layer of the
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .markers import hookspec
+from ._plugins.markers import hookspec
 
 if TYPE_CHECKING:
     from .block_state import BlockIds, KVConnectorBlockState

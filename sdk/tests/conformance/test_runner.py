@@ -78,6 +78,16 @@ def test_unknown_driver_is_a_load_error() -> None:
     assert report.load_error is not None and "no conformance driver named 'no-such-engine'" in report.load_error
 
 
+def test_the_vllm_driver_without_its_adapter_names_the_distribution_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvconn.testing.conformance import driver
+
+    monkeypatch.setattr(driver, "entry_points", lambda **_: [])  # as where kvconn-vllm is not installed
+    with pytest.raises(LookupError, match=r"named 'vllm' .*; install kvconn-vllm, which ships it"):
+        driver.get_driver("vllm")
+
+
 def test_a_driver_that_cannot_run_here_is_a_load_error_saying_why() -> None:
     try:
         import vllm  # noqa: F401

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:
-    from kvconn.simulate import ConnectorSetup, RunResult, Simulation
+    from kvconn.reference.simulate import ConnectorSetup, RunResult, Simulation
 
 __all__ = [
     "MAX_NUM_BLOCKS",
@@ -43,7 +43,7 @@ MAX_REQUESTS = 10_000
 
 
 class WorkloadName(str, enum.Enum):
-    """The workload shapes of :mod:`kvconn.workloads`."""
+    """The workload shapes of :mod:`kvconn.reference.workloads`."""
 
     shared_prefix = "shared-prefix"
     multi_turn = "multi-turn"
@@ -99,9 +99,9 @@ def simulate(
     Every request's generated tokens must equal those of the run without a connector: a mismatch exits 1.
     """
     import kvconn
-    from kvconn.simulate import EngineOptions
-    from kvconn.simulate import simulate as run_simulation
-    from kvconn.workloads import make_workload
+    from kvconn.reference.simulate import EngineOptions
+    from kvconn.reference.simulate import simulate as run_simulation
+    from kvconn.reference.workloads import make_workload
 
     from ..config_input import read_config
     from ..errors import EXIT_FAILURE, ConnectorFailure, UsageError
@@ -217,7 +217,7 @@ def setups_from_options(connectors: Sequence[str], config: dict[str, Any] | None
     Raises :class:`~kvconn_cli.errors.UsageError` for an empty name or a
     config that names connectors not given.
     """
-    from kvconn.simulate import ConnectorSetup
+    from kvconn.reference.simulate import ConnectorSetup
 
     from ..errors import UsageError
 

@@ -1,12 +1,12 @@
-"""Engine adapters: run kvconn plugins inside serving engines.
+"""Engine adapters are separate distributions; this package keeps their old import paths.
 
-Each adapter lives in its own subpackage and imports its engine only when it
-is used, so ``import kvconn.adapters`` costs nothing and needs no engine.
+An adapter hooks kvconn into an engine (vLLM's ``vllm.general_plugins`` entry
+point, for one), so it ships on its own: installing a connector does not touch
+an engine unless the adapter is installed too.
 
-* :mod:`kvconn.adapters.vllm` — a vLLM ``KVConnectorBase_V1`` that hosts kvconn
-  connectors (``kv_connector="KVConnVllmConnector"``,
-  ``kv_connector_module_path="kvconn.adapters.vllm"``, or the short name
-  ``"kvconn"`` registered by the ``vllm.general_plugins`` entry point).
+* :mod:`kvconn.adapters.vllm` — alias of :mod:`kvconn_vllm` (distribution
+  ``kvconn-vllm``), so ``kv_connector_module_path="kvconn.adapters.vllm"`` keeps
+  working.
 """
 
 from __future__ import annotations

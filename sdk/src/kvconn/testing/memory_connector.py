@@ -27,7 +27,7 @@ from .. import (
     filled_blocks,
     iter_block_ids,
 )
-from ..manager import HOOK_NAMES
+from .._plugins.manager import HOOK_NAMES
 
 __all__ = ["STORE", "MemoryConfig", "MemoryConnector", "MemoryMetadata", "Transfer"]
 

@@ -19,9 +19,9 @@ from typing import Any, ClassVar
 
 import pytest
 
-from ..engine import Engine
-from ..engine.request import Request
-from ..engine.scheduler import Scheduler
+from ..reference import Engine
+from ..reference.request import Request
+from ..reference.scheduler import Scheduler
 from .conformance import Check, Session, list_checks
 from .conformance.runner import open_session
 from .utils import create_requests, create_scheduler

@@ -8,10 +8,10 @@ from typing import Any
 
 from ..connector import KVConnectorRole
 from ..context import DEFAULT_KV_CACHE_GROUPS, ConnectorContext, KVCacheGroupSpec
-from ..engine.request import Request
-from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..host import ConnectorHost, OnError
 from ..outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from ..reference.request import Request
+from ..reference.scheduler import Scheduler, SchedulerConfig
 
 __all__ = [
     "assert_scheduler_empty",

@@ -204,6 +204,8 @@ _DRIVERS: dict[str, DriverFactory] = {}
 #: Entry-point group through which a distribution ships a driver: ``vllm = "pkg.module:load"``, where
 #: ``load()`` returns the factory, or raises ``ConnectorLoadError`` when the driver cannot run here.
 DRIVER_ENTRY_POINT_GROUP = "kvconn.conformance_drivers"
+#: Drivers that kvconn's own distributions ship, and which one: named when the driver is missing.
+_SHIPPED_BY = {"vllm": "kvconn-vllm"}
 
 
 def register_driver(name: str, factory: DriverFactory) -> None:
@@ -233,9 +235,13 @@ def get_driver(name: str) -> DriverFactory:
     try:
         return _DRIVERS[name]
     except KeyError:
+        fix = (
+            f"install {_SHIPPED_BY[name]}, which ships it"
+            if name in _SHIPPED_BY
+            else "register one with kvconn.testing.conformance.register_driver"
+        )
         raise LookupError(
-            f"no conformance driver named {name!r} (available: {', '.join(available_drivers())}); "
-            "register one with kvconn.testing.conformance.register_driver"
+            f"no conformance driver named {name!r} (available: {', '.join(available_drivers())}); {fix}"
         ) from None
 
 

@@ -12,24 +12,24 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..._plugins.registry import connector_roles, load_connector_class
 from ...block_state import BlockIds, KVConnectorBlockState
 from ...connector import KVConnectorRole
 from ...context import NULL_BLOCK_ID, ConnectorContext
-from ...engine.request import Request
-from ...engine.scheduler import Scheduler, SchedulerConfig
-from ...engine.stats import EngineStats
-from ...engine.worker import ReferenceWorker
 from ...host import ConnectorHost, LoadPlan
-from ...metadata import KVConnectorMetadata
-from ...outputs import KVConnectorOutput, SchedulerOutput
-from ...registry import connector_roles, load_connector_class
-from ...wire import (
+from ...host.wire import (
     decode_model_runner_output,
     decode_scheduler_output,
     encode_metadata,
     encode_model_runner_output,
     encode_scheduler_output,
 )
+from ...metadata import KVConnectorMetadata
+from ...outputs import KVConnectorOutput, SchedulerOutput
+from ...reference.request import Request
+from ...reference.scheduler import Scheduler, SchedulerConfig
+from ...reference.stats import EngineStats
+from ...reference.worker import ReferenceWorker
 from ..utils import assert_scheduler_empty
 from .driver import (
     DriverSpec,
@@ -66,7 +66,7 @@ class _Victim:
 
 
 class ReferenceDriver:
-    """A :class:`~.driver.SchedulerDriver` over :mod:`kvconn.engine`.
+    """A :class:`~.driver.SchedulerDriver` over :mod:`kvconn.reference`.
 
     Beyond the protocol it exposes what engine-level checks need: the tokens
     each request generated and the engine's stats. With ``fail_first_load``

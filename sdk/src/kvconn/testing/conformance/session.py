@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from ..._plugins.registry import build_config, connector_roles, load_connector_class
 from ...errors import BlockStateSerializationError, ConnectorConfigError, ConnectorError, WireError
 from ...host import BadHookAnswer
-from ...registry import build_config, connector_roles, load_connector_class
 from .catalog import Check, get_check
 from .driver import DriverFactory, get_driver
 from .results import NOT_RUN, CheckResult, CheckSkipped, ConformanceFailure, ScenarioBroken, Violation

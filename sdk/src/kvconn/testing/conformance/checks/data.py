@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from ....engine import Engine
+from ....reference import Engine
 from ..catalog import IMPORTED, check
 from ..driver import DriverSpec, StepRecord
 from ..reference import ReferenceDriver

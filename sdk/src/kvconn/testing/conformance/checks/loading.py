@@ -11,13 +11,13 @@ from typing import Any
 
 import msgspec
 
+from ...._plugins.manager import HOOK_NAMES, implemented_hooks
+from ...._plugins.registry import ENTRY_POINT_GROUP, build_config, connector_roles
 from ....connector import KVConnector, KVConnectorRole, NoConfig
 from ....context import ConnectorContext
 from ....errors import ConnectorConfigError, KVConnError
 from ....host import ConnectorHost
-from ....manager import HOOK_NAMES, implemented_hooks
 from ....metadata import KVConnectorMetadata
-from ....registry import ENTRY_POINT_GROUP, build_config, connector_roles
 from ..catalog import check
 from ..results import ConformanceFailure, Violation
 from ..session import Session

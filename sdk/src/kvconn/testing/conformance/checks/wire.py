@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ....wire import encode_metadata
+from ....host.wire import encode_metadata
 from ..catalog import IMPORTED, check
 from ..observe import non_plain_data
 from ..results import ScenarioBroken, Violation

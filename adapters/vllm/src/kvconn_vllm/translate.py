@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ...block_state import BlockIds
-from ...context import ConnectorContext, KVCacheGroupSpec
-from ...errors import ConnectorConfigError
-from ...outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from kvconn.block_state import BlockIds
+from kvconn.context import ConnectorContext, KVCacheGroupSpec
+from kvconn.errors import ConnectorConfigError
+from kvconn.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 
 __all__ = [
     "VllmRequestView",

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvconn import ConnectorContext
-from kvconn.adapters.vllm import route_logs_to_vllm
-from kvconn.adapters.vllm.translate import check_kv_caches
+from kvconn_vllm import route_logs_to_vllm
+from kvconn_vllm.translate import check_kv_caches
 
 CONTEXT = ConnectorContext(block_size=32)
 
@@ -88,7 +88,7 @@ def test_loggers_the_operator_configured_are_left_alone(
 def test_reports_of_several_workers_sum_counters_and_take_the_smallest_private_gauge() -> None:
     """Tensor parallelism: offload's store sequence number must be one every worker has reached, not a sum."""
     from kvconn import KVConnectorOutput
-    from kvconn.adapters.vllm.reports import ReportCollector, WorkerReport, encode_report
+    from kvconn_vllm.reports import ReportCollector, WorkerReport, encode_report
 
     def report(saved: int, stores_done: int) -> bytes:
         stats = {"blocks_saved": saved, "_stores_done": stores_done, "_pool_slots": 64}

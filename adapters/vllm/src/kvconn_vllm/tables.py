@@ -24,8 +24,8 @@ another request; the adapter then offers no tables at all), and state-space
 
 from __future__ import annotations
 
-from ...block_state import BlockIds, KVConnectorBlockState
-from ...outputs import SchedulerOutput
+from kvconn.block_state import BlockIds, KVConnectorBlockState
+from kvconn.outputs import SchedulerOutput
 
 __all__ = ["TableTracker"]
 

@@ -12,7 +12,7 @@ at this boundary (:mod:`.translate`). What crosses processes is plain data:
 
 * scheduler -> workers: :class:`KVConnVllmMetadata` (pickled by vLLM's
   ``MessageQueue``): each connector's metadata as msgpack bytes
-  (:func:`kvconn.wire.encode_metadata`) and the blocks of the loads in flight;
+  (:func:`kvconn.host.wire.encode_metadata`) and the blocks of the loads in flight;
 * workers -> scheduler: :class:`KVConnVllmWorkerMetadata` (vLLM's
   ``kv_connector_worker_meta``): one :class:`~.reports.WorkerReport` per worker.
 
@@ -38,14 +38,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from ...block_state import KVConnectorBlockState, block_ids_in_range
-from ...connector import KVConnectorRole as KVConnRole
-from ...errors import ConnectorConfigError, KVConnError, WireError
-from ...host import NO_LOAD, ConnectorHost, LoadPlan
-from ...metadata import KVConnectorMetadata as KVConnMetadata
-from ...outputs import KVConnectorOutput
-from ...registry import connector_roles
-from ...wire import decode_metadata, encode_metadata
+from kvconn._plugins.registry import connector_roles
+from kvconn.block_state import KVConnectorBlockState, block_ids_in_range
+from kvconn.connector import KVConnectorRole as KVConnRole
+from kvconn.errors import ConnectorConfigError, KVConnError, WireError
+from kvconn.host import NO_LOAD, ConnectorHost, LoadPlan
+from kvconn.host.wire import decode_metadata, encode_metadata
+from kvconn.metadata import KVConnectorMetadata as KVConnMetadata
+from kvconn.outputs import KVConnectorOutput
+
 from . import route_logs_to_vllm
 from .reports import ReportCollector, WorkerReport, encode_report
 from .tables import TableTracker
@@ -67,7 +68,7 @@ except ImportError:  # a vLLM that never runs its hybrid KV cache manager with a
 
 __all__ = ["KVConnVllmConnector", "KVConnVllmMetadata", "KVConnVllmStats", "KVConnVllmWorkerMetadata"]
 
-logger = logging.getLogger("kvconn.adapters.vllm")
+logger = logging.getLogger("kvconn.vllm")
 
 #: ``(block ids, is_async)`` of one load.
 LoadSpec = tuple[list[int], bool]

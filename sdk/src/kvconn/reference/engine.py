@@ -15,7 +15,7 @@ from typing import Any
 from ..connector import KVConnectorRole
 from ..context import ConnectorContext
 from ..host import DEFAULT_HOOK_BUDGET_S, DEFAULT_STALL_STEPS, ConnectorHost, OnError
-from ..wire import (
+from ..host.wire import (
     decode_model_runner_output,
     decode_scheduler_output,
     encode_model_runner_output,

@@ -17,18 +17,19 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from ...block_state import BlockIds, KVConnectorBlockState
-from ...errors import ConnectorLoadError
-from ...metadata import KVConnectorMetadata
-from ...outputs import SchedulerOutput
-from ...testing.conformance.driver import (
+from kvconn.block_state import BlockIds, KVConnectorBlockState
+from kvconn.errors import ConnectorLoadError
+from kvconn.host.wire import decode_metadata
+from kvconn.metadata import KVConnectorMetadata
+from kvconn.outputs import SchedulerOutput
+from kvconn.testing.conformance.driver import (
     DriverFactory,
     DriverSpec,
     StepRecord,
     observed_block_state,
     tracked_by_role,
 )
-from ...wire import decode_metadata
+
 from .reports import decode_report
 
 __all__ = ["VllmDriver", "load_driver"]

@@ -40,16 +40,16 @@ from typing import Any, Literal
 
 import pluggy
 
-from .block_state import BlockIds, KVConnectorBlockState, block_ids_in_range
-from .connector import KVConnectorRole
-from .context import ConnectorContext
-from .errors import ConnectorConfigError, ConnectorError, ConnectorLoadError
-from .hookspecs import SCHEDULER_HOOKS, WORKER_HOOKS
-from .manager import KVConnPluginManager
-from .metadata import KVConnectorMetadata
-from .outputs import KVConnectorOutput, SchedulerOutput
-from .registry import connector_roles, instantiate_connector, load_connector_class
-from .request import ConnectorRequest
+from .._plugins.manager import KVConnPluginManager
+from .._plugins.registry import connector_roles, instantiate_connector, load_connector_class
+from ..block_state import BlockIds, KVConnectorBlockState, block_ids_in_range
+from ..connector import KVConnectorRole
+from ..context import ConnectorContext
+from ..errors import ConnectorConfigError, ConnectorError, ConnectorLoadError
+from ..hookspecs import SCHEDULER_HOOKS, WORKER_HOOKS
+from ..metadata import KVConnectorMetadata
+from ..outputs import KVConnectorOutput, SchedulerOutput
+from ..request import ConnectorRequest
 
 __all__ = ["DEFAULT_HOOK_BUDGET_S", "DEFAULT_STALL_STEPS", "ConnectorHost", "LoadPlan", "StepUpdate"]
 

@@ -1,8 +1,8 @@
 """Drive a workload through the reference engine with and without connectors, side by side.
 
 What a connector buys is prompt tokens that are loaded instead of computed.
-:func:`simulate` runs one :class:`~kvconn.workloads.Workload` on a
-connector-less :class:`~kvconn.engine.Engine` (the baseline) and then once per
+:func:`simulate` runs one :class:`~kvconn.reference.workloads.Workload` on a
+connector-less :class:`~kvconn.reference.Engine` (the baseline) and then once per
 connector setup, with the same engine options, and records per engine step:
 
 * prompt tokens computed, loaded from a connector and served by the local
@@ -41,8 +41,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .engine import Engine, EngineStats, Request
-from .host import ConnectorHost
+from ..host import ConnectorHost
+from .engine import Engine
+from .request import Request
+from .stats import EngineStats
 from .workloads import Workload, reusable_prompt_tokens
 
 __all__ = [

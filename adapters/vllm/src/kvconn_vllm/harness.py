@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ...context import NULL_BLOCK_ID, KVCacheGroupSpec
+from kvconn.context import NULL_BLOCK_ID, KVCacheGroupSpec
+
 from . import CONNECTOR_CLASS, SHORT_NAME
 
 __all__ = [
@@ -112,7 +113,7 @@ def kvconn_transfer_config(
     if short_name:
         fields["kv_connector"] = SHORT_NAME
     else:
-        fields["kv_connector_module_path"] = "kvconn.adapters.vllm"
+        fields["kv_connector_module_path"] = "kvconn_vllm"
     return fields
 
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import msgspec
 
-from .block_state import KVConnectorBlockState
-from .errors import BlockStateSerializationError, WireError
-from .metadata import KVConnectorMetadata
-from .outputs import ModelRunnerOutput, SchedulerOutput
+from ..block_state import KVConnectorBlockState
+from ..errors import BlockStateSerializationError, WireError
+from ..metadata import KVConnectorMetadata
+from ..outputs import ModelRunnerOutput, SchedulerOutput
 
 __all__ = [
     "decode_metadata",

@@ -13,8 +13,8 @@ from typing import Any
 
 import pluggy
 
-from . import hookspecs
-from .connector import KVConnector
+from .. import hookspecs
+from ..connector import KVConnector
 from .markers import PROJECT_NAME
 
 __all__ = ["HOOK_NAMES", "KVConnPluginManager", "implemented_hooks"]

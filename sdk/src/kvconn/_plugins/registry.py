@@ -26,11 +26,11 @@ from typing import Any
 
 import msgspec
 
-from .connector import KVConnector, KVConnectorRole, NoConfig
-from .context import ConnectorContext
-from .errors import ConnectorConfigError, ConnectorLoadError, ConnectorNotFoundError
+from ..connector import KVConnector, KVConnectorRole, NoConfig
+from ..context import ConnectorContext
+from ..errors import ConnectorConfigError, ConnectorLoadError, ConnectorNotFoundError
+from ..version import check_api_version
 from .manager import implemented_hooks
-from .version import check_api_version
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from ...outputs import KVConnectorOutput
+from kvconn.outputs import KVConnectorOutput
 
 __all__ = ["ReportCollector", "WorkerReport", "decode_report", "encode_report"]
 

@@ -28,7 +28,7 @@ from .stats import EngineStats
 
 __all__ = ["MAX_NUM_BLOCKS", "Scheduler", "SchedulerConfig"]
 
-logger = logging.getLogger("kvconn.engine")
+logger = logging.getLogger("kvconn.reference")
 
 #: The largest block pool of the reference engine: each block is a Python object and KV in every layer,
 #: so a pool far larger only exhausts memory slowly instead of failing at once.

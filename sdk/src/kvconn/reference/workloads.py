@@ -23,7 +23,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .hashing import hash_blocks
+from ..hashing import hash_blocks
 
 __all__ = [
     "WORKLOADS",

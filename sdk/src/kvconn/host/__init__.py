@@ -1,0 +1,32 @@
+"""What an engine drives: the connector host and the wire between scheduler and workers.
+
+* :mod:`.connector_host` — :class:`ConnectorHost`, the only caller of hooks:
+  routing across several connectors, the failure policy, checks of each
+  hook's answer.
+* :mod:`.wire` — msgpack encoding of ``SchedulerOutput`` / ``ModelRunnerOutput``
+  and of each connector's metadata, for engines whose workers run elsewhere.
+"""
+
+from __future__ import annotations
+
+from .connector_host import (
+    DEFAULT_HOOK_BUDGET_S,
+    DEFAULT_STALL_STEPS,
+    NO_LOAD,
+    BadHookAnswer,
+    ConnectorHost,
+    LoadPlan,
+    OnError,
+    StepUpdate,
+)
+
+__all__ = [
+    "DEFAULT_HOOK_BUDGET_S",
+    "DEFAULT_STALL_STEPS",
+    "NO_LOAD",
+    "BadHookAnswer",
+    "ConnectorHost",
+    "LoadPlan",
+    "OnError",
+    "StepUpdate",
+]
