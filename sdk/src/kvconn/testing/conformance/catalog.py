@@ -9,12 +9,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .session import Session
 
-__all__ = ["CAPABILITIES", "IMPORTED", "Check", "check", "get_check", "list_checks"]
+__all__ = ["CAPABILITIES", "IMPORTED", "SCHEDULER_CHECK", "Check", "check", "get_check", "list_checks"]
 
 #: What a check may require of a connector (from its class attributes).
 #: ``scheduler``/``worker``: serves that role; ``saves``/``loads``: declares it.
@@ -24,6 +24,8 @@ CheckFunction = Callable[["Session"], None]
 
 #: ``after`` of every check that drives the connector: not run when it does not even import (KV002).
 IMPORTED = ("KV002",)
+#: ``requires`` and ``after`` of a check of the scheduler side: ``@check(id, name, fix=..., **SCHEDULER_CHECK)``.
+SCHEDULER_CHECK: dict[str, Any] = {"requires": ("scheduler",), "after": IMPORTED}
 
 
 @dataclass(frozen=True)

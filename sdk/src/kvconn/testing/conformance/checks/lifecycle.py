@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..catalog import IMPORTED, check
+from ..catalog import IMPORTED, SCHEDULER_CHECK, check
 from ..results import CheckSkipped, Violation
 from ..session import Session
 from .data import all_runs
@@ -15,8 +15,7 @@ from .data import all_runs
     "request-finished",
     fix="return True from request_finished only while a save still reads the request's blocks, and then "
     "report the request in get_finished's finished_sending once that save completes",
-    requires=("scheduler",),
-    after=IMPORTED,
+    **SCHEDULER_CHECK,
 )
 def request_finished(session: Session) -> None:
     """``request_finished`` runs once per request, and a delayed free is always released.
@@ -77,8 +76,7 @@ def get_finished_once(session: Session) -> None:
     "no-leaks",
     fix="forget a request in request_finished (scheduler side) and when its transfers are reported finished "
     "(worker side); get_num_tracked_requests must count what you still hold",
-    requires=("scheduler",),
-    after=IMPORTED,
+    **SCHEDULER_CHECK,
 )
 def no_leaks(session: Session) -> None:
     """Once every request has ended, the connector tracks none and the engine holds nothing.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ....hashing import hash_blocks
 from ..analysis import StepView, live_ids, step_views
-from ..catalog import IMPORTED, check
+from ..catalog import SCHEDULER_CHECK, check
 from ..observe import hashed_blocks
 from ..results import CheckSkipped, Violation
 from ..scenarios import OFFERED_ONLY, Trace
@@ -20,8 +20,7 @@ def _views(session: Session, trace: Trace) -> list[StepView]:
     "KV010",
     "scenarios",
     fix="make every hook cope with the situation named in the error (see docs/checks.md for each scenario)",
-    requires=("scheduler",),
-    after=IMPORTED,
+    **SCHEDULER_CHECK,
 )
 def scenarios(session: Session) -> None:
     """Every scripted scenario runs to completion without the connector raising.
@@ -39,8 +38,7 @@ def scenarios(session: Session) -> None:
     "block-fill",
     fix="each step, read the table of every request you act on with block_state.get_block_ids(req_id), "
     "including requests that got no new block this step (the step that fills a block allocates none)",
-    requires=("scheduler",),
-    after=IMPORTED,
+    **SCHEDULER_CHECK,
 )
 def block_fill(session: Session) -> None:
     """On the step that fills a block (and allocates none), the connector sees the request's live table.
@@ -80,8 +78,7 @@ def block_fill(session: Session) -> None:
     "stale-tables",
     fix="never keep a table across steps (preemption replaces it): read it each step with "
     "block_state.get_block_ids(req_id); do not rebuild it by appending new_block_ids",
-    requires=("scheduler",),
-    after=IMPORTED,
+    **SCHEDULER_CHECK,
 )
 def stale_tables(session: Session) -> None:
     """After preemption and resume, nothing the connector sends refers to the request's old table.
@@ -154,8 +151,7 @@ def _check_positions(run: Run) -> None:
     "offered-only",
     fix="block_state.get_block_ids(req_id) returns None for a request not offered this step: skip it "
     "(or retry next step); never call block_state.resolve_block_ids yourself",
-    requires=("scheduler",),
-    after=IMPORTED,
+    **SCHEDULER_CHECK,
 )
 def offered_only(session: Session) -> None:
     """The connector copes with ``None`` for a request outside the offered set.
@@ -181,8 +177,7 @@ def offered_only(session: Session) -> None:
     "lazy-resolve",
     fix="call block_state.get_block_ids only for the requests you act on this step, not for every offered "
     "one (and never iterate the deprecated block_state.block_ids)",
-    requires=("scheduler",),
-    after=IMPORTED,
+    **SCHEDULER_CHECK,
 )
 def lazy_resolve(session: Session) -> None:
     """The connector resolves at most the tables of the requests it acts on.
@@ -217,8 +212,7 @@ def lazy_resolve(session: Session) -> None:
     "read-only-tables",
     fix="treat every table you are handed as read-only (the same lists go to the other connectors of the host "
     "and to the engine): copy it before changing it, e.g. [b for b in group if b != NULL_BLOCK_ID]",
-    requires=("scheduler",),
-    after=IMPORTED,
+    **SCHEDULER_CHECK,
 )
 def read_only_tables(session: Session) -> None:
     """No hook changes a block table it was handed.

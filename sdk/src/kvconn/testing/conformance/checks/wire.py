@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ....host.wire import encode_metadata
-from ..catalog import IMPORTED, check
+from ..catalog import SCHEDULER_CHECK, check
 from ..observe import non_plain_data
 from ..results import ScenarioBroken, Violation
 from ..scenarios import Arrival, Scenario, Trace, prompt
@@ -15,8 +15,7 @@ from ..session import METADATA_FIX, Session
     "metadata-roundtrip",
     fix="type every Metadata field precisely (list[int], not Any; tuples where you build tuples), and build "
     "fresh lists each step instead of handing out your own state",
-    requires=("scheduler",),
-    after=IMPORTED,
+    **SCHEDULER_CHECK,
 )
 def metadata_roundtrip(session: Session) -> None:
     """Every step's metadata decodes on the worker equal to what the scheduler built, and is never changed after.
@@ -42,7 +41,7 @@ def metadata_roundtrip(session: Session) -> None:
                 )
 
 
-@check("KV021", "metadata-plain", fix=METADATA_FIX, requires=("scheduler",), after=IMPORTED)
+@check("KV021", "metadata-plain", fix=METADATA_FIX, **SCHEDULER_CHECK)
 def metadata_plain(session: Session) -> None:
     """Metadata is plain data: no callable, no block state, nothing that reaches the scheduler.
 
@@ -84,8 +83,7 @@ def _size_scenario(num_blocks: int) -> Scenario:
     "metadata-size",
     fix="carry only the block ids you act on this step: no per-block bitmaps or free lists (they grow with "
     "the cache), no list of every request served (it grows with history)",
-    requires=("scheduler",),
-    after=IMPORTED,
+    **SCHEDULER_CHECK,
 )
 def metadata_size(session: Session) -> None:
     """Metadata grows with the block ids it carries, not with the size of the KV cache nor with history.
