@@ -42,6 +42,7 @@ from ...block_state import KVConnectorBlockState, block_ids_in_range
 from ...connector import KVConnectorRole as KVConnRole
 from ...errors import ConnectorConfigError, KVConnError, WireError
 from ...host import NO_LOAD, ConnectorHost, LoadPlan
+from ...manager import hook_object
 from ...metadata import KVConnectorMetadata as KVConnMetadata
 from ...outputs import KVConnectorOutput
 from ...registry import connector_roles
@@ -207,7 +208,9 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         # Metadata goes to workers only for connectors that run there (scheduler-only ones are left out).
         self._sent = {n for n, c in self.host.connectors.items() if KVConnRole.WORKER in connector_roles(type(c))}
         self._builders = [
-            n for n, c in self.host.connectors.items() if n in self._sent and hasattr(c, "build_connector_meta")
+            n
+            for n, c in self.host.connectors.items()
+            if n in self._sent and hasattr(hook_object(c), "build_connector_meta")
         ]
         self._collector = ReportCollector(self.host.names, int(vllm_config.parallel_config.world_size))
         # worker side
