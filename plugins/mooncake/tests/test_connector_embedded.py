@@ -214,6 +214,7 @@ def test_environment_selects_the_real_store_and_errors_name_the_variable(monkeyp
     monkeypatch.delenv("MOONCAKE_MASTER")
     connector = load_connector("mooncake", role="scheduler")
     assert isinstance(connector, MooncakeConnector) and connector.side.backend == "embedded"
+    assert connector.in_process_state  # decided by the side's store: the embedded one lives in this process
     connector.side.shutdown()
 
 

@@ -142,8 +142,9 @@ _NEEDED_HOOKS = {
 @check(
     "KV006",
     "hook-names",
-    fix="name each hook exactly as in kvconn.hookspecs (a method with another name is never called), and "
-    "implement the hooks that what you declare (saves, loads) needs",
+    fix="name each hook exactly as in kvconn.hookspecs (a method with another name is never called), put it on "
+    "the side of its role (scheduler_side / worker_side, whose path must import), and implement the hooks that "
+    "what you declare (saves, loads) needs",
 )
 def hook_names(session: Session) -> None:
     """Every method named like a hook is one, each role's hooks are where that role calls them, and what the
