@@ -265,7 +265,11 @@ def _sided(**attrs: Any) -> type:
             f"BadSides.worker_side = '{HERE}:NoSuchClass' (fix the 'package.module:ClassName' path): module "
             f"'{HERE}' has no attribute 'NoSuchClass'",
         ),
-        ({"worker_side": "no_colon"}, "worker", "'no_colon' is not a connector path: use the form"),
+        (
+            {"worker_side": "no_colon"},
+            "worker",
+            "BadSides.worker_side = 'no_colon' (fix the 'package.module:ClassName' path): 'no_colon' is not a path",
+        ),
         (
             {"scheduler_side": f"{HERE}:_sided"},
             "scheduler",

@@ -54,7 +54,7 @@ def import_target(target: str, *, source: str) -> object:
     """
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
-        raise ConnectorLoadError(f"{target!r} is not a connector path: use the form 'package.module:ClassName'")
+        raise ConnectorLoadError(f"{source}: {target!r} is not a path: use the form 'package.module:ClassName'")
     try:
         module = importlib.import_module(module_name)
     except SystemExit as exc:
@@ -75,8 +75,7 @@ def import_target(target: str, *, source: str) -> object:
 
 def declared_side(cls: type, role: str) -> type | str | None:
     """What ``cls`` declares as its side for ``role`` (``"scheduler"`` or ``"worker"``), imported or not."""
-    side: type | str | None = getattr(cls, f"{role}_side", None)
-    return side
+    return getattr(cls, f"{role}_side", None)
 
 
 def side_class(cls: type, role: str) -> type | None:
