@@ -61,7 +61,8 @@ class KVConnPluginManager(pluggy.PluginManager):
 
 def hook_object(connector: object) -> object:
     """The object whose methods are ``connector``'s hooks: its ``side`` for its role, else itself."""
-    side = connector.side if isinstance(connector, KVConnector) else None
+    # getattr: a connector whose __init__ skips KVConnector's has no side (nor declares one it could use).
+    side = getattr(connector, "side", None) if isinstance(connector, KVConnector) else None
     return connector if side is None else side
 
 
