@@ -43,6 +43,7 @@ from kvconn import (
     KVConnectorRole,
     SchedulerOutput,
 )
+from kvconn._plugins.manager import hook_object
 from kvconn.outputs import CachedRequestData
 from kvconn_dummy import DummyConnector, DummyMetadata
 
@@ -111,7 +112,7 @@ def _workload(
 def _unit(
     cls: type, requests: list[_Request], outputs: list[SchedulerOutput], resolve: Callable[[str], BlockIds]
 ) -> int:
-    connector = cls(role=KVConnectorRole.SCHEDULER, context=CONTEXT)
+    connector: Any = hook_object(cls(role=KVConnectorRole.SCHEDULER, context=CONTEXT))  # its scheduler side, if any
     # Hooks take any subset of their arguments, by name (as the host calls them).
     wanted = inspect.signature(connector.update_state_after_alloc).parameters
     table = resolve(requests[0].request_id)

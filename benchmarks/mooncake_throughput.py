@@ -71,10 +71,10 @@ def inner(args: argparse.Namespace) -> dict[str, Any]:
         "global_segment_size": args.segment_mib << 20,
         "local_buffer_size": 64 << 20,
     }
-    worker = load_connector("mooncake", role="worker", config=config, context=context)
+    worker = load_connector("mooncake", role="worker", config=config, context=context).side
     kv = {name: torch.randn((2 * n + 1, 2, bs, heads, dim)).half() for name in names}
     worker.register_kv_caches(kv)
-    client = worker.worker_side.store._client  # the raw client the plugin uses
+    client = worker.store._client  # the raw client the plugin uses
     value_bytes = layers * kv[names[0]][0].numel() * 2
     staging = torch.randint(0, 255, (n, value_bytes), dtype=torch.uint8)
     client.register_buffer(staging.data_ptr(), staging.numel())

@@ -69,7 +69,7 @@ def bench(block_tokens: int, layout: str, args: argparse.Namespace) -> dict[str,
     pool_slots = n if layout == "contiguous" else 2 * n
     names = tuple(f"layer.{i}" for i in range(args.layers))
     context = ConnectorContext(block_size=block_tokens, kv_cache_groups=(KVCacheGroupSpec(names),))
-    worker = load_connector("offload", role="worker", config={"pool_blocks": pool_slots}, context=context)
+    worker = load_connector("offload", role="worker", config={"pool_blocks": pool_slots}, context=context).side
     gen = torch.Generator().manual_seed(block_tokens)
     shape = (2 * n + 1, 2, block_tokens, args.kv_heads, args.head_dim)
     kv = {name: torch.randn(shape, generator=gen).to(torch.float16).to(device) for name in names}

@@ -56,8 +56,17 @@ def test_plan_renders_every_template(tmp_path: Path) -> None:
     assert pyproject["project"]["entry-points"]["kvconn.connectors"] == {"my-store": "kvconn_my_store:MyStoreConnector"}
     source = files[tmp_path / "src/kvconn_my_store/__init__.py"]
     classes = {n.name for n in ast.parse(source).body if isinstance(n, ast.ClassDef)}
-    assert classes == {"MyStoreConfig", "MyStoreMetadata", "MyStoreConnector", "Transfer", "_Tracked"}
+    assert classes == {
+        "MyStoreConfig",
+        "MyStoreMetadata",
+        "MyStoreConnector",
+        "MyStoreScheduler",
+        "MyStoreWorker",
+        "Transfer",
+        "_Tracked",
+    }
     assert f'api_version = "{kvconn.API_VERSION}"' in source
+    assert "scheduler_side = MyStoreScheduler" in source and "worker_side = MyStoreWorker" in source
 
 
 def test_write_creates_and_refuses_to_overwrite(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ import msgspec
 import kvconn
 from kvconn._plugins.manager import implemented_hooks
 from kvconn._plugins.registry import connector_roles
+from kvconn._plugins.sides import ROLE_HOOKS, declared_side
 
 __all__ = [
     "ConfigField",
@@ -89,7 +90,12 @@ class ConnectorDetails:
     description: str
     config_doc: str
     config: list[ConfigField]
+    #: hooks of the connector class and of its sides declared as classes (a path is not imported)
     hooks: list[str]
+    #: role -> ``"module:Class"`` of the side that implements its hooks, for the roles that have one
+    sides: dict[str, str] = field(default_factory=dict)
+    #: the roles whose side is declared as a path: not imported, so its hooks are not in ``hooks``
+    lazy_sides: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -98,6 +104,8 @@ class ConnectorDetails:
             "config_doc": self.config_doc,
             "config": [asdict(f) for f in self.config],
             "hooks": self.hooks,
+            "sides": self.sides,
+            "lazy_sides": self.lazy_sides,
         }
 
 
@@ -191,8 +199,22 @@ def describe(name: str) -> ConnectorDetails:
         description=_doc(cls) or _doc(sys.modules.get(cls.__module__)),
         config_doc=_doc(config_type) if config_type is not kvconn.NoConfig else "",
         config=config_fields(config_type),
-        hooks=implemented_hooks(cls),
+        hooks=_hooks(cls),
+        sides={role: _path(side) for role in ROLE_HOOKS if (side := declared_side(cls, role)) is not None},
+        lazy_sides=[role for role in ROLE_HOOKS if isinstance(declared_side(cls, role), str)],
     )
+
+
+def _hooks(cls: type) -> list[str]:
+    """The hooks of ``cls`` and of its sides declared as classes; a side's path is not imported (torch, say)."""
+    sides = [side for role in ROLE_HOOKS if isinstance(side := declared_side(cls, role), type)]
+    return sorted(
+        {*implemented_hooks(cls), *(hook for side in sides for hook in implemented_hooks(side, by_name=True))}
+    )
+
+
+def _path(side: type | str) -> str:
+    return side if isinstance(side, str) else f"{side.__module__}:{side.__qualname__}"
 
 
 def _doc(obj: object) -> str:

@@ -16,12 +16,12 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
 
-from kvconn import KVCacheGroupSpec, KVConnectorOutput
+from kvconn import KVCacheGroupSpec, KVConnectorOutput, StepUpdate
 from kvconn.hashing import hash_blocks
 from kvconn.reference import Engine
 from kvconn_mooncake import BlockKeys, MooncakeConfig, MooncakeConnector, acquire_store
@@ -60,14 +60,14 @@ def connector(engine: Engine, role: str = "worker") -> MooncakeConnector:
 
 def totals(engine: Engine) -> dict[str, int]:
     """Engine stats plus the connector's cumulative counters (degraded events included)."""
-    worker = connector(engine).worker_side
-    scheduler = connector(engine, "scheduler").scheduler_side
+    worker = connector(engine).side
+    scheduler = connector(engine, "scheduler").side
     return {
         **engine.stats.as_dict(),
         **{k: int(v) for k, v in worker.totals.items()},
         **{k: int(v) for k, v in worker.degraded.counts.items()},
         **{f"scheduler_{k}": int(v) for k, v in scheduler.degraded.counts.items()},
-        "tracked": connector(engine, "scheduler").get_num_tracked_requests(),
+        "tracked": connector(engine, "scheduler").side.get_num_tracked_requests(),
         "held": len(engine.scheduler.held_requests),
         "hook_errors": sum(h.degraded_events for h in (engine.scheduler_host, engine.worker_host) if h),
     }
@@ -135,7 +135,7 @@ def fill_steps(config: Config, block_size: int = 16) -> dict[str, Any]:
     with Engine("mooncake", config, **options) as engine:
         request = engine.add_request(prompts(1, 4 * block_size, 3)[0], max_tokens=1)
         keys = BlockKeys(engine.context)
-        store = connector(engine).worker_side.store
+        store = connector(engine).side.store
         outputs: list[Any] = []
         schedule = engine.scheduler.schedule
         engine.scheduler.schedule = lambda: outputs.append(schedule()) or outputs[-1]  # type: ignore[method-assign]
@@ -243,7 +243,7 @@ def master_fault(config: Config, workdir: str) -> None:
             }), flush=True)  # fmt: skip
         _wait_for(os.path.join(workdir, "restarted"), 60)
         deadline = time.monotonic() + 15
-        while connector(engine).worker_side.store.batch_is_exist([PROBE_KEY]) != [0] and time.monotonic() < deadline:
+        while connector(engine).side.store.batch_is_exist([PROBE_KEY]) != [0] and time.monotonic() < deadline:
             time.sleep(0.2)  # the client reconnects by itself once the master is back
         later = prompts(2, 64, 6, seed=12)
         later_tokens = engine.generate(later, max_tokens=4)
@@ -272,14 +272,15 @@ def timed_steps(engine: Engine) -> list[float]:
 def reported(engine: Engine) -> Counter[str]:
     """The worker side's stats as the scheduler side receives them, summed over the steps from now on."""
     seen: Counter[str] = Counter()
-    side = connector(engine, "scheduler").scheduler_side
-    update = side.update_connector_output
+    host = engine.scheduler_host
+    assert host is not None
+    update = host.update_connector_output
 
-    def spy(output: KVConnectorOutput) -> None:
-        seen.update(output.stats)
-        update(output)
+    def spy(outputs: Mapping[str, KVConnectorOutput]) -> StepUpdate:
+        seen.update(outputs["mooncake"].stats if "mooncake" in outputs else {})
+        return update(outputs)
 
-    side.update_connector_output = spy  # type: ignore[method-assign]
+    host.update_connector_output = spy  # type: ignore[method-assign]
     return seen
 
 
@@ -328,7 +329,7 @@ def wedged_master(config: Config, workdir: str) -> None:
                 "stats": totals(wedged), "reported": seen,
             }), flush=True)  # fmt: skip
         _wait_for(os.path.join(workdir, "resumed"), 60)
-        store = connector(engine).worker_side.store
+        store = connector(engine).side.store
         deadline = time.monotonic() + 30
         while store.batch_is_exist([PROBE_KEY]) != [0] and time.monotonic() < deadline:
             time.sleep(0.2)  # the late call returns, then the background probe clears the trip

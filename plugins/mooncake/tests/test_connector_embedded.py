@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import kvconn_mooncake.backends as backends
-from kvconn import ConnectorConfigError, load_connector
+from kvconn import ConnectorConfigError, SchedulerOutput, load_connector
 from kvconn.context import KVCacheGroupSpec
 from kvconn.reference import Engine
 from kvconn_mooncake import EmbeddedStore, MooncakeConnector, MooncakeMetadata
@@ -116,7 +116,7 @@ def test_master_down_means_no_saves_and_no_hits(
 def test_lookup_is_memoised_and_has_no_side_effects(faulty: FaultyStore, embedded_config: dict) -> None:
     with Engine("mooncake", embedded_config) as writer:
         writer.generate([list(range(100))], max_tokens=1)
-    scheduler = load_connector("mooncake", role="scheduler", config=embedded_config, context=writer.context)
+    scheduler = load_connector("mooncake", role="scheduler", config=embedded_config, context=writer.context).side
     request = Engine().add_request(list(range(100)), max_tokens=1)
     faulty.calls.clear()
     first = scheduler.get_num_new_matched_tokens(request, 0)
@@ -127,10 +127,16 @@ def test_lookup_is_memoised_and_has_no_side_effects(faulty: FaultyStore, embedde
 
 
 def _spy_metadata(engine: Engine) -> list[MooncakeMetadata]:
+    """The mooncake metadata of each step the engine schedules from now on."""
     seen: list[MooncakeMetadata] = []
-    conn = engine.scheduler_host.connectors["mooncake"]  # type: ignore[union-attr]
-    build = conn.scheduler_side.build_meta
-    conn.scheduler_side.build_meta = lambda *a: seen.append(build(*a)) or seen[-1]
+    schedule = engine.scheduler.schedule
+
+    def spy() -> SchedulerOutput:
+        output = schedule()
+        seen.append(output.kv_connector_metadata["mooncake"])
+        return output
+
+    engine.scheduler.schedule = spy  # type: ignore[method-assign]
     return seen
 
 
@@ -207,8 +213,9 @@ def test_environment_selects_the_real_store_and_errors_name_the_variable(monkeyp
         load_connector("mooncake", role="scheduler")
     monkeypatch.delenv("MOONCAKE_MASTER")
     connector = load_connector("mooncake", role="scheduler")
-    assert isinstance(connector, MooncakeConnector) and connector.backend == "embedded"
-    connector.shutdown()
+    assert isinstance(connector, MooncakeConnector) and connector.side.backend == "embedded"
+    assert connector.in_process_state  # decided by the side's store: the embedded one lives in this process
+    connector.side.shutdown()
 
 
 def test_every_simulate_round_starts_with_a_cold_embedded_store(embedded_config: dict) -> None:

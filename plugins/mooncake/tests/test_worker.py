@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kvconn import ConnectorContext, KVCacheGroupSpec
-from kvconn_mooncake import BlockTransfer, EmbeddedStore, MooncakeMetadata
-from kvconn_mooncake.integrity import HEADER_BYTES, Integrity
+from kvconn_mooncake import BlockTransfer, EmbeddedStore, MooncakeConfig, MooncakeMetadata, StoreLease
+from kvconn_mooncake.integrity import HEADER_BYTES
 from kvconn_mooncake.keys import BlockKeys
 from kvconn_mooncake.worker import WorkerSide
 
@@ -29,7 +29,8 @@ KEYS = BlockKeys(ConnectorContext(kv_cache_groups=GROUPS))
 
 
 def _worker(store: EmbeddedStore, secret: str | None = None) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
-    worker = WorkerSide(store, ConnectorContext(kv_cache_groups=GROUPS), Integrity(secret))
+    config = MooncakeConfig(integrity_secret=secret)
+    worker = WorkerSide(config, ConnectorContext(kv_cache_groups=GROUPS), StoreLease(store, "embedded"))
     kv = {name: torch.randn((NUM_BLOCKS, *shape)).half() for name, shape in SHAPES.items()}
     worker.register_kv_caches(kv)
     return worker, kv
@@ -48,7 +49,7 @@ def _save(worker: WorkerSide, transfers: list[BlockTransfer]) -> dict[str, float
     worker.start_load_kv(MooncakeMetadata(saves=transfers))
     worker.wait_for_save()
     worker.get_finished()
-    return worker.take_stats()
+    return worker.get_kv_connector_stats()
 
 
 @pytest.fixture
@@ -76,8 +77,8 @@ def test_loads_land_in_their_blocks_and_only_failed_blocks_are_reported(store: E
         BlockTransfer(keys[0, 2], 3, 2),  # no such group
     ]
     reader.start_load_kv(MooncakeMetadata(loads=loads))
-    assert reader.take_load_errors() == {2, 0, NUM_BLOCKS, 3}
-    stats = reader.take_stats()
+    assert reader.get_block_ids_with_load_errors() == {2, 0, NUM_BLOCKS, 3}
+    stats = reader.get_kv_connector_stats()
     assert stats["blocks_loaded"] == 6 and stats["bytes_loaded"] == 3 * sum(VALUE_BYTES)
     assert stats["load_failed_not_found"] == 1 and stats["load_failed_unaddressable"] == 3
     for (g, i), dst_block in {(0, 1): 5, (1, 2): 4, (0, 3): 7, (1, 3): 6}.items():
@@ -93,8 +94,8 @@ def test_repeat_of_a_failed_key_fails_too_and_other_sizes_are_short_reads(store:
     reader, _ = _worker(store)
     loads = [BlockTransfer("gone", 2, 0), BlockTransfer("gone", 3, 0), BlockTransfer(small, 4, 0)]
     reader.start_load_kv(MooncakeMetadata(loads=loads))  # ... read as a (bigger) group-0 block
-    assert reader.take_load_errors() == {2, 3, 4}
-    stats = reader.take_stats()
+    assert reader.get_block_ids_with_load_errors() == {2, 3, 4}
+    stats = reader.get_kv_connector_stats()
     assert stats["load_failed_not_found"] == 2 and stats["load_failed_short_read"] == 1
     assert "blocks_loaded" not in stats
 
@@ -125,11 +126,11 @@ def _load(worker: WorkerSide, kv: dict[str, torch.Tensor], loads: list[BlockTran
     """Load ``loads``; check that no block reported as failed was written; the failed blocks and the stats."""
     before = {name: t.clone() for name, t in kv.items()}
     worker.start_load_kv(MooncakeMetadata(loads=loads))
-    failed = worker.take_load_errors()
+    failed = worker.get_block_ids_with_load_errors()
     for t in loads:
         if t.block_id in failed:
             assert all(torch.equal(kv[n][t.block_id], before[n][t.block_id]) for n in _layers(t.group))
-    return failed, worker.take_stats()
+    return failed, worker.get_kv_connector_stats()
 
 
 def test_values_failing_verification_never_reach_the_kv_cache(store: EmbeddedStore) -> None:
@@ -176,6 +177,7 @@ def test_with_a_secret_only_values_sealed_with_it_load(
     secret = "the shared secret, 16+"
     forger, _ = _worker(store, writer_secret)
     honest, src = _worker(store, secret)
+    forger.keys = honest.keys  # it knows the key (the namespace of a secret is public)
     forged, sealed = _key(0, 1), _key(0, 2)
     _save(forger, [BlockTransfer(forged, 1, 0)])
     _save(honest, [BlockTransfer(sealed, 2, 0)])
@@ -193,15 +195,16 @@ def test_tensor_parallel_ranks_store_and_load_their_own_shards(store: EmbeddedSt
     scheduler_keys = BlockKeys(ConnectorContext(kv_cache_groups=GROUPS, tp_size=2))
     transfers = [BlockTransfer(scheduler_keys.key(0, bytes([i]) * 32), i, 0) for i in (1, 2)]
     shards = {}
+    lease = StoreLease(store, "embedded")
     for rank in (0, 1):  # each rank saves its own shard of the same blocks
-        worker = WorkerSide(store, ConnectorContext(kv_cache_groups=GROUPS, tp_rank=rank, tp_size=2))
+        worker = WorkerSide(MooncakeConfig(), ConnectorContext(kv_cache_groups=GROUPS, tp_rank=rank, tp_size=2), lease)
         shards[rank] = {name: torch.randn((NUM_BLOCKS, *shape)).half() for name, shape in SHAPES.items()}
         worker.register_kv_caches(shards[rank])
         assert _save(worker, transfers)["blocks_saved"] == 2
-    reader = WorkerSide(store, ConnectorContext(kv_cache_groups=GROUPS, tp_rank=1, tp_size=2))
+    reader = WorkerSide(MooncakeConfig(), ConnectorContext(kv_cache_groups=GROUPS, tp_rank=1, tp_size=2), lease)
     kv = {name: torch.zeros((NUM_BLOCKS, *shape)).half() for name, shape in SHAPES.items()}
     reader.register_kv_caches(kv)
     reader.start_load_kv(MooncakeMetadata(loads=transfers))
-    assert not reader.take_load_errors()
+    assert not reader.get_block_ids_with_load_errors()
     for name in _layers(0):
         assert torch.equal(kv[name][1:3], shards[1][name][1:3]), f"rank 1 loaded another rank's shard of {name}"

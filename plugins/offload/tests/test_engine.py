@@ -80,7 +80,7 @@ def test_lru_under_pressure_keeps_recent_prefixes() -> None:
     before = engine.stats.prompt_tokens_loaded
     engine.generate([prompts[2], prompts[1], prompts[0]], max_tokens=1)
     assert engine.stats.prompt_tokens_loaded - before == 2 * 64
-    manager = engine.scheduler_host.connectors["offload"].scheduler.manager  # type: ignore[union-attr]
+    manager = engine.scheduler_host.connectors["offload"].side.manager  # type: ignore[union-attr]
     assert manager.evictions >= 4 and len(manager) == 8
 
 
@@ -124,7 +124,7 @@ def test_evicted_slot_is_reported_as_a_load_error_and_recomputed(prefix: list[in
     engine = Engine("offload", {"pool_blocks": 64}, enable_prefix_caching=False, num_blocks=64)
     expected = Engine(None, enable_prefix_caching=False, num_blocks=64).generate([[*prefix, 7]], max_tokens=3)
     engine.generate([[*prefix, 5]], max_tokens=1)
-    worker = engine.worker_host.connectors["offload"].worker  # type: ignore[union-attr]
+    worker = engine.worker_host.connectors["offload"].side  # type: ignore[union-attr]
     worker._slot_keys.pop(3)  # slot 3 no longer holds what the scheduler thinks (evicted/corrupted)
     assert engine.generate([[*prefix, 7]], max_tokens=3) == expected
     assert engine.stats.failed_load_blocks == 1
@@ -144,7 +144,7 @@ def test_prefix_loaded_into_the_engine_device_kv_cache_is_bit_exact(prefix: list
     assert out == expected and engine.stats.prompt_tokens_loaded == 256
     assert engine.stats.blocks_saved > 0 and engine.stats.degraded_events == 0
     assert engine.worker_host is not None
-    worker = engine.worker_host.connectors["offload"].worker  # type: ignore[attr-defined]
+    worker = engine.worker_host.connectors["offload"].side  # type: ignore[attr-defined]
     assert worker.pinned == (device == "cuda") and worker.pool.is_pinned() == (device == "cuda")
     assert (worker._stream is not None) == (device == "cuda")
     for name, ref in expected_kv.items():

@@ -41,15 +41,15 @@ def test_pin_always_without_an_accelerator_is_a_config_error() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback on a machine without CUDA")
 def test_pin_auto_uses_pageable_memory_and_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
-    worker = load_connector("offload", role="worker", config={"pool_bytes": 1 << 16})
+    worker = load_connector("offload", role="worker", config={"pool_bytes": 1 << 16}).side
     caplog.set_level(logging.INFO, logger="kvconn_offload")
     worker.register_kv_caches({f"layer.{i}": torch.zeros(8, 2, 16, 2, 8, dtype=torch.float16) for i in range(2)})
     lines = [r.getMessage() for r in caplog.records if "pageable" in r.getMessage()]
     assert len(lines) == 1 and "no accelerator" in lines[0]
-    assert not worker.worker.pool.is_pinned()
-    assert worker.worker.num_slots == (1 << 16) // (2 * 2 * 16 * 2 * 8 * 2)
+    assert not worker.pool.is_pinned()
+    assert worker.num_slots == (1 << 16) // (2 * 2 * 16 * 2 * 8 * 2)
     worker.shutdown()
-    assert worker.worker.pool is None
+    assert worker.pool is None
 
 
 def test_manager_never_evicts_pinned_or_pending_entries() -> None:
@@ -89,7 +89,7 @@ def _step(req: Request, num_computed: int, n: int, table: tuple[list[int], ...])
 
 
 def test_finished_request_keeps_its_blocks_until_its_store_is_done() -> None:
-    sched = load_connector("offload", role="scheduler", config={"pool_blocks": 8})
+    sched = load_connector("offload", role="scheduler", config={"pool_blocks": 8}).side
     req = Request("a", list(range(100, 140)), 4, 16)
     table = ([3, 5, 9],)
     sched.update_state_after_alloc(req, table, 0)
@@ -110,7 +110,7 @@ def test_finished_request_keeps_its_blocks_until_its_store_is_done() -> None:
 
 
 def _worker_with_caches() -> tuple[Any, dict[str, torch.Tensor]]:
-    worker = load_connector("offload", role="worker", config={"pool_blocks": 4})
+    worker = load_connector("offload", role="worker", config={"pool_blocks": 4}).side
     gen = torch.Generator().manual_seed(0)
     kv = {f"layer.{i}": torch.randn(8, 2, 16, 2, 8, generator=gen).half() for i in range(2)}
     kv["layer.0"][5:].zero_()
@@ -189,10 +189,10 @@ SLOW_KERNEL = 50_000_000  # GPU cycles (tens of ms): a copy not ordered after it
 
 
 def _cuda_worker() -> tuple[Any, dict[str, torch.Tensor]]:
-    worker = load_connector("offload", role="worker", config={"pool_blocks": 4})
+    worker = load_connector("offload", role="worker", config={"pool_blocks": 4}).side
     kv = {f"layer.{i}": torch.zeros(8, 2, 16, 2, 8, dtype=torch.float16, device="cuda") for i in range(2)}
     worker.register_kv_caches(kv)
-    assert worker.worker.pinned and worker.worker.pool.is_pinned() and worker.worker._stream is not None
+    assert worker.pinned and worker.pool.is_pinned() and worker._stream is not None
     return worker, kv
 
 
@@ -230,7 +230,7 @@ def test_cuda_next_step_compute_waits_for_the_running_store() -> None:
     for name, t in kv.items():
         t[1:3] = values[name]
     worker.start_load_kv(OffloadMetadata(store_seq=1, stores=[_transfer("a", [1, 2], [0, 1])]))
-    with torch.cuda.stream(worker.worker._stream):
+    with torch.cuda.stream(worker._stream):
         torch.cuda._sleep(SLOW_KERNEL)  # the store's copies start late
     for name in kv:
         worker.save_kv_layer(name)

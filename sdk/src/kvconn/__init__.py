@@ -1,7 +1,8 @@
 """kvconn: an SDK for KV-cache connectors.
 
 Connector authors implement the hooks of :mod:`kvconn.hookspecs` on a
-:class:`KVConnector` subclass and declare it in the ``kvconn.connectors``
+:class:`KVConnector` subclass, or on one class per role that it declares as its
+``scheduler_side`` / ``worker_side``, and declare it in the ``kvconn.connectors``
 entry-point group. Engines load connectors by name with :func:`load_connector`
 and drive them through a :class:`ConnectorHost`. Importing kvconn does not
 import torch.

@@ -3,8 +3,9 @@
 A connector class declares, as class attributes, everything an engine or the
 CLI needs to know without running it: its ``Config`` and ``Metadata`` Structs,
 the roles it serves, whether it saves and/or loads, and the SDK API version it
-was written against. Methods named after hooks (see :mod:`kvconn.hookspecs`)
-are its hook implementations.
+was written against. Its hook implementations (see :mod:`kvconn.hookspecs`)
+are either its own methods named after hooks, or the methods of the side
+objects it declares per role (``scheduler_side`` / ``worker_side``, below).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import ClassVar
 
 import msgspec
 
+from ._plugins.sides import build_side
 from .context import ConnectorContext
 from .metadata import KVConnectorMetadata
 from .version import API_VERSION
@@ -35,9 +37,10 @@ class NoConfig(msgspec.Struct, forbid_unknown_fields=True):
 class KVConnector:
     """Base class for connectors.
 
-    Subclasses set the class attributes below and define hook methods; the
-    constructor stores ``config`` (an instance of ``Config``), ``role`` and
-    ``context``. One instance serves one role.
+    Subclasses set the class attributes below and define hook methods, or
+    declare a side per role whose methods are the hooks. The constructor
+    stores ``config`` (an instance of ``Config``), ``role`` and ``context``,
+    and builds ``side``. One instance serves one role.
     """
 
     #: msgspec Struct of the options; ``forbid_unknown_fields=True`` is advised.
@@ -55,6 +58,12 @@ class KVConnector:
     #: workers run in other processes refuses such a connector at start-up, rather
     #: than run it with no hits. A property may decide it from the config.
     in_process_state: bool = False
+    #: The class whose instance implements the scheduler-side hooks, or its lazy
+    #: ``"package.module:Class"`` path (imported only when that role is built);
+    #: ``None``: this class's own methods are the scheduler-side hooks.
+    scheduler_side: ClassVar[type | str | None] = None
+    #: The same for the worker-side hooks (a path keeps torch out of the scheduler process).
+    worker_side: ClassVar[type | str | None] = None
 
     def __init__(
         self,
@@ -64,8 +73,11 @@ class KVConnector:
         context: ConnectorContext | None = None,
     ) -> None:
         self.config = config if config is not None else type(self).Config()
-        self.role = role
+        self.role = KVConnectorRole(role)
         self.context = context if context is not None else ConnectorContext()
+        #: This role's side, built as ``Side(config, context)``: the object registered as the
+        #: pluggy plugin in place of the connector. ``None`` when the connector is its own hooks.
+        self.side: object | None = build_side(type(self), self.role.value, self.config, self.context)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(role={self.role.value})"

@@ -4,8 +4,9 @@ Names and arguments follow vLLM's KV-connector v1 API. An implementation may
 take any subset of a hook's arguments, in any order (pluggy matches them by
 name). A connector instance serves one role: the scheduler calls the
 scheduler-side hooks on its instance, each worker calls the worker-side hooks
-on its own. Methods of :class:`kvconn.KVConnector` subclasses named like these
-hooks are implementations without a decorator; other classes mark them with
+on its own. Methods of :class:`kvconn.KVConnector` subclasses, and of the
+sides they declare per role (:attr:`kvconn.KVConnector.scheduler_side`), named like these hooks are
+implementations without a decorator; other classes mark them with
 ``@kvconn.hookimpl``.
 
 Hooks are called by :class:`kvconn.ConnectorHost`, one connector at a time and

@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvconn._plugins.manager import hook_object
 from kvconn._plugins.registry import connector_roles
 from kvconn.block_state import KVConnectorBlockState, block_ids_in_range
 from kvconn.connector import KVConnectorRole as KVConnRole
@@ -208,7 +209,9 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         # Metadata goes to workers only for connectors that run there (scheduler-only ones are left out).
         self._sent = {n for n, c in self.host.connectors.items() if KVConnRole.WORKER in connector_roles(type(c))}
         self._builders = [
-            n for n, c in self.host.connectors.items() if n in self._sent and hasattr(c, "build_connector_meta")
+            n
+            for n, c in self.host.connectors.items()
+            if n in self._sent and hasattr(hook_object(c), "build_connector_meta")
         ]
         self._collector = ReportCollector(self.host.names, int(vllm_config.parallel_config.world_size))
         # worker side

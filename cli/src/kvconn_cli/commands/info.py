@@ -1,4 +1,4 @@
-"""``kvconn info NAME``: a connector's description, config schema and implemented hooks."""
+"""``kvconn info NAME``: a connector's description, config schema, implemented hooks and sides."""
 
 from __future__ import annotations
 
@@ -72,6 +72,9 @@ def _render(details: ConnectorDetails) -> None:
         console.print("config: none (the connector takes no options)")
     console.print()
     console.print(f"hooks: {', '.join(details.hooks)}")
+    for role, path in details.sides.items():
+        lazy = " (imported only where it runs: its hooks are not listed)" if role in details.lazy_sides else ""
+        console.print(f"{role} side: {path}{lazy}", markup=False)
 
 
 def register(app: typer.Typer) -> None:

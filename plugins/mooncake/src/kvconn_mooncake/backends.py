@@ -14,14 +14,16 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvconn import ConnectorConfigError, ConnectorLoadError
+from kvconn import ConnectorConfigError, ConnectorContext, ConnectorLoadError
 
 from .config import MooncakeConfig, RealStoreSettings, resolve_backend
 from .embedded import embedded_store
+from .integrity import secret_id
+from .keys import BlockKeys
 from .mooncake_store import MooncakeStore
 from .store import Store
 
-__all__ = ["StoreLease", "acquire_store"]
+__all__ = ["StoreLease", "StoreSide", "acquire_store"]
 
 _LOCK = threading.Lock()
 _REAL: dict[RealStoreSettings, list[Any]] = {}  # settings -> [store, users]
@@ -70,3 +72,22 @@ def _release_real(settings: RealStoreSettings) -> None:
         if entry[1] == 0:
             del _REAL[settings]
             entry[0].close()
+
+
+class StoreSide:
+    """What both sides of ``mooncake`` share: a lease on the store ``config`` selects, and the block keys.
+
+    ``lease``: a store to use instead (tests); it is released on shutdown all the same.
+    """
+
+    def __init__(self, config: MooncakeConfig, context: ConnectorContext, lease: StoreLease | None = None) -> None:
+        self._lease = lease if lease is not None else acquire_store(config)
+        #: ``"embedded"`` or ``"mooncake"`` (the real store)
+        self.backend = self._lease.backend
+        self.store = self._lease.store
+        #: this side's key namespace (per group, TP rank and secret)
+        self.keys = BlockKeys(context, secret_id(config.integrity_secret))
+
+    def shutdown(self) -> None:
+        """Release the store (the last side using a real client closes it, once)."""
+        self._lease.release()

@@ -34,10 +34,10 @@ from kvconn import (
     iter_block_ids,
 )
 
+from .backends import StoreLease, StoreSide
+from .config import MooncakeConfig
 from .degrade import Degradations
-from .keys import BlockKeys
 from .metadata import BlockTransfer, MooncakeMetadata
-from .store import Store
 
 __all__ = ["SchedulerSide"]
 
@@ -49,15 +49,14 @@ class _Request:
     loads: list[BlockTransfer] = field(default_factory=list)
 
 
-class SchedulerSide:
+class SchedulerSide(StoreSide):
     """The scheduler side of ``mooncake``: store lookups, and the loads and saves each step sends."""
 
-    def __init__(self, store: Store, keys: BlockKeys, context: ConnectorContext, save_decode_cache: bool) -> None:
-        self.store = store
-        self.keys = keys
+    def __init__(self, config: MooncakeConfig, context: ConnectorContext, lease: StoreLease | None = None) -> None:
+        super().__init__(config, context, lease)
         self.block_size = context.block_size
         self.groups = context.kv_cache_groups
-        self.save_decode_cache = save_decode_cache
+        self.save_decode_cache = config.save_decode_cache
         self.degraded = Degradations()
         self._requests: dict[str, _Request] = {}
         self._lookups: dict[str, tuple[tuple[int, int], int]] = {}  # this step's lookups
@@ -66,21 +65,22 @@ class SchedulerSide:
 
     # ---------------------------------------------------------------- lookups
 
-    def num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        """The stored blocks after the local hit, in tokens; loaded synchronously (no side effects)."""
         bs = self.block_size
         if num_computed_tokens % bs:
-            return 0
+            return 0, False
         start = num_computed_tokens // bs
         end = min(len(request.block_hashes), (request.num_tokens - 1) // bs)  # leave a token to compute
         if end <= start:
-            return 0
+            return 0, False
         memo = self._lookups.get(request.request_id)
         if memo is not None and memo[0] == (start, end):
-            return memo[1]
+            return memo[1], False
         hit = self._lookup(request.block_hashes, start, end)
         tokens = (hit - start) * bs
         self._lookups[request.request_id] = ((start, end), tokens)
-        return tokens
+        return tokens, False
 
     def _lookup(self, hashes: Sequence[bytes], start: int, end: int) -> int:
         """The end of the longest run of blocks from ``start`` that every group can load."""
@@ -135,17 +135,19 @@ class SchedulerSide:
             limit = min(limit, len(request.prompt_token_ids) // self.block_size)
         return limit
 
-    def build_meta(self, output: SchedulerOutput, block_state: KVConnectorBlockState) -> MooncakeMetadata:
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
+    ) -> MooncakeMetadata:
         self._lookups.clear()
         meta = MooncakeMetadata()
         loading: set[str] = set()
-        for req_id in output.num_scheduled_tokens:
+        for req_id in scheduler_output.num_scheduled_tokens:
             state = self._requests.get(req_id)
             if state is not None and state.loads:
                 meta.loads.extend(state.loads)
                 state.loads = []
                 loading.add(req_id)
-        for req_id, start, end in filled_blocks(output, self.block_size):
+        for req_id, start, end in filled_blocks(scheduler_output, self.block_size):
             state = self._requests.get(req_id)
             if state is None:
                 continue
@@ -179,12 +181,12 @@ class SchedulerSide:
         self._final[request.request_id] = transfers
         return True
 
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self._sending -= output.finished_sending
-        if output.failed:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sending -= connector_output.finished_sending
+        if connector_output.failed:
             self._sending.clear()  # the host releases what a failed worker side held
 
-    def num_tracked_requests(self) -> int:
+    def get_num_tracked_requests(self) -> int:
         return len(self._requests) + len(self._final) + len(self._sending)
 
 

@@ -35,10 +35,11 @@ from typing import Any, TypeVar
 
 from kvconn import NULL_BLOCK_ID, ConnectorContext
 
+from .backends import StoreLease, StoreSide
 from .codes import LEASE_EXPIRED, NOT_FOUND, OK, RPC_FAIL, STORE_FULL, code_name
+from .config import MooncakeConfig
 from .degrade import Degradations
 from .integrity import HEADER_BYTES, Integrity, layout_digest
-from .keys import BlockKeys
 from .metadata import BlockTransfer, MooncakeMetadata
 from .store import Store
 
@@ -141,27 +142,22 @@ class _Arena:
         return memoryview(self.buffer)
 
 
-class WorkerSide:
-    """The worker side of ``mooncake``: one batched get before compute, one batched put after it."""
+class WorkerSide(StoreSide):
+    """The worker side of ``mooncake``: one batched get before compute, one batched put after it.
 
-    def __init__(
-        self,
-        store: Store,
-        context: ConnectorContext,
-        integrity: Integrity | None = None,
-        keys: BlockKeys | None = None,
-    ) -> None:
-        self.store = store
+    Its keys are its own namespace per group: under tensor parallelism each rank stores its shard apart.
+    """
+
+    def __init__(self, config: MooncakeConfig, context: ConnectorContext, lease: StoreLease | None = None) -> None:
+        super().__init__(config, context, lease)
         self.context = context
-        self.integrity = integrity or Integrity()
-        # This worker's own namespace per group: under tensor parallelism each rank stores its shard apart.
-        self._prefixes = (keys or BlockKeys(context)).prefixes
+        self.integrity = Integrity(config.integrity_secret)
         self.degraded = Degradations()
         self.totals: Counter[str] = Counter()
         self._stats: Counter[str] = Counter()
         self._groups: list[_GroupLayout] = []
-        self._headers = _Arena(store)  # saves: one header per value
-        self._staging = _Arena(store)  # loads: values land here and are verified before the KV caches
+        self._headers = _Arena(self.store)  # saves: one header per value
+        self._staging = _Arena(self.store)  # loads: values land here and are verified before the KV caches
         self._metadata: MooncakeMetadata | None = None
         self._load_errors: set[int] = set()
 
@@ -196,7 +192,7 @@ class WorkerSide:
             if not 0 <= g < len(self._groups):
                 bad += buckets.pop(g)
                 continue
-            bucket, limit, prefix = buckets[g], self._groups[g].num_blocks, self._prefixes[g]
+            bucket, limit, prefix = buckets[g], self._groups[g].num_blocks, self.keys.prefixes[g]
             if not all(t.key.startswith(prefix) for t in bucket):
                 # Named in the scheduler's namespace (TP rank 0 under vLLM): this rank's shard has keys of its own,
                 # or ranks would load each other's shards (same layout, so the header check cannot tell).
@@ -301,12 +297,12 @@ class WorkerSide:
         transfer, layout = item
         return self.integrity.seal(transfer.key, layout.digest, layout.parts(transfer.block_id))
 
-    def get_finished(self) -> set[str]:
-        """Requests whose held blocks were saved this step; ends the step."""
+    def get_finished(self) -> tuple[set[str], None]:
+        """Requests whose held blocks were saved this step (loads are synchronous); ends the step."""
         metadata, self._metadata = self._metadata, None
-        return set(metadata.finished_saves) if metadata is not None else set()
+        return set(metadata.finished_saves) if metadata is not None else set(), None
 
-    def take_load_errors(self) -> set[int]:
+    def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -315,7 +311,7 @@ class WorkerSide:
             self._stats[key] += n
             self.totals[key] += n
 
-    def take_stats(self) -> dict[str, float]:
+    def get_kv_connector_stats(self) -> dict[str, float]:
         """Counters since the last call: blocks/bytes moved, every degraded event, and their sum.
 
         ``degraded_events`` counts the blocks whose load or save degraded

@@ -1,9 +1,12 @@
 """The pluggy plugin manager of kvconn.
 
-Its one addition to pluggy: methods of :class:`~kvconn.connector.KVConnector`
-subclasses named after a hook are implementations without ``@hookimpl``, as
-``pytest_*`` functions are in pytest. Hook arguments are still validated
-against the specs at registration (an unknown argument name is an error).
+Its additions to pluggy: methods of :class:`~kvconn.connector.KVConnector`
+subclasses, and of the side objects they declare (see :mod:`kvconn._plugins.sides`),
+named after a hook are implementations without ``@hookimpl``, as ``pytest_*``
+functions are in pytest; and :meth:`KVConnPluginManager.register_connector`
+registers a connector's side in its place when it has one. Hook arguments are
+still validated against the specs at registration (an unknown argument name is
+an error).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from .. import hookspecs
 from ..connector import KVConnector
 from .markers import PROJECT_NAME
 
-__all__ = ["HOOK_NAMES", "KVConnPluginManager", "implemented_hooks"]
+__all__ = ["HOOK_NAMES", "KVConnPluginManager", "hook_object", "implemented_hooks"]
 
 HOOK_NAMES = frozenset(name for name, _ in inspect.getmembers(hookspecs.KVConnectorSpec, inspect.isfunction))
 
@@ -28,13 +31,21 @@ class KVConnPluginManager(pluggy.PluginManager):
     def __init__(self) -> None:
         super().__init__(PROJECT_NAME)
         self.add_hookspecs(hookspecs.KVConnectorSpec)
+        self._sides: list[object] = []  # registered side objects: their hook-named methods are hooks
+
+    def register_connector(self, connector: object, name: str) -> None:
+        """Register ``connector`` under ``name``: its side for its role when it has one, else itself."""
+        plugin = hook_object(connector)
+        if plugin is not connector:
+            self._sides.append(plugin)
+        self.register(plugin, name=name)
 
     def parse_hookimpl_opts(self, plugin: object, name: str) -> Any:
         opts = super().parse_hookimpl_opts(plugin, name)
         if (
             opts is None
             and name in HOOK_NAMES
-            and isinstance(plugin, KVConnector)
+            and (isinstance(plugin, KVConnector) or any(plugin is side for side in self._sides))
             and callable(getattr(plugin, name, None))
         ):
             return {
@@ -48,11 +59,21 @@ class KVConnPluginManager(pluggy.PluginManager):
         return opts
 
 
-def implemented_hooks(cls: type) -> list[str]:
-    """The hook names a connector class implements, sorted (no instance needed)."""
+def hook_object(connector: object) -> object:
+    """The object whose methods are ``connector``'s hooks: its ``side`` for its role, else itself."""
+    # getattr: a connector whose __init__ skips KVConnector's has no side (nor declares one it could use).
+    side = getattr(connector, "side", None) if isinstance(connector, KVConnector) else None
+    return connector if side is None else side
+
+
+def implemented_hooks(cls: type, *, by_name: bool | None = None) -> list[str]:
+    """The hook names a connector class (or a side class) implements, sorted (no instance needed).
+
+    ``by_name``: every method named after a hook counts, as on a side class;
+    by default only on a :class:`KVConnector` subclass (others need ``@hookimpl``).
+    """
     marker = f"{PROJECT_NAME}_impl"
+    named = issubclass(cls, KVConnector) if by_name is None else by_name
     return sorted(
-        name
-        for name in HOOK_NAMES
-        if callable(attr := getattr(cls, name, None)) and (issubclass(cls, KVConnector) or hasattr(attr, marker))
+        name for name in HOOK_NAMES if callable(attr := getattr(cls, name, None)) and (named or hasattr(attr, marker))
     )

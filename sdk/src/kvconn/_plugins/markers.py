@@ -1,8 +1,8 @@
 """The pluggy markers of the ``kvconn`` project.
 
 ``@hookimpl`` marks a connector method as a hook implementation. Subclasses of
-:class:`kvconn.KVConnector` need no marker: their methods named after a hook
-already count (as ``pytest_*`` functions do in pytest).
+:class:`kvconn.KVConnector` and their sides need no marker: their methods named
+after a hook already count (as ``pytest_*`` functions do in pytest).
 """
 
 from __future__ import annotations

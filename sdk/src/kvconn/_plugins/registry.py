@@ -17,7 +17,6 @@ installed plugin is not a plugin: the allow-list does not restrict it.
 from __future__ import annotations
 
 import difflib
-import importlib
 import os
 import re
 from collections.abc import Mapping
@@ -31,6 +30,7 @@ from ..context import ConnectorContext
 from ..errors import ConnectorConfigError, ConnectorLoadError, ConnectorNotFoundError
 from ..version import check_api_version
 from .manager import implemented_hooks
+from .sides import check_roles, declared_side, import_target
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -111,28 +111,6 @@ def available_connectors() -> dict[str, ConnectorEntry]:
     return dict(sorted(found.items()))
 
 
-def _import_target(target: str, *, source: str) -> object:
-    module_name, _, attr = target.partition(":")
-    if not module_name or not attr:
-        raise ConnectorLoadError(f"{target!r} is not a connector path: use the form 'package.module:ClassName'")
-    try:
-        module = importlib.import_module(module_name)
-    except SystemExit as exc:
-        raise ConnectorLoadError(
-            f"{source}: importing module {module_name!r} called sys.exit({exc.code!r}); a plugin must not exit"
-        ) from None
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # a plugin raising BaseException must not take the engine or the CLI down
-        raise ConnectorLoadError(
-            f"{source} failed to import module {module_name!r}: {type(exc).__name__}: {exc}"
-        ) from exc
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ConnectorLoadError(f"{source}: module {module_name!r} has no attribute {attr!r}") from None
-
-
 def load_connector_class(name: str) -> type:
     """The connector class for an installed ``name`` or a ``"pkg.mod:Class"`` path.
 
@@ -146,7 +124,7 @@ def load_connector_class(name: str) -> type:
         hidden = _path_filtered_out(name)
         if hidden:
             raise ConnectorNotFoundError(f"{source} is not available: {hidden}")
-        obj = _import_target(name, source=source)
+        obj = import_target(name, source=source)
     else:
         installed = available_connectors()
         entry = installed.get(name)
@@ -155,7 +133,7 @@ def load_connector_class(name: str) -> type:
         source = f"connector {name!r} (distribution {entry.distribution or '?'} {entry.version or ''})".replace(
             " )", ")"
         )
-        obj = _import_target(entry.target, source=source)
+        obj = import_target(entry.target, source=source)
     return _check_connector_class(obj, source)
 
 
@@ -173,7 +151,8 @@ def _not_found_message(name: str, installed: Mapping[str, ConnectorEntry]) -> st
 def _check_connector_class(obj: object, source: str) -> type:
     if not isinstance(obj, type):
         raise ConnectorLoadError(f"{source} is {type(obj).__name__} {obj!r}, not a connector class")
-    if not implemented_hooks(obj):
+    has_sides = any(declared_side(obj, role.value) is not None for role in KVConnectorRole)
+    if not has_sides and not implemented_hooks(obj):
         how = (
             "define methods named after the hooks in kvconn.hookspecs (build_connector_meta, save_kv_layer, ...)"
             if issubclass(obj, KVConnector)
@@ -181,6 +160,7 @@ def _check_connector_class(obj: object, source: str) -> type:
             "or mark methods with @kvconn.hookimpl"
         )
         raise ConnectorLoadError(f"{source}: {obj.__qualname__} implements no hook: {how}")
+    check_roles(obj, by_name=issubclass(obj, KVConnector))
     declared = getattr(obj, "api_version", None)
     if declared is None:
         raise ConnectorLoadError(f"{source}: {obj.__qualname__} declares no api_version (e.g. api_version = '1.0')")
@@ -235,6 +215,9 @@ def load_connector(
     """Find, import, configure and instantiate a connector for one role.
 
     ``name`` is an installed connector name or ``"package.module:ClassName"``.
+    Returns the connector instance; when its class declares a side for
+    ``role``, that side is built and held as ``connector.side`` (the object
+    whose methods are the hooks, see :mod:`kvconn._plugins.sides`).
     """
     return instantiate_connector(load_connector_class(name), name, role=role, config=config, context=context)
 

@@ -283,7 +283,7 @@ class ConnectorHost:
         if name in self.connectors:
             raise ConnectorLoadError(f"connector {name!r} is given twice: each connector needs a distinct name")
         try:
-            self._pm.register(connector, name=name)
+            self._pm.register_connector(connector, name=name)  # its side for this role, if it declares one
             self._pm.check_pending()
         except pluggy.PluginValidationError as exc:
             raise ConnectorLoadError(f"connector {name!r} has an invalid hook implementation: {exc}") from exc

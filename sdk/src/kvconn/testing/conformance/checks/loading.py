@@ -11,8 +11,9 @@ from typing import Any
 
 import msgspec
 
-from ...._plugins.manager import HOOK_NAMES, implemented_hooks
+from ...._plugins.manager import HOOK_NAMES, hook_object, implemented_hooks
 from ...._plugins.registry import ENTRY_POINT_GROUP, build_config, connector_roles
+from ...._plugins.sides import side_class
 from ....connector import KVConnector, KVConnectorRole, NoConfig
 from ....context import ConnectorContext
 from ....errors import ConnectorConfigError, KVConnError
@@ -141,34 +142,49 @@ _NEEDED_HOOKS = {
 @check(
     "KV006",
     "hook-names",
-    fix="name each hook exactly as in kvconn.hookspecs (a method with another name is never called), and "
-    "implement the hooks that what you declare (saves, loads) needs",
+    fix="name each hook exactly as in kvconn.hookspecs (a method with another name is never called), put it on "
+    "the side of its role (scheduler_side / worker_side, whose path must import), and implement the hooks that "
+    "what you declare (saves, loads) needs",
 )
 def hook_names(session: Session) -> None:
-    """Every method named like a hook is one, and what the class declares it does, it has hooks for.
+    """Every method named like a hook is one, each role's hooks are where that role calls them, and what the
+    class declares it does, it has hooks for.
 
     Catches misspelt hooks (``save_kv_layers``, ``build_connector_metadata``,
     ``request_finish``): pluggy ignores them silently, so the connector never
-    saves, or never frees. Also catches a class declaring ``saves`` or
-    ``loads`` without any hook that could do it (for a role it serves).
+    saves, or never frees. Also catches a side (``scheduler_side`` /
+    ``worker_side``) whose path does not import or that implements a hook of
+    the other role, and a class declaring ``saves`` or ``loads`` without any
+    hook that could do it (for a role it serves).
     """
     cls = session.cls
-    own = {name for klass in cls.__mro__ if klass not in (KVConnector, object) for name in vars(klass)}
-    for name in sorted(own - HOOK_NAMES):
-        if name.startswith("_") or not callable(getattr(cls, name, None)):
-            continue
-        near = difflib.get_close_matches(name, HOOK_NAMES, n=1, cutoff=0.8)
-        if near and near[0] not in own:
-            raise Violation(f"{cls.__qualname__}.{name} is not a hook and is never called: did you mean {near[0]}?")
-    hooks = set(implemented_hooks(cls))
     for role in sorted(connector_roles(cls), key=lambda r: r.value):
+        try:
+            side = side_class(cls, role.value)  # a path is imported here: the checks run the connector anyway
+        except KVConnError as exc:
+            raise Violation(str(exc)) from None
+        owner = cls if side is None else side
+        _check_spelling(owner)
+        hooks = set(implemented_hooks(owner, by_name=side is not None or None))
         for attr in ("saves", "loads"):
             needed = _NEEDED_HOOKS[(attr, role)]
             if getattr(cls, attr, False) and not hooks & set(needed):
+                by = "" if side is None else f"its {role.value}_side {side.__qualname__} "
                 raise Violation(
-                    f"{cls.__qualname__} declares {attr} = True but implements none of {', '.join(needed)} "
+                    f"{cls.__qualname__} declares {attr} = True but {by}implements none of {', '.join(needed)} "
                     f"for its {role.value} side"
                 )
+
+
+def _check_spelling(owner: type) -> None:
+    """A public method of ``owner`` (a connector or a side class) named almost like a hook is a misspelt hook."""
+    own = {name for klass in owner.__mro__ if klass not in (KVConnector, object) for name in vars(klass)}
+    for name in sorted(own - HOOK_NAMES):
+        if name.startswith("_") or not callable(getattr(owner, name, None)):
+            continue
+        near = difflib.get_close_matches(name, HOOK_NAMES, n=1, cutoff=0.8)
+        if near and near[0] not in own:
+            raise Violation(f"{owner.__qualname__}.{name} is not a hook and is never called: did you mean {near[0]}?")
 
 
 @check(
@@ -199,7 +215,7 @@ def config_defaults(session: Session) -> None:
         ) from None
     for role in connector_roles(session.cls):
         instance = _instantiate(session, role, config)
-        shutdown = getattr(instance, "shutdown", None)
+        shutdown = getattr(hook_object(instance), "shutdown", None)
         if callable(shutdown):
             shutdown()
 
