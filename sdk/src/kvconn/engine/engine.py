@@ -36,6 +36,8 @@ class Engine:
         connector: a connector name, ``"pkg.mod:Class"``, a list of them (several
             connectors: every one saves, the first with a hit loads), or ``None``.
         config: the connector's config (with several: ``{name: config}``).
+        worker_config: the worker side's config where it differs from ``config``
+            (a test giving the worker a fresh store namespace, say).
         on_error: the hosts' error policy (``"degrade"`` or ``"raise"``).
         stall_steps, hook_budget_s: the hosts' bounds on a stalling or slow
             connector (:class:`~kvconn.ConnectorHost`).
@@ -50,6 +52,7 @@ class Engine:
         connector: str | Sequence[str] | None = None,
         config: Mapping[str, Any] | None = None,
         *,
+        worker_config: Mapping[str, Any] | None = None,
         on_error: OnError = "degrade",
         stall_steps: int = DEFAULT_STALL_STEPS,
         hook_budget_s: float | None = DEFAULT_HOOK_BUDGET_S,
@@ -78,7 +81,7 @@ class Engine:
                 ConnectorHost.from_names(
                     connector,
                     role=role,
-                    config=config,
+                    config=worker_config if role is KVConnectorRole.WORKER and worker_config is not None else config,
                     context=self.context,
                     on_error=on_error,
                     stall_steps=stall_steps,
@@ -116,6 +119,10 @@ class Engine:
         )
         self.scheduler.add_request(request)
         return request
+
+    def abort(self, *req_ids: str) -> None:
+        """Abort requests, waiting or running (connectors get ``request_finished``); unknown ids are ignored."""
+        self.scheduler.finish_requests(req_ids)
 
     def step(self) -> None:
         """One engine step: schedule, send, execute, send back, update."""

@@ -17,15 +17,16 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from ...block_state import BlockIds, KVConnectorBlockState
+from ...block_state import BlockIds
 from ...errors import ConnectorLoadError
+from ...host import CallOutcome
 from ...metadata import KVConnectorMetadata
 from ...outputs import SchedulerOutput
 from ...testing.conformance.driver import (
     DriverFactory,
     DriverSpec,
     StepRecord,
-    observed_block_state,
+    observe_block_state,
     tracked_by_role,
 )
 from ...wire import decode_metadata
@@ -73,28 +74,24 @@ class VllmDriver:
         self._finished_calls: Counter[str] = Counter()
         self._withhold: frozenset[str] = frozenset()
         self._built: tuple[SchedulerOutput, KVConnectorMetadata | None, frozenset[str], list[str]] | None = None
+        self._resolved: list[str] = []
         self._observe()
 
     def _observe(self) -> None:
-        """Wrap the scheduler-side host (instance attributes shadow its methods)."""
-        host = self.adapter.host
-        build, finished = host.build_connector_meta, host.request_finished
+        """Monitor the scheduler-side host, where the reference driver observes too."""
+        self.adapter.host.add_monitor(self._before, self._after, calls=("build_connector_meta", "request_finished"))
 
-        def build_connector_meta(
-            output: SchedulerOutput, block_state: KVConnectorBlockState
-        ) -> dict[str, KVConnectorMetadata]:
-            resolved: list[str] = []
-            observed = observed_block_state(block_state, self._withhold, resolved)
-            metadata = build(output, observed)
-            self._built = (output, metadata.get(self.name), frozenset(observed.req_ids), resolved)
-            return metadata
+    def _before(self, call: str, args: tuple[Any, ...]) -> None:
+        if call == "build_connector_meta":
+            self._resolved = []
+            observe_block_state(args[1], self._withhold, self._resolved)
+        else:
+            self._finished_calls[args[0].request_id] += 1
 
-        def request_finished(request: Any, block_ids: BlockIds) -> bool:
-            self._finished_calls[request.request_id] += 1
-            return finished(request, block_ids)
-
-        host.build_connector_meta = build_connector_meta
-        host.request_finished = request_finished
+    def _after(self, call: str, args: tuple[Any, ...], outcome: CallOutcome) -> None:
+        if call == "build_connector_meta" and outcome.exception is None:
+            output, block_state = args
+            self._built = (output, outcome.result.get(self.name), frozenset(block_state.req_ids), self._resolved)
 
     # ---------------------------------------------------------------- protocol
 

@@ -46,7 +46,7 @@ scheduler and worker; another engine plugs in with
 ``register_driver("vllm", factory)``, or declares ``vllm = "pkg.module:factory"``
 in the ``kvconn.conformance_drivers`` entry-point group, and is then used with
 ``run_conformance(..., driver="vllm")``. A new driver records ``offered``
-and ``resolved`` with :func:`~.driver.observed_block_state` and answers
+and ``resolved`` with :func:`~.driver.observe_block_state` and answers
 ``num_tracked_requests`` with :func:`~.driver.tracked_by_role`.
 The data checks (KV040-KV045) need a model and always use the reference
 engine, with every freed block overwritten at once.

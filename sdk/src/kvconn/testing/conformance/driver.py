@@ -33,7 +33,7 @@ __all__ = [
     "freeze",
     "get_driver",
     "mutated_tables",
-    "observed_block_state",
+    "observe_block_state",
     "register_driver",
     "tracked_by_role",
 ]
@@ -139,19 +139,22 @@ class SchedulerDriver(Protocol):
 DriverFactory = Callable[[DriverSpec], SchedulerDriver]
 
 
-def observed_block_state(
+def observe_block_state(
     block_state: KVConnectorBlockState,
     withhold: Collection[str],
     resolved: list[str],
     handed: list[HandedTable] | None = None,
-) -> KVConnectorBlockState:
-    """What a driver offers: ``block_state`` less ``withhold``, each resolver call appended to ``resolved``.
+) -> None:
+    """Make ``block_state`` what a driver offers: less ``withhold``, each resolver call appended to ``resolved``.
 
-    Its ``req_ids`` are the step's :attr:`StepRecord.offered`. The recording
-    resolver keeps the wrapped one's name, so metadata that holds it is
-    reported as holding, e.g., ``KVCacheManager.get_block_ids``. With
-    ``handed``, every table it returns is recorded with a snapshot, for
-    :func:`mutated_tables` to compare once the hook returned.
+    Changed in place, from a monitor run before the host's
+    ``build_connector_meta`` (the scheduler builds a fresh block state for
+    each step's call); its ``req_ids`` are then the step's
+    :attr:`StepRecord.offered`. The recording resolver keeps the wrapped
+    one's name, so metadata that holds it is reported as holding, e.g.,
+    ``KVCacheManager.get_block_ids``. With ``handed``, every table it returns
+    is recorded with a snapshot, for :func:`mutated_tables` to compare once
+    the hook returned.
     """
     resolve = block_state.resolve_block_ids
 
@@ -163,7 +166,8 @@ def observed_block_state(
             handed.append((f"the table get_block_ids({req_id!r}) returned", table, freeze(table)))
         return table
 
-    return KVConnectorBlockState(set(block_state.req_ids) - set(withhold), recording)
+    block_state.req_ids = set(block_state.req_ids) - set(withhold)
+    block_state.resolve_block_ids = recording
 
 
 #: (where the table was handed to the connector, the table, a snapshot taken then)
