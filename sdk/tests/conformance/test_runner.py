@@ -102,7 +102,7 @@ def test_registered_driver_runs_the_scheduler_checks() -> None:
     finally:
         del _DRIVERS["counting"]
     assert report.ok and report.passed == 6
-    assert {s.block_size for s in built} == {16, 256} and any(s.num_blocks == 14 for s in built)
+    assert {s.shape.block_size for s in built} == {16, 256} and any(s.shape.num_blocks == 14 for s in built)
 
 
 def test_a_check_that_crashes_is_a_failure() -> None:

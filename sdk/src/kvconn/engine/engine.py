@@ -22,7 +22,8 @@ from ..wire import (
     encode_scheduler_output,
 )
 from .request import Request
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler
+from .shape import EngineShape
 from .stats import EngineStats
 from .worker import ReferenceWorker
 
@@ -42,9 +43,10 @@ class Engine:
         stall_steps, hook_budget_s: the hosts' bounds on a stalling or slow
             connector (:class:`~kvconn.ConnectorHost`).
         model, dtype: engine facts connectors may namespace keys with.
-        num_kv_heads, head_dim: KV-cache tensor shape of each layer.
         device: where the KV caches live (``"cuda"`` runs connectors against accelerator memory).
-        **scheduler_options: fields of :class:`SchedulerConfig`.
+        shape: the engine's KV cache and batch limits (default: :class:`EngineShape`'s defaults).
+        **scheduler_options: fields of :class:`EngineShape` to change in ``shape``
+            (``num_blocks=64``, ``num_kv_heads=4``...).
     """
 
     def __init__(
@@ -58,21 +60,20 @@ class Engine:
         hook_budget_s: float | None = DEFAULT_HOOK_BUDGET_S,
         model: str = "kvconn-reference",
         dtype: str = "float16",
-        num_kv_heads: int = 2,
-        head_dim: int = 8,
         tp_rank: int = 0,
         device: str = "cpu",
+        shape: EngineShape | None = None,
         **scheduler_options: Any,
     ) -> None:
-        scheduler_config = SchedulerConfig(**scheduler_options)
+        self.shape = shape = EngineShape.from_options(shape, **scheduler_options)
         self.context = ConnectorContext(
             model=model,
             dtype=dtype,
-            block_size=scheduler_config.block_size,
-            kv_cache_groups=scheduler_config.kv_cache_groups,
+            block_size=shape.block_size,
+            kv_cache_groups=shape.kv_cache_groups,
             tp_rank=tp_rank,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
         )
         self.scheduler_host: ConnectorHost | None = None
         self.worker_host: ConnectorHost | None = None
@@ -89,13 +90,13 @@ class Engine:
                 )
                 for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
             )
-        self.scheduler = Scheduler(scheduler_config, host=self.scheduler_host, context=self.context)
+        self.scheduler = Scheduler(shape, host=self.scheduler_host, context=self.context)
         self.worker = ReferenceWorker(
             self.context,
-            num_blocks=scheduler_config.num_blocks,
+            num_blocks=shape.num_blocks,
             host=self.worker_host,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
             device=device,
         )
         # Decode every connector's metadata, even one with no worker side (its workers ignore it).

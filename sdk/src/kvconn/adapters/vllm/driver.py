@@ -53,21 +53,15 @@ class VllmDriver:
     """A :class:`~kvconn.testing.conformance.SchedulerDriver` over vLLM's scheduler."""
 
     def __init__(self, spec: DriverSpec) -> None:
-        from .harness import VllmLoop, make_scheduler
+        from .harness import VLLM_TEST_SHAPE, VllmLoop, make_scheduler
 
-        self.block_size, self.num_blocks = spec.block_size, spec.num_blocks
+        self.block_size, self.num_blocks = spec.shape.block_size, spec.shape.num_blocks
         self.name = spec.connector
-        self.scheduler = make_scheduler(
-            spec.connector,
-            spec.config,
-            block_size=spec.block_size,
-            num_blocks=spec.num_blocks,
-            max_num_seqs=spec.max_num_seqs,
-            max_num_batched_tokens=spec.max_num_batched_tokens,
-            max_model_len=2048,
-            enable_prefix_caching=spec.enable_prefix_caching,
-            kv_cache_groups=spec.kv_cache_groups,
+        # the scenario's shape, on the tiny model's KV shape; max_model_len: the tiny model's positions
+        shape = spec.shape.replace(
+            max_model_len=2048, num_kv_heads=VLLM_TEST_SHAPE.num_kv_heads, head_dim=VLLM_TEST_SHAPE.head_dim
         )
+        self.scheduler = make_scheduler(spec.connector, spec.config, shape=shape)
         self.loop = VllmLoop(self.scheduler)
         self.adapter = self.scheduler.connector
         self.metadata_type = self.adapter.host.metadata_types[self.name]

@@ -39,9 +39,9 @@ scenarios through a :class:`SchedulerDriver`, built by a factory
   (``request_finished`` calls per request), ``num_tracked_requests()`` (per
   role), ``assert_empty()``, ``close()``.
 
-``DriverSpec`` carries the connector, its config and the engine shape
-(block size, ``num_blocks``: small to force preemption, token budget,
-prefix caching, KV-cache groups). The ``"reference"`` driver runs kvconn's own
+``DriverSpec`` carries the connector, its config and the
+:class:`~kvconn.engine.EngineShape` (block size, ``num_blocks``: small to
+force preemption, token budget, prefix caching, KV-cache groups). The ``"reference"`` driver runs kvconn's own
 scheduler and worker; another engine plugs in with
 ``register_driver("vllm", factory)``, or declares ``vllm = "pkg.module:factory"``
 in the ``kvconn.conformance_drivers`` entry-point group, and is then used with

@@ -15,7 +15,7 @@ from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 from ...block_state import BlockIds, KVConnectorBlockState
-from ...context import DEFAULT_KV_CACHE_GROUPS, KVCacheGroupSpec
+from ...engine.shape import EngineShape
 from ...errors import ConnectorLoadError
 from ...host import ConnectorHost
 from ...metadata import KVConnectorMetadata
@@ -45,17 +45,13 @@ class DriverSpec:
 
     ``connector`` is an installed name or ``"pkg.mod:Class"``; errors raised
     by the connector must surface (``on_error="raise"``), not be degraded.
-    A small ``num_blocks`` forces preemption.
+    ``shape`` sizes the engine (a small ``num_blocks`` forces preemption);
+    a driver whose engine cannot take it raises :class:`ScenarioUnsupported`.
     """
 
     connector: str
     config: Mapping[str, Any] | None = None
-    block_size: int = 16
-    num_blocks: int = 256
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 16
-    enable_prefix_caching: bool = True
-    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = DEFAULT_KV_CACHE_GROUPS
+    shape: EngineShape = field(default_factory=EngineShape)
 
 
 @dataclass

@@ -77,23 +77,14 @@ class ReferenceDriver:
         scrub_freed: bool = False,
         worker_config: Mapping[str, Any] | None = None,
     ) -> None:
-        if scrub_freed and spec.enable_prefix_caching:
+        if scrub_freed and spec.shape.enable_prefix_caching:
             raise ValueError("scrub_freed needs enable_prefix_caching=False: freed blocks stay prefix-cache hits")
         self.spec = spec
-        self.block_size = spec.block_size
-        self.num_blocks = spec.num_blocks
+        self.block_size = spec.shape.block_size
+        self.num_blocks = spec.shape.num_blocks
         self.name = spec.connector
         self.engine = Engine(
-            spec.connector,
-            spec.config,
-            worker_config=worker_config,
-            on_error="raise",
-            block_size=spec.block_size,
-            num_blocks=spec.num_blocks,
-            max_num_batched_tokens=spec.max_num_batched_tokens,
-            max_num_seqs=spec.max_num_seqs,
-            enable_prefix_caching=spec.enable_prefix_caching,
-            kv_cache_groups=spec.kv_cache_groups,
+            spec.connector, spec.config, worker_config=worker_config, on_error="raise", shape=spec.shape
         )
         self.scheduler, self.worker = self.engine.scheduler, self.engine.worker
         self.requests: dict[str, Request] = {}
