@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvconn.engine import EngineShape
 from kvconn.testing.conformance import DriverSpec, ReferenceDriver
 
-STORE = "kvconn_conformance_fixtures.store:StoreConnector"
+STORE = "kvconn.testing.memory_connector:MemoryConnector"
 
 
 def test_step_record_offers_every_scheduled_request_and_counts_resolves() -> None:

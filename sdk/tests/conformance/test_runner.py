@@ -58,7 +58,7 @@ def test_report_to_dict_is_json() -> None:
     [
         ("no-such-connector", "no connector named 'no-such-connector' is installed"),
         ("no_such_module:Thing", "failed to import module 'no_such_module'"),
-        ("kvconn_conformance_fixtures.store:NoSuchClass", "has no attribute 'NoSuchClass'"),
+        ("kvconn_conformance_fixtures.broken:NoSuchClass", "has no attribute 'NoSuchClass'"),
     ],
 )
 def test_load_errors_are_reports_not_exceptions(connector: str, expected: str) -> None:
