@@ -62,6 +62,7 @@ __all__ = [
     "LoadPlan",
     "MonitorAfter",
     "MonitorBefore",
+    "STEP_CALLS",
     "StepUpdate",
 ]
 
@@ -134,23 +135,22 @@ class _Load:
     sent: bool = False  # its metadata reached the workers
 
 
-#: The host methods that call connector hooks (or bind a step's metadata): what monitors can watch.
-MONITORED_CALLS = (
+#: The host methods an engine calls in its steps (scheduler side, then worker side).
+STEP_CALLS = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
     "build_connector_meta",
     "request_finished",
     "update_connector_output",
-    "register_kv_caches",
     "bind_connector_metadata",
     "start_load_kv",
     "wait_for_layer_load",
     "save_kv_layer",
     "wait_for_save",
     "get_finished",
-    "num_tracked_requests",
-    "shutdown",
 )
+#: The host methods that call connector hooks (or bind a step's metadata): what monitors can watch.
+MONITORED_CALLS = (*STEP_CALLS, "register_kv_caches", "num_tracked_requests", "shutdown")
 
 
 @dataclass

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .engine import Engine, EngineStats, Request
-from .host import CallOutcome, ConnectorHost
+from .host import STEP_CALLS, CallOutcome, ConnectorHost
 from .workloads import Workload, reusable_prompt_tokens
 
 __all__ = [
@@ -57,19 +57,7 @@ __all__ = [
 ]
 
 #: The ``ConnectorHost`` methods an engine calls per step; connector time is measured around them.
-HOST_CALLS = (
-    "get_num_new_matched_tokens",
-    "update_state_after_alloc",
-    "build_connector_meta",
-    "request_finished",
-    "update_connector_output",
-    "bind_connector_metadata",
-    "start_load_kv",
-    "wait_for_layer_load",
-    "save_kv_layer",
-    "wait_for_save",
-    "get_finished",
-)
+HOST_CALLS = STEP_CALLS
 
 ProgressCallback = Callable[[str, int, int], None]
 
