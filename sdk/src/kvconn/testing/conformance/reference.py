@@ -1,8 +1,9 @@
-"""The ``reference`` driver: kvconn's own scheduler and worker, in one process.
+"""The ``reference`` driver: kvconn's reference :class:`~kvconn.engine.Engine`, in one process.
 
 Faithful to a real engine: every scheduler output crosses the wire encoder
 and decoder, and the connector's worker side (when it serves that role) runs
-on real torch KV caches with the reference model. Connector errors raise.
+on real torch KV caches with the reference model. The driver steps the
+engine as it is and observes through monitors on its hosts. Connector errors raise.
 """
 
 from __future__ import annotations
