@@ -218,7 +218,7 @@ class NanLoads(memory_connector.MemoryConnector):
     def start_load_kv(self, metadata: Any) -> None:
         super().start_load_kv(metadata)
         for kv in self.kv_caches.values():
-            for block in self._failed:
+            for block in self.failed:
                 kv[block].fill_(float("nan"))
 
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvconn import DEFAULT_KV_CACHE_GROUPS, KVCacheGroupSpec, KVConnector, KVConnectorBlockState, SchedulerOutput
-from kvconn.host.wire import decode_model_runner_output, encode_model_runner_output
+from kvconn.host import CallOutcome
 from kvconn.reference import Engine
 from kvconn.testing import assert_scheduler_empty
 
@@ -98,22 +98,23 @@ def run(workload: dict[str, Any], connectors: list[str], config: dict[str, Any])
         kv_cache_groups=groups,
     )
     Spy.scheduler = engine.scheduler
+    reported: Counter[tuple[str, str, str]] = Counter()
+
+    def count_reports(call: str, args: tuple[Any, ...], outcome: CallOutcome) -> None:
+        for name, out in (outcome.result or {}).items():
+            reported.update((name, kind, r) for kind in ("send", "recv") for r in getattr(out, f"finished_{kind}ing"))
+
+    if engine.worker_host is not None:
+        engine.worker_host.add_monitor(after=count_reports, calls=["get_finished"])
     pending = sorted(enumerate(workload["requests"]), key=lambda item: item[1]["arrival"])
     requests: dict[int, Any] = {}
-    reported: Counter[tuple[str, str, str]] = Counter()
     step = 0
     while pending or engine.scheduler.has_work():
         while pending and pending[0][1]["arrival"] <= step:
             i, spec = pending.pop(0)
             requests[i] = engine.add_request(spec["prompt"], spec["max_tokens"], request_id=f"q{i}")
-        for i, spec in enumerate(workload["requests"]):
-            if spec["abort_at"] == step and i in requests:
-                engine.scheduler.finish_requests([f"q{i}"])
-        output = engine.scheduler.schedule()
-        result = engine.worker.execute_model(engine_wire(engine, output))
-        for name, out in result.kv_connector_output.items():
-            reported.update((name, kind, r) for kind in ("send", "recv") for r in getattr(out, f"finished_{kind}ing"))
-        engine.scheduler.update_from_output(output, decode_model_runner_output(encode_model_runner_output(result)))
+        engine.abort(*(f"q{i}" for i, spec in enumerate(workload["requests"]) if spec["abort_at"] == step))
+        engine.step()
         step += 1
         assert step < 5_000, "no progress"
     assert not Spy.violations, Spy.violations[:3]
@@ -122,12 +123,6 @@ def run(workload: dict[str, Any], connectors: list[str], config: dict[str, Any])
     outputs = [requests[i].output_token_ids for i in range(len(workload["requests"]))]
     engine.close()
     return outputs, engine
-
-
-def engine_wire(engine: Engine, output: SchedulerOutput) -> SchedulerOutput:
-    from kvconn.host.wire import decode_scheduler_output, encode_scheduler_output
-
-    return decode_scheduler_output(encode_scheduler_output(output), engine._metadata_types)
 
 
 def check(workload: dict[str, Any], connector: str) -> None:

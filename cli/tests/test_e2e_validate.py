@@ -174,12 +174,12 @@ def test_a_config_factory_lets_validate_catch_a_load_that_skips_missing_blocks(
     """Only with a fresh namespace per run can the suite make the store lose what the scheduler saw."""
     env = make_env(FIXTURES, KVCONN_PLUGINS="dummy")
     broken = ("validate", "--module", "kvconn_conformance_fixtures.broken:SkipsMissing", "--check", "KV04*")
-    proc = run_kvconn(*broken, "--config-factory", "kvconn_conformance_fixtures.store:fresh_namespace", env=env)
+    proc = run_kvconn(*broken, "--config-factory", "kvconn.testing.memory_connector:fresh_namespace", env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "its worker's store (a fresh namespace) had none of them, it reported no block failed" in proc.stdout
-    proc = run_kvconn(*broken[:3], "--config-factory", "kvconn_conformance_fixtures.store:nope", env=env)
+    proc = run_kvconn(*broken[:3], "--config-factory", "kvconn.testing.memory_connector:nope", env=env)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "kvconn: error: --config-factory 'kvconn_conformance_fixtures.store:nope': module "
-        "'kvconn_conformance_fixtures.store' has no function 'nope'"
+        "kvconn: error: --config-factory 'kvconn.testing.memory_connector:nope': module "
+        "'kvconn.testing.memory_connector' has no function 'nope'"
     ]

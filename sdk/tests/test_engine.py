@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from kvconn import KVCacheGroupSpec
-from kvconn.reference import Engine
-from kvconn.testing import memory_connector
+from kvconn.reference import Engine, EngineShape, RequestStatus
+from kvconn.testing import create_scheduler, memory_connector
+from kvconn.testing.conformance import DriverSpec
 
 MEMORY = f"{memory_connector.__name__}:MemoryConnector"
 SWA_GROUPS = (KVCacheGroupSpec(("layer.0",)), KVCacheGroupSpec(("layer.1",), sliding_window=32))
@@ -124,3 +125,54 @@ def test_external_loads_into_two_kv_cache_groups() -> None:
         )
         assert outputs == expected
         assert engine.stats.prompt_tokens_loaded > 0
+
+
+def test_one_engine_shape_sizes_the_engine_the_test_scheduler_and_the_conformance_drivers() -> None:
+    engine = Engine(num_blocks=64, head_dim=4, kv_cache_groups=list(SWA_GROUPS))
+    assert engine.shape == EngineShape(num_blocks=64, head_dim=4, kv_cache_groups=SWA_GROUPS)
+    assert engine.scheduler.config is engine.shape
+    assert tuple(engine.worker.kv_caches["layer.1"].shape) == (64, 2, 16, 2, 4)
+    assert (engine.context.head_dim, engine.context.kv_cache_groups) == (4, SWA_GROUPS)
+    assert Engine(shape=engine.shape, num_blocks=32).shape == engine.shape.replace(num_blocks=32)
+    assert create_scheduler(block_size=4).config == EngineShape(block_size=4)
+    assert DriverSpec("dummy").shape == EngineShape()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"num_block": 64},
+            r"unknown engine shape option\(s\) \['num_block'\]: the fields of EngineShape are block_size",
+        ),
+        ({"block_size": 0}, "EngineShape block_size must be >= 1, got 0"),
+        ({"max_num_seqs": "4"}, r"EngineShape: Expected `int`, got `str` - at `\$.max_num_seqs`"),
+        ({"kv_cache_groups": []}, "EngineShape kv_cache_groups must hold at least one group"),
+    ],
+)
+def test_a_bad_engine_shape_option_is_named(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Engine(**options)
+    with pytest.raises(ValueError, match=message):
+        create_scheduler(**options)
+
+
+def test_abort_finishes_a_running_request_and_tells_the_connectors() -> None:
+    engine = Engine(MEMORY, num_blocks=64)
+    finished: list[str] = []
+    engine.scheduler_host.add_monitor(  # type: ignore[union-attr]
+        lambda call, args: finished.append(args[0].request_id), calls=["request_finished"]
+    )
+    request = engine.add_request(list(range(100, 140)), 8, request_id="r")
+    engine.step()
+    engine.abort("r", "unknown")
+    assert request.status is RequestStatus.FINISHED_ABORTED
+    assert not engine.scheduler.has_unfinished_requests()
+    assert finished == ["r"]
+
+
+def test_the_worker_side_can_be_configured_apart() -> None:
+    engine = Engine(MEMORY, {"load_async": True}, worker_config={"load_async": False}, num_blocks=64)
+    scheduler_side = engine.scheduler_host.connectors[MEMORY]  # type: ignore[union-attr]
+    worker_side = engine.worker_host.connectors[MEMORY]  # type: ignore[union-attr]
+    assert scheduler_side.config.load_async and not worker_side.config.load_async

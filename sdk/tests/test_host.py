@@ -17,6 +17,7 @@ from kvconn import (
     KVConnectorOutput,
     LoadPlan,
 )
+from kvconn.host import MONITORED_CALLS, CallOutcome
 from kvconn.reference import Engine, Request
 from kvconn.testing import create_requests, memory_connector
 
@@ -318,3 +319,107 @@ class TooSmallPool(KVConnector):
 def test_a_config_error_at_register_kv_caches_is_raised_not_degraded() -> None:
     with pytest.raises(kvconn.ConnectorConfigError, match="pool_bytes"):
         Engine(f"{__name__}:TooSmallPool")
+
+
+def test_a_monitor_sees_every_host_call_of_a_step_in_order_with_its_result() -> None:
+    engine = Engine(f"{__name__}:Recorder", num_blocks=32)
+    calls: list[tuple[str, str]] = []
+    results: dict[str, Any] = {}
+
+    def after(call: str, args: tuple[Any, ...], outcome: CallOutcome) -> None:
+        calls.append(("after", call))
+        results[call] = outcome.result
+
+    for host in (engine.scheduler_host, engine.worker_host):
+        assert host is not None
+        host.add_monitor(lambda call, args: calls.append(("before", call)), after)
+    engine.add_request([1, 2, 3] * 10, 1, request_id="r")
+    engine.step()
+    names = [call for when, call in calls if when == "before"]
+    assert names == [
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "build_connector_meta",
+        "bind_connector_metadata",
+        "start_load_kv",
+        *["wait_for_layer_load", "save_kv_layer"] * 2,
+        "wait_for_save",
+        "get_finished",
+        "update_connector_output",
+        "request_finished",
+    ]
+    assert calls[:2] == [("before", "get_num_new_matched_tokens"), ("after", "get_num_new_matched_tokens")]
+    assert results["get_num_new_matched_tokens"] == LoadPlan(0, False, None)
+    assert set(results["build_connector_meta"]) == {f"{__name__}:Recorder"}
+    assert results["request_finished"] is False
+
+
+def test_a_monitor_sees_the_exception_of_a_call_that_raised_and_it_still_raises() -> None:
+    host = ConnectorHost({"bad": sched(fail_in="get_num_new_matched_tokens")}, role="scheduler", on_error="raise")
+    seen: list[CallOutcome] = []
+    host.add_monitor(after=lambda call, args, outcome: seen.append(outcome))
+    (request,) = create_requests(1, 20)
+    with pytest.raises(ConnectorError) as err:
+        host.get_num_new_matched_tokens(request, 0)
+    assert len(seen) == 1 and seen[0].exception is err.value and seen[0].result is None
+
+
+def test_undo_removes_a_monitor_and_a_host_without_monitors_runs_its_plain_methods() -> None:
+    host = scheduler_host(a=sched(hits=16))
+    calls: list[str] = []
+    undo = host.add_monitor(lambda call, args: calls.append(call))
+    (request,) = create_requests(1, 40)
+    host.get_num_new_matched_tokens(request, 0)
+    assert calls == ["get_num_new_matched_tokens"]
+    assert "get_num_new_matched_tokens" in vars(host)  # the wrapper shadows the method while monitored
+    undo()
+    undo()  # a second undo is harmless
+    host.get_num_new_matched_tokens(request, 0)
+    assert calls == ["get_num_new_matched_tokens"]
+    assert not set(vars(host)) & set(MONITORED_CALLS)  # back to the class's methods: nothing on the hot path
+
+
+def test_several_monitors_nest_the_first_added_outermost_and_each_watches_its_calls() -> None:
+    host = scheduler_host(a=sched(hits=16))
+    order: list[str] = []
+
+    def monitor(tag: str) -> tuple[Any, Any]:
+        return (
+            lambda call, args: order.append(f"{tag} before {call}"),
+            lambda call, args, outcome: order.append(f"{tag} after {call}"),
+        )
+
+    host.add_monitor(*monitor("one"))
+    undo_two = host.add_monitor(*monitor("two"))
+    host.add_monitor(*monitor("three"), calls=["request_finished"])
+    (request,) = create_requests(1, 40)
+    host.get_num_new_matched_tokens(request, 0)
+    assert order == [
+        "one before get_num_new_matched_tokens",
+        "two before get_num_new_matched_tokens",
+        "two after get_num_new_matched_tokens",
+        "one after get_num_new_matched_tokens",
+    ]
+    order.clear()
+    undo_two()
+    host.request_finished(request, ([1, 2, 3],))
+    assert order == [
+        "one before request_finished",
+        "three before request_finished",
+        "three after request_finished",
+        "one after request_finished",
+    ]
+
+
+def test_a_monitor_sees_arguments_given_by_keyword_in_order() -> None:
+    host = scheduler_host(a=sched(hits=16))
+    seen: list[tuple[Any, ...]] = []
+    host.add_monitor(lambda call, args: seen.append(args))
+    (request,) = create_requests(1, 40)
+    host.get_num_new_matched_tokens(request, num_computed_tokens=0)
+    assert seen == [(request, 0)]
+
+
+def test_monitoring_a_call_the_host_does_not_have_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"cannot monitor \['pm'\]"):
+        scheduler_host().add_monitor(calls=["pm"])

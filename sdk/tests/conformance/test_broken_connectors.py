@@ -2,7 +2,7 @@
 
 The broken connectors live in ``fixtures/kvconn_conformance_fixtures/broken.py``;
 each changes one thing in a correct connector. A correct saver/loader
-(``store.StoreConnector``) and the shipped dummy plugin pass everything.
+(``kvconn.testing.memory_connector.MemoryConnector``) and the shipped dummy plugin pass everything.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kvconn.testing.conformance.results import NOT_RUN
 from kvconn.testing.conformance.session import METADATA_FIX
 
 BROKEN = "kvconn_conformance_fixtures.broken:"
-STORE = "kvconn_conformance_fixtures.store:StoreConnector"
+STORE = "kvconn.testing.memory_connector:MemoryConnector"
 
 
 def _failed(report: ConnectorReport) -> dict[str, str]:
@@ -190,7 +190,7 @@ def _fresh_namespaces() -> Callable[[str], dict[str, str]]:
 
 def test_a_persistent_store_needs_a_namespace_per_run() -> None:
     """The fixtures' store outlives its instances: a second suite in the process hits the first one's blocks."""
-    store = "kvconn_conformance_fixtures.store:StoreConnector"
+    store = "kvconn.testing.memory_connector:MemoryConnector"
     with _quiet():
         assert run_conformance(store, select="KV045").ok
         leaked = _failed(run_conformance(store, select="KV045"))

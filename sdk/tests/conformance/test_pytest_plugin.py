@@ -68,7 +68,7 @@ def test_config_factory_gives_each_run_its_own_config(
         RUNS = []
 
         class TestStore(ConnectorConformance):
-            connector = "kvconn_conformance_fixtures.store:StoreConnector"
+            connector = "kvconn.testing.memory_connector:MemoryConnector"
 
             def config_factory(self, run):
                 RUNS.append(run)

@@ -58,7 +58,7 @@ def test_report_to_dict_is_json() -> None:
     [
         ("no-such-connector", "no connector named 'no-such-connector' is installed"),
         ("no_such_module:Thing", "failed to import module 'no_such_module'"),
-        ("kvconn_conformance_fixtures.store:NoSuchClass", "has no attribute 'NoSuchClass'"),
+        ("kvconn_conformance_fixtures.broken:NoSuchClass", "has no attribute 'NoSuchClass'"),
     ],
 )
 def test_load_errors_are_reports_not_exceptions(connector: str, expected: str) -> None:
@@ -112,7 +112,7 @@ def test_registered_driver_runs_the_scheduler_checks() -> None:
     finally:
         del _DRIVERS["counting"]
     assert report.ok and report.passed == 6
-    assert {s.block_size for s in built} == {16, 256} and any(s.num_blocks == 14 for s in built)
+    assert {s.shape.block_size for s in built} == {16, 256} and any(s.shape.num_blocks == 14 for s in built)
 
 
 def test_a_check_that_crashes_is_a_failure() -> None:

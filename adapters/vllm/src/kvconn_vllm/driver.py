@@ -17,8 +17,9 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from kvconn.block_state import BlockIds, KVConnectorBlockState
+from kvconn.block_state import BlockIds
 from kvconn.errors import ConnectorLoadError
+from kvconn.host import CallOutcome
 from kvconn.host.wire import decode_metadata
 from kvconn.metadata import KVConnectorMetadata
 from kvconn.outputs import SchedulerOutput
@@ -26,7 +27,7 @@ from kvconn.testing.conformance.driver import (
     DriverFactory,
     DriverSpec,
     StepRecord,
-    observed_block_state,
+    observe_block_state,
     tracked_by_role,
 )
 
@@ -53,49 +54,39 @@ class VllmDriver:
     """A :class:`~kvconn.testing.conformance.SchedulerDriver` over vLLM's scheduler."""
 
     def __init__(self, spec: DriverSpec) -> None:
-        from .harness import VllmLoop, make_scheduler
+        from .harness import VLLM_TEST_SHAPE, VllmLoop, make_scheduler
 
-        self.block_size, self.num_blocks = spec.block_size, spec.num_blocks
+        self.block_size, self.num_blocks = spec.shape.block_size, spec.shape.num_blocks
         self.name = spec.connector
-        self.scheduler = make_scheduler(
-            spec.connector,
-            spec.config,
-            block_size=spec.block_size,
-            num_blocks=spec.num_blocks,
-            max_num_seqs=spec.max_num_seqs,
-            max_num_batched_tokens=spec.max_num_batched_tokens,
-            max_model_len=2048,
-            enable_prefix_caching=spec.enable_prefix_caching,
-            kv_cache_groups=spec.kv_cache_groups,
+        # the scenario's shape, on the tiny model's KV shape; max_model_len: the tiny model's positions
+        shape = spec.shape.replace(
+            max_model_len=2048, num_kv_heads=VLLM_TEST_SHAPE.num_kv_heads, head_dim=VLLM_TEST_SHAPE.head_dim
         )
+        self.scheduler = make_scheduler(spec.connector, spec.config, shape=shape)
         self.loop = VllmLoop(self.scheduler)
         self.adapter = self.scheduler.connector
         self.metadata_type = self.adapter.host.metadata_types[self.name]
         self._finished_calls: Counter[str] = Counter()
         self._withhold: frozenset[str] = frozenset()
         self._built: tuple[SchedulerOutput, KVConnectorMetadata | None, frozenset[str], list[str]] | None = None
+        self._resolved: list[str] = []
         self._observe()
 
     def _observe(self) -> None:
-        """Wrap the scheduler-side host (instance attributes shadow its methods)."""
-        host = self.adapter.host
-        build, finished = host.build_connector_meta, host.request_finished
+        """Monitor the scheduler-side host, where the reference driver observes too."""
+        self.adapter.host.add_monitor(self._before, self._after, calls=("build_connector_meta", "request_finished"))
 
-        def build_connector_meta(
-            output: SchedulerOutput, block_state: KVConnectorBlockState
-        ) -> dict[str, KVConnectorMetadata]:
-            resolved: list[str] = []
-            observed = observed_block_state(block_state, self._withhold, resolved)
-            metadata = build(output, observed)
-            self._built = (output, metadata.get(self.name), frozenset(observed.req_ids), resolved)
-            return metadata
+    def _before(self, call: str, args: tuple[Any, ...]) -> None:
+        if call == "build_connector_meta":
+            self._resolved = []
+            observe_block_state(args[1], self._withhold, self._resolved)
+        else:
+            self._finished_calls[args[0].request_id] += 1
 
-        def request_finished(request: Any, block_ids: BlockIds) -> bool:
-            self._finished_calls[request.request_id] += 1
-            return finished(request, block_ids)
-
-        host.build_connector_meta = build_connector_meta
-        host.request_finished = request_finished
+    def _after(self, call: str, args: tuple[Any, ...], outcome: CallOutcome) -> None:
+        if call == "build_connector_meta" and outcome.exception is None:
+            output, block_state = args
+            self._built = (output, outcome.result.get(self.name), frozenset(block_state.req_ids), self._resolved)
 
     # ---------------------------------------------------------------- protocol
 

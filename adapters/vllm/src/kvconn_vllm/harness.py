@@ -25,11 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from kvconn.context import NULL_BLOCK_ID, KVCacheGroupSpec
+from kvconn.reference.shape import EngineShape
 
 from . import CONNECTOR_CLASS, SHORT_NAME
 
 __all__ = [
     "EOS_TOKEN_ID",
+    "VLLM_TEST_SHAPE",
     "VllmLoop",
     "fake_kv_caches",
     "kvconn_transfer_config",
@@ -45,6 +47,17 @@ NUM_KV_HEADS, HEAD_SIZE = 2, 32
 LAYERS = ("model.decoder.layers.0.self_attn.attn", "model.decoder.layers.1.self_attn.attn")
 #: One full-attention group over the tiny model's layers: vLLM's KV cache layout for it.
 DEFAULT_GROUPS = (KVCacheGroupSpec(LAYERS),)
+#: The vLLM tier's engine: a pool and a token budget small enough that its tests fill the pool and chunk
+#: prefills; the KV shape and layers are the tiny model's.
+VLLM_TEST_SHAPE = EngineShape(
+    num_blocks=128,
+    max_num_batched_tokens=64,
+    max_num_seqs=16,
+    max_model_len=1024,
+    kv_cache_groups=DEFAULT_GROUPS,
+    num_kv_heads=NUM_KV_HEADS,
+    head_dim=HEAD_SIZE,
+)
 
 _TINY_OPT = {
     "architectures": ["OPTForCausalLM"],
@@ -123,24 +136,28 @@ def make_scheduler(
     *,
     on_error: str = "raise",
     short_name: bool = False,
-    block_size: int = 16,
-    num_blocks: int = 128,
-    max_num_seqs: int = 16,
-    max_num_batched_tokens: int = 64,
-    max_model_len: int = 1024,
     kv_load_failure_policy: str = "recompute",
-    enable_prefix_caching: bool = True,
-    kv_cache_groups: Sequence[KVCacheGroupSpec] = DEFAULT_GROUPS,
     workdir: str | os.PathLike[str] | None = None,
+    shape: EngineShape | None = None,
+    **shape_options: Any,
 ) -> Any:
     """vLLM's ``Scheduler`` with kvconn ``connector`` (``None``: none) on its scheduler side (``scheduler.connector``).
 
-    ``kv_cache_groups`` lays out the KV cache (layer names; a sliding window
-    makes a sliding-window group). With several groups vLLM's hybrid KV cache
-    manager runs: vLLM turns it off on CPU platforms only because its GPU
-    kernels need it, so it is switched back on here, where only the
-    scheduler runs.
+    ``shape`` (default :data:`VLLM_TEST_SHAPE`) and ``shape_options``
+    (``num_blocks=``... any :class:`~kvconn.reference.EngineShape` field) size
+    it; ``kv_cache_groups`` lays out the KV cache (layer names; a sliding
+    window makes a sliding-window group), and the KV shape must be the tiny
+    model's. With several groups vLLM's hybrid KV cache manager runs: vLLM
+    turns it off on CPU platforms only because its GPU kernels need it, so it
+    is switched back on here, where only the scheduler runs.
     """
+    shape = EngineShape.from_options(shape or VLLM_TEST_SHAPE, **shape_options)
+    if (shape.num_kv_heads, shape.head_dim) != (NUM_KV_HEADS, HEAD_SIZE):
+        raise ValueError(
+            f"the vLLM harness's tiny model has {NUM_KV_HEADS} KV heads of {HEAD_SIZE}, not "
+            f"num_kv_heads={shape.num_kv_heads}, head_dim={shape.head_dim}: leave them at VLLM_TEST_SHAPE's"
+        )
+    block_size, num_blocks, max_model_len = shape.block_size, shape.num_blocks, shape.max_model_len
     model_dir = prepare_environment(workdir)
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -158,13 +175,15 @@ def make_scheduler(
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
+            # vLLM refuses more running requests than tokens per step; every running request takes at
+            # least one token a step, so the reference engine never runs more either.
+            max_num_seqs=min(shape.max_num_seqs, shape.max_num_batched_tokens),
+            max_num_batched_tokens=shape.max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_chunked_prefill=True,
             is_encoder_decoder=model_config.is_encoder_decoder,
         ),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=shape.enable_prefix_caching),
         kv_transfer_config=None
         if connector is None
         else KVTransferConfig(
@@ -175,12 +194,12 @@ def make_scheduler(
         device_config=DeviceConfig("cpu"),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    if len(kv_cache_groups) > 1:
+    if len(shape.kv_cache_groups) > 1:
         vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[_vllm_group(group, block_size) for group in kv_cache_groups],
+        kv_cache_groups=[_vllm_group(group, block_size) for group in shape.kv_cache_groups],
     )
     _init_hashing()
     return Scheduler(

@@ -2,7 +2,7 @@
 
 * :mod:`.connector_host` — :class:`ConnectorHost`, the only caller of hooks:
   routing across several connectors, the failure policy, checks of each
-  hook's answer.
+  hook's answer, and monitors (``add_monitor``) for tools that observe it.
 * :mod:`.wire` — msgpack encoding of ``SchedulerOutput`` / ``ModelRunnerOutput``
   and of each connector's metadata, for engines whose workers run elsewhere.
 """
@@ -12,8 +12,11 @@ from __future__ import annotations
 from .connector_host import (
     DEFAULT_HOOK_BUDGET_S,
     DEFAULT_STALL_STEPS,
+    MONITORED_CALLS,
     NO_LOAD,
+    STEP_CALLS,
     BadHookAnswer,
+    CallOutcome,
     ConnectorHost,
     LoadPlan,
     OnError,
@@ -23,8 +26,11 @@ from .connector_host import (
 __all__ = [
     "DEFAULT_HOOK_BUDGET_S",
     "DEFAULT_STALL_STEPS",
+    "MONITORED_CALLS",
     "NO_LOAD",
+    "STEP_CALLS",
     "BadHookAnswer",
+    "CallOutcome",
     "ConnectorHost",
     "LoadPlan",
     "OnError",

@@ -28,6 +28,8 @@ given, so that it can
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 import operator
@@ -51,7 +53,18 @@ from ..metadata import KVConnectorMetadata
 from ..outputs import KVConnectorOutput, SchedulerOutput
 from ..request import ConnectorRequest
 
-__all__ = ["DEFAULT_HOOK_BUDGET_S", "DEFAULT_STALL_STEPS", "ConnectorHost", "LoadPlan", "StepUpdate"]
+__all__ = [
+    "DEFAULT_HOOK_BUDGET_S",
+    "DEFAULT_STALL_STEPS",
+    "MONITORED_CALLS",
+    "CallOutcome",
+    "ConnectorHost",
+    "LoadPlan",
+    "MonitorAfter",
+    "MonitorBefore",
+    "STEP_CALLS",
+    "StepUpdate",
+]
 
 logger = logging.getLogger("kvconn.host")
 
@@ -120,6 +133,45 @@ class _Load:
     block_ids: list[int]
     is_async: bool
     sent: bool = False  # its metadata reached the workers
+
+
+#: The host methods an engine calls in its steps (scheduler side, then worker side).
+STEP_CALLS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "request_finished",
+    "update_connector_output",
+    "bind_connector_metadata",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+)
+#: The host methods that call connector hooks (or bind a step's metadata): what monitors can watch.
+MONITORED_CALLS = (*STEP_CALLS, "register_kv_caches", "num_tracked_requests", "shutdown")
+
+
+@dataclass
+class CallOutcome:
+    """How a monitored host call ended: its ``result``, or the ``exception`` it raised (re-raised after)."""
+
+    result: Any = None
+    exception: BaseException | None = None
+
+
+#: ``before(call, args)``: the host method's name and its positional arguments, before it runs.
+MonitorBefore = Callable[[str, tuple[Any, ...]], None]
+#: ``after(call, args, outcome)``: the same, once it returned or raised.
+MonitorAfter = Callable[[str, tuple[Any, ...], CallOutcome], None]
+
+
+@dataclass(frozen=True, eq=False)
+class _Monitor:
+    before: MonitorBefore | None
+    after: MonitorAfter | None
+    calls: frozenset[str]
 
 
 class BadHookAnswer(TypeError):
@@ -243,6 +295,7 @@ class ConnectorHost:
         self._metadata: dict[str, KVConnectorMetadata] = {}
         self._disabled: set[str] = set()
         self._plan_layers()
+        self._monitors: list[_Monitor] = []
 
     @classmethod
     def from_names(
@@ -298,6 +351,78 @@ class ConnectorHost:
     def degraded_events(self) -> int:
         """How many hook calls failed and were degraded."""
         return sum(self.error_counts.values())
+
+    # --------------------------------------------------------------- monitoring
+
+    def add_monitor(
+        self,
+        before: MonitorBefore | None = None,
+        after: MonitorAfter | None = None,
+        *,
+        calls: Iterable[str] | None = None,
+    ) -> Callable[[], None]:
+        """Call ``before`` and ``after`` around each of the host's ``calls`` (default: :data:`MONITORED_CALLS`).
+
+        Like pluggy's ``add_hookcall_monitoring``, for the host's calls: a
+        monitor sees the live arguments and result (a test driver may act on
+        them, e.g. inject a fault into a worker report), ``after`` also sees a
+        call that raised (its exception is re-raised once the monitors ran).
+        With several monitors the ``before`` callbacks run in the order the
+        monitors were added and the ``after`` ones in reverse (the first added
+        is the outermost). Returns the undo: it removes this monitor.
+
+        A call no monitor watches costs nothing: only while one is installed
+        does the instance hold a wrapper that shadows the method, as pluggy
+        swaps its hook executor.
+        """
+        names = frozenset(MONITORED_CALLS if calls is None else calls)
+        unknown = sorted(names - set(MONITORED_CALLS))
+        if unknown:
+            raise ValueError(f"cannot monitor {unknown}: the host's monitored calls are {list(MONITORED_CALLS)}")
+        monitor = _Monitor(before, after, names)
+        self._monitors.append(monitor)
+        self._install_monitors()
+
+        def undo() -> None:
+            if monitor in self._monitors:
+                self._monitors.remove(monitor)
+                self._install_monitors()
+
+        return undo
+
+    def _install_monitors(self) -> None:
+        """Shadow each watched call with a wrapper running its monitors; unwatched calls are the plain methods."""
+        for call in MONITORED_CALLS:
+            watching = [m for m in self._monitors if call in m.calls]
+            if watching:
+                setattr(self, call, self._monitored(call, watching))
+            else:
+                self.__dict__.pop(call, None)
+
+    def _monitored(self, call: str, monitors: list[_Monitor]) -> Callable[..., Any]:
+        method = getattr(type(self), call).__get__(self)
+        befores = [m.before for m in monitors if m.before is not None]
+        afters = [m.after for m in reversed(monitors) if m.after is not None]
+
+        @functools.wraps(method)
+        def monitored(*args: Any, **kwargs: Any) -> Any:
+            if kwargs:  # monitors see the arguments positionally, in the method's order
+                args = inspect.signature(method).bind(*args, **kwargs).args
+            for before in befores:
+                before(call, args)
+            outcome = CallOutcome()
+            try:
+                outcome.result = method(*args)
+            except BaseException as exc:
+                outcome.exception = exc
+                for after in afters:
+                    after(call, args, outcome)
+                raise
+            for after in afters:
+                after(call, args, outcome)
+            return outcome.result
+
+        return monitored
 
     # ------------------------------------------------------------------ calling
     # Every hook call goes through _each (or the per-layer loops below): one

@@ -14,6 +14,7 @@ from .engine import Engine
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 from .scheduler import Scheduler, SchedulerConfig
+from .shape import EngineShape
 from .stats import EngineStats
 from .worker import ReferenceWorker
 
@@ -21,6 +22,7 @@ __all__ = [
     "Block",
     "BlockPool",
     "Engine",
+    "EngineShape",
     "EngineStats",
     "KVCacheManager",
     "ReferenceWorker",

@@ -22,7 +22,8 @@ from ..host.wire import (
     encode_scheduler_output,
 )
 from .request import Request
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler
+from .shape import EngineShape
 from .stats import EngineStats
 from .worker import ReferenceWorker
 
@@ -36,13 +37,16 @@ class Engine:
         connector: a connector name, ``"pkg.mod:Class"``, a list of them (several
             connectors: every one saves, the first with a hit loads), or ``None``.
         config: the connector's config (with several: ``{name: config}``).
+        worker_config: the worker side's config where it differs from ``config``
+            (a test giving the worker a fresh store namespace, say).
         on_error: the hosts' error policy (``"degrade"`` or ``"raise"``).
         stall_steps, hook_budget_s: the hosts' bounds on a stalling or slow
             connector (:class:`~kvconn.ConnectorHost`).
         model, dtype: engine facts connectors may namespace keys with.
-        num_kv_heads, head_dim: KV-cache tensor shape of each layer.
         device: where the KV caches live (``"cuda"`` runs connectors against accelerator memory).
-        **scheduler_options: fields of :class:`SchedulerConfig`.
+        shape: the engine's KV cache and batch limits (default: :class:`EngineShape`'s defaults).
+        **scheduler_options: fields of :class:`EngineShape` to change in ``shape``
+            (``num_blocks=64``, ``num_kv_heads=4``...).
     """
 
     def __init__(
@@ -50,26 +54,26 @@ class Engine:
         connector: str | Sequence[str] | None = None,
         config: Mapping[str, Any] | None = None,
         *,
+        worker_config: Mapping[str, Any] | None = None,
         on_error: OnError = "degrade",
         stall_steps: int = DEFAULT_STALL_STEPS,
         hook_budget_s: float | None = DEFAULT_HOOK_BUDGET_S,
         model: str = "kvconn-reference",
         dtype: str = "float16",
-        num_kv_heads: int = 2,
-        head_dim: int = 8,
         tp_rank: int = 0,
         device: str = "cpu",
+        shape: EngineShape | None = None,
         **scheduler_options: Any,
     ) -> None:
-        scheduler_config = SchedulerConfig(**scheduler_options)
+        self.shape = shape = EngineShape.from_options(shape, **scheduler_options)
         self.context = ConnectorContext(
             model=model,
             dtype=dtype,
-            block_size=scheduler_config.block_size,
-            kv_cache_groups=scheduler_config.kv_cache_groups,
+            block_size=shape.block_size,
+            kv_cache_groups=shape.kv_cache_groups,
             tp_rank=tp_rank,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
         )
         self.scheduler_host: ConnectorHost | None = None
         self.worker_host: ConnectorHost | None = None
@@ -78,7 +82,7 @@ class Engine:
                 ConnectorHost.from_names(
                     connector,
                     role=role,
-                    config=config,
+                    config=worker_config if role is KVConnectorRole.WORKER and worker_config is not None else config,
                     context=self.context,
                     on_error=on_error,
                     stall_steps=stall_steps,
@@ -86,13 +90,13 @@ class Engine:
                 )
                 for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
             )
-        self.scheduler = Scheduler(scheduler_config, host=self.scheduler_host, context=self.context)
+        self.scheduler = Scheduler(shape, host=self.scheduler_host, context=self.context)
         self.worker = ReferenceWorker(
             self.context,
-            num_blocks=scheduler_config.num_blocks,
+            num_blocks=shape.num_blocks,
             host=self.worker_host,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
             device=device,
         )
         # Decode every connector's metadata, even one with no worker side (its workers ignore it).
@@ -116,6 +120,10 @@ class Engine:
         )
         self.scheduler.add_request(request)
         return request
+
+    def abort(self, *req_ids: str) -> None:
+        """Abort requests, waiting or running (connectors get ``request_finished``); unknown ids are ignored."""
+        self.scheduler.finish_requests(req_ids)
 
     def step(self) -> None:
         """One engine step: schedule, send, execute, send back, update."""

@@ -15,65 +15,43 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 
-import msgspec
-
 from ..block_state import KVConnectorBlockState
-from ..context import DEFAULT_KV_CACHE_GROUPS, ConnectorContext, KVCacheGroupSpec
+from ..context import ConnectorContext
 from ..host import NO_LOAD, ConnectorHost, LoadPlan
 from ..outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from .block_pool import Block
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
+from .shape import MAX_NUM_BLOCKS, EngineShape
 from .stats import EngineStats
 
 __all__ = ["MAX_NUM_BLOCKS", "Scheduler", "SchedulerConfig"]
 
 logger = logging.getLogger("kvconn.reference")
 
-#: The largest block pool of the reference engine: each block is a Python object and KV in every layer,
-#: so a pool far larger only exhausts memory slowly instead of failing at once.
-MAX_NUM_BLOCKS = 1 << 22
-
-
-class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Scheduler limits. ``kv_cache_groups`` defaults to one full-attention group."""
-
-    block_size: int = 16
-    num_blocks: int = 1024
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_model_len: int = 16384
-    enable_prefix_caching: bool = True
-    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = DEFAULT_KV_CACHE_GROUPS
-
-    def __post_init__(self) -> None:
-        for field in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
-        if self.num_blocks > MAX_NUM_BLOCKS:
-            raise ValueError(f"num_blocks must be <= {MAX_NUM_BLOCKS} in the reference engine, got {self.num_blocks}")
-        if not self.kv_cache_groups:
-            raise ValueError("kv_cache_groups must hold at least one group")
+#: The scheduler's config is the engine shape (the name stays importable).
+SchedulerConfig = EngineShape
 
 
 class Scheduler:
     """Schedules requests step by step; see the module docstring.
 
     Args:
-        config: limits (or pass its fields as keyword options).
+        config: the engine shape (or pass its fields as keyword options); the scheduler
+            reads all but the worker's KV shape (``num_kv_heads``, ``head_dim``).
         host: scheduler-side connector host, or ``None`` for no connector.
         context: engine facts; derived from ``config`` when omitted.
     """
 
     def __init__(
         self,
-        config: SchedulerConfig | None = None,
+        config: EngineShape | None = None,
         *,
         host: ConnectorHost | None = None,
         context: ConnectorContext | None = None,
         **options: object,
     ) -> None:
-        self.config = config or msgspec.convert(options, SchedulerConfig)
+        self.config = config or EngineShape.from_options(**options)
         self.context = context or ConnectorContext(
             block_size=self.config.block_size, kv_cache_groups=self.config.kv_cache_groups
         )

@@ -1,9 +1,17 @@
-"""``MemoryConnector``: an in-process save/load connector for engine tests.
+"""``MemoryConnector``: a correct in-process saving and loading connector, for tests.
 
-Load it as ``"kvconn.testing.memory_connector:MemoryConnector"``. Scheduler
-side: saves every full block on the step that fills it (keyed by block hash),
-reports prefix hits, loads sync or async. Worker side: copies blocks to and
-from :data:`STORE`, a dict shared by every instance in the process.
+Load it as ``"kvconn.testing.memory_connector:MemoryConnector"``. It is the
+connector the engine and fault tests run, and the base the conformance
+suite's deliberately broken connectors change one thing in.
+
+Scheduler side: saves every full block on the step that fills it, reading the
+live table from the block state; reports prefix hits (the blocks whose every
+layer is in the store); loads sync or async (``load_async``). Worker side:
+copies blocks to and from :data:`STORE`, a dict shared by every instance in
+the process, keyed by a namespace of the engine's model, dtype, block size
+and KV-cache groups (and ``store``), the layer and the block hash; a block
+missing from the store when it is loaded is reported in
+``get_block_ids_with_load_errors``.
 
 Fault injection for recovery tests: ``fail_from_block`` makes the worker write
 garbage into the loaded blocks from that index of each load on, and report
@@ -12,6 +20,7 @@ them failed; ``fail_hook`` makes the named hook raise.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import msgspec
@@ -19,23 +28,28 @@ import msgspec
 from .. import (
     BlockIds,
     ConnectorRequest,
+    FilledBlocks,
     KVConnector,
     KVConnectorBlockState,
     KVConnectorMetadata,
-    KVConnectorRole,
     SchedulerOutput,
     filled_blocks,
     iter_block_ids,
 )
 from .._plugins.manager import HOOK_NAMES
+from ..hashing import namespace_key
 
-__all__ = ["STORE", "MemoryConfig", "MemoryConnector", "MemoryMetadata", "Transfer"]
+__all__ = ["STORE", "MemoryConfig", "MemoryConnector", "MemoryMetadata", "Transfer", "fresh_namespace"]
 
-#: Saved blocks by (layer, group, block hash), shared by every instance.
-STORE: dict[tuple[str, int, bytes], Any] = {}
+#: (namespace, layer, block hash) -> one block of one layer, shared by every instance.
+STORE: dict[tuple[str, str, bytes], Any] = {}
+#: What a load injected to fail writes into its blocks: far outside the reference model's KV range.
+_GARBAGE = 7.0
 
 
 class MemoryConfig(msgspec.Struct, forbid_unknown_fields=True):
+    #: A namespace of its own within the engine's, so that test runs never share blocks.
+    store: str = "default"
     load_async: bool = False
     #: Loads fail from this block of each request's loaded range on (``None``: never).
     fail_from_block: int | None = None
@@ -49,10 +63,10 @@ class MemoryConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 class Transfer(msgspec.Struct, array_like=True):
     req_id: str
-    block_hash: bytes
     group: int
     block_id: int
-    index: int  # position of the block in its load (0 for saves)
+    block_hash: bytes
+    index: int = 0  # position of the block in its transfer (for a load: in the loaded range)
 
 
 class MemoryMetadata(KVConnectorMetadata):
@@ -69,24 +83,30 @@ class MemoryConnector(KVConnector):
 
     def __init__(self, config: MemoryConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
-        self._saved: set[bytes] = set()
-        self._pending_loads: list[Transfer] = []
-        self._hashes: dict[str, list[bytes]] = {}
-        self._loading: set[str] = set()
-        self._failed: set[int] = set()
+        ctx = self.context
+        self.namespace = namespace_key(self.config.store, ctx.model, ctx.dtype, ctx.block_size, ctx.kv_cache_groups)
+        self.requests: dict[str, ConnectorRequest] = {}
+        self.saved_upto: dict[str, int] = {}  # blocks of each request already saved or loaded
+        self.pending_loads: list[Transfer] = []
         self.kv_caches: dict[str, Any] = {}
+        self.failed: set[int] = set()
+        self.loading: set[str] = set()  # worker side: async loads done this step
+        self.layers = [layer for group in ctx.kv_cache_groups for layer in group.layer_names]
         if self.config.fail_hook:
             setattr(self, self.config.fail_hook, self._injected_failure)
 
     def _injected_failure(self) -> None:
         raise RuntimeError(f"injected failure in {self.config.fail_hook}")
 
+    def _saved(self, block_hash: bytes) -> bool:
+        return all((self.namespace, layer, block_hash) in STORE for layer in self.layers)
+
     # scheduler side
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         bs = self.context.block_size
         hits = 0
-        for h in request.block_hashes[num_computed_tokens // bs :]:
-            if h not in self._saved:
+        for block_hash in request.block_hashes[num_computed_tokens // bs :]:
+            if not self._saved(block_hash):
                 break
             hits += 1
         return hits * bs, self.config.load_async
@@ -94,66 +114,86 @@ class MemoryConnector(KVConnector):
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: BlockIds, num_external_tokens: int
     ) -> None:
-        self._hashes[request.request_id] = list(request.block_hashes)
         bs = self.context.block_size
         first = request.num_computed_tokens // bs
-        self._pending_loads += [
-            Transfer(request.request_id, request.block_hashes[i], g, b, i - first)
-            for i, g, b in iter_block_ids(block_ids, first, first + num_external_tokens // bs)
-        ]
+        last = first + num_external_tokens // bs
+        self.requests[request.request_id] = request
+        self.saved_upto[request.request_id] = last
+        self.pending_loads += self.transfers(request, block_ids, range(first, last))
+
+    def transfers(self, request: ConnectorRequest, block_ids: BlockIds, blocks: range) -> list[Transfer]:
+        ids = iter_block_ids(block_ids, blocks.start, blocks.stop)
+        return [Transfer(request.request_id, g, b, request.block_hashes[i], i - blocks.start) for i, g, b in ids]
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
     ) -> MemoryMetadata:
-        meta = MemoryMetadata(loads=self._pending_loads)
-        self._pending_loads = []
-        for req_id, start, end in filled_blocks(scheduler_output, self.context.block_size):
-            hashes = self._hashes.get(req_id)
-            if hashes is None:
+        meta = MemoryMetadata(loads=self.pending_loads)
+        self.pending_loads = []
+        for filled in filled_blocks(scheduler_output, self.context.block_size):
+            req_id = filled.req_id
+            request = self.requests.get(req_id)
+            if request is None:
                 continue
-            # blocks this step fills, not saved yet: the table is read only for a request that has some
-            fills = [i for i in range(start, min(end, len(hashes))) if hashes[i] not in self._saved]
-            table = block_state.get_block_ids(req_id) if fills else None
+            full = self.blocks_to_save(request, filled)
+            start = self.saved_upto[req_id]
+            if full <= start:
+                continue
+            table = block_state.get_block_ids(req_id)
             if table is None:
-                continue
-            for i in fills:
-                self._saved.add(hashes[i])
-                meta.saves.extend(Transfer(req_id, hashes[i], g, b, 0) for _, g, b in iter_block_ids(table, i, i + 1))
+                continue  # not offered this step: save it on a later one
+            meta.saves += self.transfers(request, table, range(start, full))
+            self.saved_upto[req_id] = full
         return meta
 
+    def blocks_to_save(self, request: ConnectorRequest, filled: FilledBlocks) -> int:
+        """How many of the request's first blocks are full, and hashed, once this step's tokens are computed."""
+        return min(filled.end, len(request.block_hashes))
+
     def request_finished(self, request: ConnectorRequest) -> bool:
-        self._hashes.pop(request.request_id, None)
+        self.requests.pop(request.request_id, None)
+        self.saved_upto.pop(request.request_id, None)
         return False
 
     def get_num_tracked_requests(self) -> int:
-        return len(self._hashes) if self.role is KVConnectorRole.SCHEDULER else len(self._loading)
+        return len(self.requests) + len(self.loading)
 
     # worker side
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.kv_caches = kv_caches
-        self._group_of = self.context.group_of_layer()
+
+    def layers_of(self, group: int) -> tuple[str, ...]:
+        return self.context.kv_cache_groups[group].layer_names
 
     def start_load_kv(self, metadata: MemoryMetadata) -> None:
+        fail_from = self.config.fail_from_block
         for t in metadata.loads:
-            for layer in self.context.kv_cache_groups[t.group].layer_names:
-                kv = self.kv_caches[layer]
-                if self.config.fail_from_block is not None and t.index >= self.config.fail_from_block:
-                    kv[t.block_id].fill_(7.0)
-                    self._failed.add(t.block_id)
+            for layer in self.layers_of(t.group):
+                saved = STORE.get((self.namespace, layer, t.block_hash))
+                if fail_from is not None and t.index >= fail_from:
+                    self.kv_caches[layer][t.block_id].fill_(_GARBAGE)
+                    self.failed.add(t.block_id)
+                elif saved is None:
+                    self.failed.add(t.block_id)
                 else:
-                    kv[t.block_id].copy_(STORE[(layer, t.group, t.block_hash)])
+                    self.kv_caches[layer][t.block_id].copy_(saved)
             if self.config.load_async:
-                self._loading.add(t.req_id)
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, metadata: MemoryMetadata) -> None:
-        for t in metadata.saves:
-            if self._group_of[layer_name] == t.group:
-                STORE[(layer_name, t.group, t.block_hash)] = kv_layer[t.block_id].clone()
+                self.loading.add(t.req_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str]]:
-        done, self._loading = self._loading, set()
+        done, self.loading = self.loading, set()
         return None, done
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._failed = self._failed, set()
+        failed, self.failed = self.failed, set()
         return failed
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, metadata: MemoryMetadata) -> None:
+        for t in metadata.saves:
+            if layer_name in self.layers_of(t.group):
+                STORE[(self.namespace, layer_name, t.block_hash)] = kv_layer[t.block_id].clone()
+
+
+def fresh_namespace(run: str) -> dict[str, str]:
+    """A ``config_factory`` (``kvconn validate --config-factory``): a store namespace of its own for every run."""
+    return {"store": f"{run}-{uuid.uuid4().hex}"}

@@ -7,11 +7,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..connector import KVConnectorRole
-from ..context import DEFAULT_KV_CACHE_GROUPS, ConnectorContext, KVCacheGroupSpec
+from ..context import ConnectorContext
 from ..host import ConnectorHost, OnError
 from ..outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from ..reference.request import Request
-from ..reference.scheduler import Scheduler, SchedulerConfig
+from ..reference.scheduler import Scheduler
+from ..reference.shape import EngineShape
 
 __all__ = [
     "assert_scheduler_empty",
@@ -26,31 +27,23 @@ def create_scheduler(
     connector: str | Sequence[str] | None = None,
     *,
     config: Mapping[str, Any] | None = None,
-    block_size: int = 16,
-    num_blocks: int = 10_000,
-    max_num_batched_tokens: int = 8192,
-    max_num_seqs: int = 16,
-    max_model_len: int = 16384,
-    enable_prefix_caching: bool = True,
-    kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
+    shape: EngineShape | None = None,
     on_error: OnError = "raise",
     context: ConnectorContext | None = None,
+    **shape_options: Any,
 ) -> Scheduler:
     """A reference scheduler with ``connector`` loaded on its scheduler side.
 
-    Errors raise by default (``on_error="raise"``): in a test, a connector
-    failure should fail the test, not be degraded away.
+    ``shape`` and ``shape_options`` (``block_size=``, ``num_blocks=``... any
+    :class:`~kvconn.reference.EngineShape` field) size it, as for
+    :class:`~kvconn.reference.Engine`. Errors raise by default
+    (``on_error="raise"``): in a test, a connector failure should fail the
+    test, not be degraded away.
     """
-    scheduler_config = SchedulerConfig(
-        block_size=block_size,
-        num_blocks=num_blocks,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
-        enable_prefix_caching=enable_prefix_caching,
-        kv_cache_groups=tuple(kv_cache_groups or DEFAULT_KV_CACHE_GROUPS),
+    engine_shape = EngineShape.from_options(shape, **shape_options)
+    context = context or ConnectorContext(
+        block_size=engine_shape.block_size, kv_cache_groups=engine_shape.kv_cache_groups
     )
-    context = context or ConnectorContext(block_size=block_size, kv_cache_groups=scheduler_config.kv_cache_groups)
     host = (
         ConnectorHost.from_names(
             connector, role=KVConnectorRole.SCHEDULER, config=config, context=context, on_error=on_error
@@ -58,7 +51,7 @@ def create_scheduler(
         if connector
         else None
     )
-    return Scheduler(scheduler_config, host=host, context=context)
+    return Scheduler(engine_shape, host=host, context=context)
 
 
 def create_requests(

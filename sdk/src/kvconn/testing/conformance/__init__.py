@@ -39,14 +39,14 @@ scenarios through a :class:`SchedulerDriver`, built by a factory
   (``request_finished`` calls per request), ``num_tracked_requests()`` (per
   role), ``assert_empty()``, ``close()``.
 
-``DriverSpec`` carries the connector, its config and the engine shape
-(block size, ``num_blocks``: small to force preemption, token budget,
-prefix caching, KV-cache groups). The ``"reference"`` driver runs kvconn's own
+``DriverSpec`` carries the connector, its config and the
+:class:`~kvconn.reference.EngineShape` (block size, ``num_blocks``: small to
+force preemption, token budget, prefix caching, KV-cache groups). The ``"reference"`` driver runs kvconn's own
 scheduler and worker; another engine plugs in with
 ``register_driver("vllm", factory)``, or declares ``vllm = "pkg.module:factory"``
 in the ``kvconn.conformance_drivers`` entry-point group, and is then used with
 ``run_conformance(..., driver="vllm")``. A new driver records ``offered``
-and ``resolved`` with :func:`~.driver.observed_block_state` and answers
+and ``resolved`` with :func:`~.driver.observe_block_state` and answers
 ``num_tracked_requests`` with :func:`~.driver.tracked_by_role`.
 The data checks (KV040-KV045) need a model and always use the reference
 engine, with every freed block overwritten at once.

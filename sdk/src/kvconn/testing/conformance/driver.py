@@ -15,11 +15,11 @@ from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 from ...block_state import BlockIds, KVConnectorBlockState
-from ...context import DEFAULT_KV_CACHE_GROUPS, KVCacheGroupSpec
 from ...errors import ConnectorLoadError
 from ...host import ConnectorHost
 from ...metadata import KVConnectorMetadata
 from ...outputs import KVConnectorOutput, SchedulerOutput
+from ...reference.shape import EngineShape
 
 __all__ = [
     "ScenarioUnsupported",
@@ -33,7 +33,7 @@ __all__ = [
     "freeze",
     "get_driver",
     "mutated_tables",
-    "observed_block_state",
+    "observe_block_state",
     "register_driver",
     "tracked_by_role",
 ]
@@ -45,17 +45,13 @@ class DriverSpec:
 
     ``connector`` is an installed name or ``"pkg.mod:Class"``; errors raised
     by the connector must surface (``on_error="raise"``), not be degraded.
-    A small ``num_blocks`` forces preemption.
+    ``shape`` sizes the engine (a small ``num_blocks`` forces preemption);
+    a driver whose engine cannot take it raises :class:`ScenarioUnsupported`.
     """
 
     connector: str
     config: Mapping[str, Any] | None = None
-    block_size: int = 16
-    num_blocks: int = 256
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 16
-    enable_prefix_caching: bool = True
-    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = DEFAULT_KV_CACHE_GROUPS
+    shape: EngineShape = field(default_factory=EngineShape)
 
 
 @dataclass
@@ -139,19 +135,22 @@ class SchedulerDriver(Protocol):
 DriverFactory = Callable[[DriverSpec], SchedulerDriver]
 
 
-def observed_block_state(
+def observe_block_state(
     block_state: KVConnectorBlockState,
     withhold: Collection[str],
     resolved: list[str],
     handed: list[HandedTable] | None = None,
-) -> KVConnectorBlockState:
-    """What a driver offers: ``block_state`` less ``withhold``, each resolver call appended to ``resolved``.
+) -> None:
+    """Make ``block_state`` what a driver offers: less ``withhold``, each resolver call appended to ``resolved``.
 
-    Its ``req_ids`` are the step's :attr:`StepRecord.offered`. The recording
-    resolver keeps the wrapped one's name, so metadata that holds it is
-    reported as holding, e.g., ``KVCacheManager.get_block_ids``. With
-    ``handed``, every table it returns is recorded with a snapshot, for
-    :func:`mutated_tables` to compare once the hook returned.
+    Changed in place, from a monitor run before the host's
+    ``build_connector_meta`` (the scheduler builds a fresh block state for
+    each step's call); its ``req_ids`` are then the step's
+    :attr:`StepRecord.offered`. The recording resolver keeps the wrapped
+    one's name, so metadata that holds it is reported as holding, e.g.,
+    ``KVCacheManager.get_block_ids``. With ``handed``, every table it returns
+    is recorded with a snapshot, for :func:`mutated_tables` to compare once
+    the hook returned.
     """
     resolve = block_state.resolve_block_ids
 
@@ -163,7 +162,8 @@ def observed_block_state(
             handed.append((f"the table get_block_ids({req_id!r}) returned", table, freeze(table)))
         return table
 
-    return KVConnectorBlockState(set(block_state.req_ids) - set(withhold), recording)
+    block_state.req_ids = set(block_state.req_ids) - set(withhold)
+    block_state.resolve_block_ids = recording
 
 
 #: (where the table was handed to the connector, the table, a snapshot taken then)

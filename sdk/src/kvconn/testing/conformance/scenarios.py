@@ -12,10 +12,11 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...context import KVCacheGroupSpec
+from ...reference.shape import EngineShape
 from .driver import DriverFactory, DriverSpec, ScenarioUnsupported, SchedulerDriver, StepRecord
 
 __all__ = [
@@ -59,7 +60,7 @@ class Scenario:
     """A script. ``aborts`` are ``(step, req_id)``: abort before that step is scheduled.
 
     ``withhold`` are requests left out of the offered block state on every step.
-    ``options`` override :class:`~.driver.DriverSpec` fields.
+    ``options`` change fields of the engine's :class:`~kvconn.reference.EngineShape`.
     """
 
     name: str
@@ -70,7 +71,7 @@ class Scenario:
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def spec(self, connector: str, config: Mapping[str, Any] | None) -> DriverSpec:
-        return replace(DriverSpec(connector, config), **self.options)
+        return DriverSpec(connector, config, EngineShape.from_options(**self.options))
 
 
 @dataclass
@@ -170,7 +171,7 @@ OFFERED_ONLY = Scenario(
 def run_scenario(factory: DriverFactory, scenario: Scenario, connector: str, config: Mapping[str, Any] | None) -> Trace:
     """Play ``scenario``; never raises for what the connector does (see ``Trace.error``)."""
     spec = scenario.spec(connector, config)
-    trace = Trace(scenario, block_size=spec.block_size, num_blocks=spec.num_blocks)
+    trace = Trace(scenario, block_size=spec.shape.block_size, num_blocks=spec.shape.num_blocks)
     try:
         driver = factory(spec)
     except ScenarioUnsupported as exc:

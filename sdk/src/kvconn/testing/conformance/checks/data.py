@@ -13,10 +13,10 @@ leaves garbage, not a lucky leftover copy of the right KV.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ....reference import Engine
+from ....reference import Engine, EngineShape
 from ..catalog import IMPORTED, check
 from ..driver import DriverSpec, StepRecord
 from ..reference import ReferenceDriver
@@ -175,8 +175,13 @@ def _expected(case: DataRun) -> dict[str, list[int]]:
     return _EXPECTED[case.name]
 
 
+def _shape(case: DataRun) -> EngineShape:
+    """The engine of a data run: no prefix cache (blocks are scrubbed when freed), and the case's options."""
+    return EngineShape.from_options(**{"enable_prefix_caching": False, **case.options})
+
+
 def _baseline(case: DataRun) -> dict[str, list[int]]:
-    engine = Engine(None, **{"enable_prefix_caching": False, **case.options})
+    engine = Engine(None, shape=_shape(case))
     requests: dict[str, Any] = {}
 
     def add(req_id: str, tokens: Sequence[int], max_tokens: int) -> None:
@@ -244,9 +249,7 @@ def _with_connector(
 ) -> DataResult | str:
     """Play ``case``; with ``lose_blocks`` the phases after the first run on an engine whose worker side has
     a fresh (empty) store while its scheduler side still sees the first phase's."""
-    spec = replace(
-        DriverSpec(session.connector, session.config_for(case.name), enable_prefix_caching=False), **case.options
-    )
+    spec = DriverSpec(session.connector, session.config_for(case.name), _shape(case))
     drivers = [ReferenceDriver(spec, fail_first_load=fail_first_load, scrub_freed=True)]
     if lose_blocks:
         emptied = session.config_for(f"{case.name}-emptied")
@@ -266,7 +269,7 @@ def _with_connector(
     try:
         run = _Run(add, lambda: records.append(current().step()), lambda: current().has_work(), next_phase)
         try:
-            tokens = _play(case, run, lambda r: owner[r].generated(r), spec.block_size)
+            tokens = _play(case, run, lambda r: owner[r].generated(r), spec.shape.block_size)
             return DataResult(tokens, drivers[-1], records)
         except Exception as exc:
             return f"the connector raised in data run {case.name!r}: {type(exc).__name__}: {exc}"
