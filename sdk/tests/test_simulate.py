@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import statistics
 from collections import defaultdict
@@ -157,6 +158,22 @@ def test_a_round_repeats_the_workload_until_each_run_has_spent_its_minimum(
     both = 2 * min(round_1.count(label) for label in set(round_1))
     assert all(a != b for a, b in itertools.pairwise(round_1[:both]))
     assert sim.verified and sim.timing.clock == clock and sim.timing.min_round_s == minimum
+
+
+def test_timed_rounds_run_with_the_warm_heap_frozen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full GC collection of the whole heap costs as much as a pass: timed passes must not pay for it."""
+    import kvconn.simulate as sim_module
+
+    frozen: list[tuple[str, bool]] = []
+
+    def recording(*args: Any, model: str, **kwargs: Any) -> RunResult:
+        frozen.append((model.split(".")[0], gc.get_freeze_count() > 0))
+        return run_workload(*args, model=model, **kwargs)
+
+    monkeypatch.setattr(sim_module, "run_workload", recording)
+    simulate(make_workload("shared-prefix", 2, seed=0), [], NO_LOCAL_CACHE, repeats=2, min_round_s=0)
+    assert frozen == [("kvconn-reference@0", False), ("kvconn-reference@1", True), ("kvconn-reference@2", True)]
+    assert gc.get_freeze_count() == 0  # unfrozen afterwards
 
 
 def test_figures_are_min_median_max_of_the_rounds_by_the_clock() -> None:

@@ -26,7 +26,10 @@ round, so a slow spell lands on every run alike and no run always goes first.
 Within a round the workload runs again and again (*passes*, interleaved
 across the runs) until each run has spent ``min_round_s`` by the round's
 clock: one pass of a small workload lasts a few scheduler time slices, so
-winning or losing one slice would move its figure by a third.
+winning or losing one slice would move its figure by a third. The heap is
+frozen for the timed rounds (:func:`gc.freeze` after the warm-up): a full
+collection of the warm heap costs as much as a pass and would land on
+whichever run happened to allocate.
 
 The clock is the process's CPU time by default (``"cpu"``: every thread of
 this process, connectors' threads included; the reference worker sets torch
@@ -46,12 +49,13 @@ the GPU cache is much smaller than the working set.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import functools
+import gc
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, get_args
 
 from .engine import Engine, EngineStats, Request
@@ -518,12 +522,13 @@ def simulate(
     for setup in setups:
         _preflight(setup)
     order: list[ConnectorSetup | None] = [None, *setups]
-    rounds: list[list[list[RunResult]]] = [[] for _ in order]  # per run: every timed round's passes
-    for r in range(1 + repeats):  # round 0: the warm-up, not kept
-        passes = _round(workload, options, order, r, clock, min_round_s if r else 0.0, on_progress, 1 + repeats)
-        if r:
-            for kept, run_passes in zip(rounds, passes, strict=True):
-                kept.append(run_passes)
+    _round(workload, options, order, 0, clock, 0.0, on_progress, 1 + repeats)  # the warm-up, not kept
+    with _gc_frozen():
+        timed = [
+            _round(workload, options, order, r, clock, min_round_s, on_progress, 1 + repeats)
+            for r in range(1, 1 + repeats)
+        ]
+    rounds = [list(run_rounds) for run_rounds in zip(*timed, strict=True)]  # per run: every timed round's passes
     baseline, *runs = (_merged(run_rounds, clock) for run_rounds in rounds)
     for run, run_rounds in zip(runs, rounds[1:], strict=True):
         run.mismatched = sorted(
@@ -574,6 +579,28 @@ def _round(
     return passes
 
 
+@contextlib.contextmanager
+def _gc_frozen() -> Iterator[None]:
+    """Collect, then freeze what is alive (modules, torch, the warm-up's state) for the timed rounds.
+
+    A full collection of Python's cyclic GC scans every tracked object: with
+    torch loaded that takes 60-80 ms, as long as a pass of the default
+    workload, and it lands on whichever run allocates at that moment. Frozen,
+    full collections scan only what the timed passes allocate. Nothing is
+    frozen (or unfrozen) if the process had frozen objects already: that
+    state is its own.
+    """
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _torch_threads() -> int:
     import torch  # already imported by the reference worker
 
@@ -616,7 +643,7 @@ def _merged(rounds: list[list[RunResult]], clock: Clock) -> RunResult:
     rates = [t.steps_per_s(clock) for t in timed]
     median = rates.index(statistics.median_low(rates))
     chosen = timed[median]
-    return dataclasses.replace(
+    return replace(
         rounds[median][0],
         wall_s=chosen.wall_s / chosen.passes,
         cpu_s=chosen.cpu_s / chosen.passes,
