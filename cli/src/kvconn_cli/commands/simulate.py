@@ -26,8 +26,10 @@ if TYPE_CHECKING:
     from kvconn.simulate import ConnectorSetup, RunResult, Simulation
 
 __all__ = [
+    "DEFAULT_MIN_ROUND_S",
     "MAX_NUM_BLOCKS",
     "MAX_REQUESTS",
+    "MAX_ROUND_SECONDS",
     "MIN_NUM_BLOCKS",
     "ClockName",
     "WorkloadName",
