@@ -11,7 +11,9 @@ from kvconn_cli.commands.simulate import setups_from_options
 from .conftest import RunKvconn, env_with_path
 
 MEMORY = "kvconn.testing.memory_connector:MemoryConnector"
-SMALL = ("--requests", "6", "--no-prefix-cache")
+#: One pass of the workload per timed round: tests check tokens and counters, not times.
+ONE_PASS = ("--round-seconds", "0")
+SMALL = ("--requests", "6", "--no-prefix-cache", *ONE_PASS)
 
 
 def test_simulate_json_shows_loads_and_verifies_output(run_kvconn: RunKvconn) -> None:
@@ -29,10 +31,23 @@ def test_simulate_json_shows_loads_and_verifies_output(run_kvconn: RunKvconn) ->
 def test_simulate_table_says_what_the_engine_could_cache(run_kvconn: RunKvconn, tmp_path: Path) -> None:
     plot = tmp_path / "sim.png"
     proc = run_kvconn(
-        "simulate", "--connector", MEMORY, "--workload", "multi-turn", "--requests", "6", "--plot", str(plot)
+        "simulate",
+        "--connector",
+        MEMORY,
+        "--workload",
+        "multi-turn",
+        "--requests",
+        "6",
+        "--round-seconds",
+        "0.2",
+        "--plot",
+        str(plot),
     )
     assert proc.returncode == 0, proc.stderr
     for text in ("local prefix cache: 256 blocks", "prompt tokens loaded (connector)", "output verified", "yes"):
+        assert text in proc.stdout
+    # the default clock, CPU time, is named, with the wall figure beside
+    for text in ("steps/s by cpu time (min / median / max)", "steps/s by wall time (median)", "0.2 s; clock: CPU"):
         assert text in proc.stdout
     assert "simulating" in proc.stderr  # progress goes to stderr
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -65,6 +80,29 @@ def test_a_connector_loading_wrong_kv_exits_1(run_kvconn: RunKvconn, tmp_path: P
     assert "Traceback" not in proc.stderr
 
 
+def test_json_names_the_clock_and_every_round(run_kvconn: RunKvconn) -> None:
+    proc = run_kvconn(
+        "simulate", "--connector", MEMORY, "--requests", "4", "--repeats", "2", "--clock", "wall", "--round-seconds",
+        "0.05", "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["timing"]["clock"] == "wall" and doc["timing"]["min_round_s"] == 0.05 and doc["timing"]["repeats"] == 2
+    for run in (doc["baseline"], *doc["runs"]):
+        assert run["clock"] == "wall" and len(run["rounds"]) == len(run["steps_per_s_repeats"]) == 2
+        assert all(r["wall_s"] >= 0.05 and r["passes"] >= 1 for r in run["rounds"])
+        assert run["steps_per_s_min"] <= run["steps_per_s"] <= run["steps_per_s_max"]
+        assert run["steps_per_s"] == run["steps_per_s_wall"] and run["output_verified"] is True
+    assert doc["runs"][0]["steps_per_s_vs_baseline"] > 0
+
+
+def test_the_cli_default_round_length_is_the_sdks() -> None:
+    from kvconn.reference.simulate import DEFAULT_MIN_ROUND_S
+    from kvconn_cli.commands import simulate
+
+    assert simulate.DEFAULT_MIN_ROUND_S == DEFAULT_MIN_ROUND_S
+
+
 def test_bad_input_is_a_one_line_usage_error(run_kvconn: RunKvconn) -> None:
     unknown = run_kvconn("simulate", "--connector", "no-such-connector", *SMALL)
     assert unknown.returncode == 2 and "no-such-connector" in unknown.stderr and "Traceback" not in unknown.stderr
@@ -93,6 +131,7 @@ def test_bad_numbers_are_one_usage_error_line_without_running(run_kvconn: RunKvc
         ("--num-blocks", "16"): "--num-blocks 16 is too small for this workload: its longest request needs",
         ("--requests", "0"): "--requests must be between 1 and 10000, got 0",
         ("--requests", str(10**9)): "--requests must be between 1 and 10000",
+        ("--round-seconds", "-1"): "invalid value for '--round-seconds': Input should be greater than or equal to 0",
     }
     for args, message in cases.items():
         proc = run_kvconn("simulate", "--connector", "dummy", *args)
@@ -108,7 +147,7 @@ def test_a_plugin_that_exits_at_import_is_a_clear_error(run_kvconn: RunKvconn, b
 
 
 def test_a_plugin_printing_at_import_leaves_the_json_intact(run_kvconn: RunKvconn, broken_env: dict[str, str]) -> None:
-    proc = run_kvconn("simulate", "--connector", "e2e-noisy", "--requests", "2", "--json", env=broken_env)
+    proc = run_kvconn("simulate", "--connector", "e2e-noisy", "--requests", "2", *ONE_PASS, "--json", env=broken_env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["runs"][0]["label"] == "e2e-noisy"
     assert "noisy plugin says hello" in proc.stderr
@@ -116,7 +155,7 @@ def test_a_plugin_printing_at_import_leaves_the_json_intact(run_kvconn: RunKvcon
 
 def test_failing_hooks_are_summed_up_one_line_each_without_traceback(run_kvconn: RunKvconn) -> None:
     config = json.dumps({"fail_hook": "save_kv_layer"})
-    proc = run_kvconn("simulate", "--connector", MEMORY, "--config", config, "--requests", "2")
+    proc = run_kvconn("simulate", "--connector", MEMORY, "--config", config, "--requests", "2", *ONE_PASS)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     (line,) = [line for line in proc.stderr.splitlines() if "save_kv_layer" in line]

@@ -10,7 +10,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from kvconn.reference.simulate import RunResult, Simulation
+from kvconn.reference.simulate import RunResult, Simulation, describe_local_cache
 
 from .errors import UsageError
 
@@ -46,7 +46,7 @@ def plot_simulation(result: Simulation, path: Path) -> None:
     plt = require_matplotlib()
     fig, (tokens_ax, rate_ax) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(3, 2))
     w = result.workload
-    fig.suptitle(f"kvconn simulate: {w.name}, {w.description}\n{result.options.describe()}", fontsize=10)
+    fig.suptitle(f"kvconn simulate: {w.name}, {w.description}\n{describe_local_cache(result.shape)}", fontsize=10)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate([result.baseline, *result.runs]):
         color = colors[i % len(colors)]

@@ -26,9 +26,12 @@ if TYPE_CHECKING:
     from kvconn.reference.simulate import ConnectorSetup, RunResult, Simulation
 
 __all__ = [
+    "DEFAULT_MIN_ROUND_S",
     "MAX_NUM_BLOCKS",
     "MAX_REQUESTS",
+    "MAX_ROUND_SECONDS",
     "MIN_NUM_BLOCKS",
+    "ClockName",
     "WorkloadName",
     "register",
     "setups_from_options",
@@ -40,6 +43,10 @@ __all__ = [
 MIN_NUM_BLOCKS, MAX_NUM_BLOCKS = 16, 1 << 16
 #: Bound of --requests: the workload is built and run in memory, three times and more.
 MAX_REQUESTS = 10_000
+#: Bound of --round-seconds (per run and round: a simulation lasts about runs x repeats times this).
+MAX_ROUND_SECONDS = 600.0
+#: kvconn.reference.simulate.DEFAULT_MIN_ROUND_S, repeated here so that --help does not import the SDK's engine
+DEFAULT_MIN_ROUND_S = 1.0
 
 
 class WorkloadName(str, enum.Enum):
@@ -48,6 +55,13 @@ class WorkloadName(str, enum.Enum):
     shared_prefix = "shared-prefix"
     multi_turn = "multi-turn"
     long_document = "long-document"
+
+
+class ClockName(str, enum.Enum):
+    """The clocks a simulation can time its rounds by (:data:`kvconn.reference.simulate.CLOCKS`)."""
+
+    cpu = "cpu"
+    wall = "wall"
 
 
 def simulate(
@@ -87,8 +101,24 @@ def simulate(
     ] = True,
     repeats: Annotated[
         int,
-        typer.Option("--repeats", min=1, help="Timed rounds after one warm-up round (figures: min / median)."),
+        typer.Option("--repeats", min=1, help="Timed rounds after one warm-up round (steps/s: min / median / max)."),
     ] = 3,
+    clock: Annotated[
+        ClockName,
+        typer.Option(
+            "--clock",
+            help="Time rounds by this process's CPU time (steady when other work holds the cores) or wall time.",
+        ),
+    ] = ClockName.cpu,
+    round_seconds: Annotated[
+        float,
+        typer.Option(
+            "--round-seconds",
+            min=0.0,
+            max=MAX_ROUND_SECONDS,
+            help="A timed round repeats the workload until every run has spent this long by --clock (0: one pass).",
+        ),
+    ] = DEFAULT_MIN_ROUND_S,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object on stdout.")] = False,
     plot: Annotated[
         Path | None, typer.Option("--plot", help="Draw tokens computed vs loaded and the hit rate to a PNG.")
@@ -99,7 +129,7 @@ def simulate(
     Every request's generated tokens must equal those of the run without a connector: a mismatch exits 1.
     """
     import kvconn
-    from kvconn.reference.simulate import EngineOptions
+    from kvconn.reference.simulate import SIMULATE_SHAPE
     from kvconn.reference.simulate import simulate as run_simulation
     from kvconn.reference.workloads import make_workload
 
@@ -118,14 +148,22 @@ def simulate(
     _check_range("--requests", requests, 1, MAX_REQUESTS)
     _check_range("--num-blocks", num_blocks, MIN_NUM_BLOCKS, MAX_NUM_BLOCKS)
     setups = setups_from_options(connectors, read_config(config, config_file))
-    options = EngineOptions(num_blocks=num_blocks, enable_prefix_caching=prefix_cache)
+    shape = SIMULATE_SHAPE.replace(num_blocks=num_blocks, enable_prefix_caching=prefix_cache)
     work = make_workload(workload.value, requests, seed)
-    _check_pool_fits(work, options)
+    _check_pool_fits(work, shape)
     debug = debug_from_env()
     configure_logging(debug)
     try:
         with _quiet_failures(debug), _stdout_for_data(as_json), _Progress(len(setups) + 1, requests) as progress:
-            result = run_simulation(work, setups, options, on_progress=progress.update, repeats=repeats)
+            result = run_simulation(
+                work,
+                setups,
+                shape,
+                on_progress=progress.update,
+                repeats=repeats,
+                clock=clock.value,
+                min_round_s=round_seconds,
+            )
     except kvconn.ConnectorNotFoundError as exc:
         raise not_found(exc) from None
     except kvconn.ConnectorConfigError as exc:
@@ -161,16 +199,16 @@ def _check_range(option: str, value: int, low: int, high: int) -> None:
         raise UsageError(f"{option} must be between {low} and {high}, got {value}")
 
 
-def _check_pool_fits(work: Any, options: Any) -> None:
+def _check_pool_fits(work: Any, shape: Any) -> None:
     """Refuse a pool that cannot hold the workload's longest request (it would never be scheduled)."""
     from ..errors import UsageError
 
-    bs = options.block_size
+    bs = shape.block_size
     longest = max(len(r.prompt) + r.max_tokens - 1 for r in work.requests)
     needed = -(-longest // bs) + 1  # block 0 is the null block
-    if options.num_blocks < needed:
+    if shape.num_blocks < needed:
         raise UsageError(
-            f"--num-blocks {options.num_blocks} is too small for this workload: its longest request needs "
+            f"--num-blocks {shape.num_blocks} is too small for this workload: its longest request needs "
             f"{needed - 1} blocks of {bs} tokens ({longest} tokens) plus the null block; "
             f"pass --num-blocks {needed} or more"
         )
@@ -314,6 +352,8 @@ def _render(result: Simulation) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from kvconn.reference.simulate import describe_local_cache
+
     from ..output import out_console, print_table
 
     console = out_console()
@@ -324,7 +364,7 @@ def _render(result: Simulation) -> None:
         f"  {w.num_prompt_tokens} prompt tokens, of which {result.reusable_tokens} ({reusable:.0%}) are "
         "a whole-block prefix of an earlier prompt (the most any cache can save)"
     )
-    console.print(f"[bold]engine[/]: reference engine, {escape(result.options.describe())}")
+    console.print(f"[bold]engine[/]: reference engine, {escape(describe_local_cache(result.shape))}")
     runs = [result.baseline, *result.runs]
     table = Table(title="kvconn simulate", title_justify="left")
     table.add_column("")
@@ -338,7 +378,20 @@ def _render(result: Simulation) -> None:
         ("blocks saved / loaded", lambda r: f"{r.stats.blocks_saved:,} / {r.stats.blocks_loaded:,}"),
         ("bytes saved / loaded", lambda r: f"{_bytes(r.stats.bytes_saved)} / {_bytes(r.stats.bytes_loaded)}"),
         ("steps", lambda r: f"{r.steps:,}"),
-        ("steps/s (min / median)", lambda r: f"{r.steps_per_s_min:,.0f} / {r.steps_per_s:,.0f}"),
+        (
+            f"steps/s by {result.timing.clock} time (min / median / max)",
+            lambda r: f"{r.steps_per_s_min:,.0f} / {r.steps_per_s:,.0f} / {r.steps_per_s_max:,.0f}",
+        ),
+        ("spread around the median", lambda r: "{:+.0%} / {:+.0%}".format(*r.steps_per_s_spread)),
+        (
+            "steps/s vs no connector (median round)",
+            lambda r: "1.00" if r is result.baseline else f"{result.relative_steps_per_s(r):.2f}",
+        ),
+        *(
+            [("steps/s by wall time (median)", lambda r: f"{r.steps_per_s_wall:,.0f}")]
+            if result.timing.clock != "wall"
+            else []
+        ),
         ("connector time / step (median)", lambda r: f"{r.connector_ms_per_step:.2f} ms"),
         ("preemptions", lambda r: str(r.stats.preemptions)),
         ("degraded events", lambda r: str(r.stats.degraded_events)),
@@ -350,7 +403,7 @@ def _render(result: Simulation) -> None:
     console.print(
         "connector time: wall time inside the ConnectorHost calls of scheduler and worker (SDK dispatch and the "
         "connectors' hook code, including synchronous copies); steps/s: whole engine steps on this machine. "
-        f"Times: {len(result.baseline.wall_s_repeats)} timed rounds after one warm-up round, every run in turn.",
+        f"Times: {escape(result.timing.describe())}.",
         style="dim",
     )
 
