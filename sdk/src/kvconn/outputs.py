@@ -7,6 +7,8 @@ on the wire: it is set only while connectors build metadata.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 from .block_state import BlockIds, KVConnectorBlockState
@@ -35,7 +37,9 @@ class CachedRequestData(msgspec.Struct):
 
     ``new_block_ids[i]`` is ``None`` on a step that allocated no block for the
     request (the block-fill step is one), and the *whole* new table when it
-    was resumed from preemption. ``new_token_ids[i]`` are the tokens appended
+    was resumed from preemption; an engine may hand it over as a read-only
+    sequence (vLLM's adapter does: read tables, do not change them).
+    ``new_token_ids[i]`` are the tokens appended
     to the request since it was last scheduled. ``all_token_ids`` holds every
     token of the resumed requests.
     """
@@ -43,7 +47,7 @@ class CachedRequestData(msgspec.Struct):
     req_ids: list[str] = msgspec.field(default_factory=list)
     resumed_from_preemption: list[bool] = msgspec.field(default_factory=list)
     new_token_ids: list[list[int]] = msgspec.field(default_factory=list)
-    new_block_ids: list[BlockIds | None] = msgspec.field(default_factory=list)
+    new_block_ids: Sequence[BlockIds | None] = msgspec.field(default_factory=list)
     num_computed_tokens: list[int] = msgspec.field(default_factory=list)
     all_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
@@ -86,6 +90,12 @@ class KVConnectorOutput(msgspec.Struct):
     invalid_block_ids: set[int] = msgspec.field(default_factory=set)
     failed: bool = False
     stats: dict[str, float] = msgspec.field(default_factory=dict)
+
+    def is_empty(self) -> bool:
+        """Whether it reports nothing (no transfer ended, no error, no stats): most steps of most connectors."""
+        return not (
+            self.finished_sending or self.finished_recving or self.invalid_block_ids or self.failed or self.stats
+        )
 
 
 class ModelRunnerOutput(msgspec.Struct):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable
+from typing import cast
 
 import msgspec
 
@@ -344,7 +345,7 @@ class Scheduler:
         cached.resumed_from_preemption.append(resumed)
         on_worker = self._tokens_on_worker.get(request.request_id, 0)
         cached.new_token_ids.append([] if resumed else request.all_token_ids[on_worker:])
-        cached.new_block_ids.append(block_ids)
+        cast("list[tuple[list[int], ...] | None]", cached.new_block_ids).append(block_ids)  # its default: a list
         cached.num_computed_tokens.append(request.num_computed_tokens)
         if resumed:
             cached.all_token_ids[request.request_id] = request.all_token_ids[:]

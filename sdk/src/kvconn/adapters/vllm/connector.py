@@ -92,6 +92,10 @@ class KVConnVllmMetadata(KVConnectorMetadata):
     failed_loads: dict[str, LoadSpec] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its fields, in order (vLLM pickles it every step: faster than a dataclass's state dict)."""
+        return (KVConnVllmMetadata, (self.connectors, self.loads, self.failed_loads, self.dropped))
+
 
 @dataclass
 class KVConnVllmWorkerMetadata(KVConnectorWorkerMetadata):
@@ -210,9 +214,10 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             n for n, c in self.host.connectors.items() if n in self._sent and hasattr(c, "build_connector_meta")
         ]
         self._collector = ReportCollector(self.host.names, int(vllm_config.parallel_config.world_size))
-        # worker side
+        # worker side: metadata is decoded only for connectors with a worker hook that takes it
+        self._readers = set(self.host.implementers("start_load_kv") + self.host.implementers("save_kv_layer"))
         self._bound: KVConnVllmMetadata = KVConnVllmMetadata()
-        self._undecoded: set[str] = set()
+        self._undecoded: list[str] = []
         self._report: WorkerReport | None = None
         self._invalid: set[int] = set()
         self._stats: dict[str, float] = {}
@@ -271,8 +276,10 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM's lazy block state, or (vLLM without it) tables tracked from the outputs."""
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         if state is not None and self._tracker is None:
+            # vLLM builds the offered set and the hand-offs afresh each step for the connector and drops them after
+            # build_connector_meta: they are wrapped, not copied.
             return KVConnectorBlockState(
-                set(state.req_ids), state.resolve_block_ids, dict(getattr(state, "boundary_state_offloads", {}) or {})
+                state.req_ids, state.resolve_block_ids, getattr(state, "boundary_state_offloads", None)
             )
         if self._tracker is None:
             if self._sliding:
@@ -312,6 +319,8 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(worker_meta, KVConnVllmWorkerMetadata):
             outputs, failed_recving = self._collector.collect(worker_meta.reports)
+        elif worker_meta is None and _HAS_WORKER_META:  # no worker had anything to report
+            outputs, failed_recving = {}, set()
         else:
             outputs, failed_recving = self._attribute(connector_output)
         update = self.host.update_connector_output(outputs)
@@ -362,13 +371,16 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
         self._bound = connector_metadata if isinstance(connector_metadata, KVConnVllmMetadata) else KVConnVllmMetadata()
         decoded: dict[str, KVConnMetadata] = {}
+        self._undecoded = []
         for name, blob in self._bound.connectors.items():
+            if name not in self._readers:
+                continue
             try:
                 decoded[name] = decode_metadata(name, blob, self.host.metadata_types)
             except WireError as exc:
                 logger.warning("%s; it sits this step out on this worker", exc)
+                self._undecoded.append(name)
         self.host.bind_connector_metadata(decoded)
-        self._undecoded = set(self._bound.connectors) - set(decoded)
         self._saved = False
         self.host.start_load_kv()
 
@@ -415,7 +427,9 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             for key, value in out.stats.items():
                 if not key.startswith("_"):  # private gauges reach the connector's scheduler side only
                     self._stats[f"{name}.{key}"] = self._stats.get(f"{name}.{key}", 0) + value
-        self._report = WorkerReport(outputs, failed_async)
+        # A step with nothing to report (the usual one) sends no report: the scheduler side reads "nothing".
+        news = failed_async or not all(out.is_empty() for out in outputs.values())
+        self._report = WorkerReport(outputs, failed_async) if news else None
         self._bound = KVConnVllmMetadata()
         if _HAS_WORKER_META:
             return None, None

@@ -20,7 +20,7 @@ from typing import Any
 from ...block_state import BlockIds, KVConnectorBlockState
 from ...errors import ConnectorLoadError
 from ...metadata import KVConnectorMetadata
-from ...outputs import SchedulerOutput
+from ...outputs import KVConnectorOutput, SchedulerOutput
 from ...testing.conformance.driver import (
     DriverFactory,
     DriverSpec,
@@ -119,7 +119,8 @@ class VllmDriver:
         encoded = sent.connectors.get(self.name) if metadata is not None else None
         types = {self.name: self.metadata_type}
         decoded = decode_metadata(self.name, encoded, types) if encoded is not None else None
-        worker_meta = self.loop.last_kv_output.kv_connector_worker_meta
+        kv_output = self.loop.last_kv_output  # None after a step without a forward whose workers reported nothing
+        worker_meta = kv_output.kv_connector_worker_meta if kv_output is not None else None
         reports = [decode_report(blob).outputs.get(self.name) for blob in worker_meta.reports] if worker_meta else []
         requests = self.scheduler.requests
         return StepRecord(
@@ -130,7 +131,7 @@ class VllmDriver:
             tables=tables,
             offered=offered,
             resolved=resolved,
-            connector_output=reports[0] if reports else None,
+            connector_output=reports[0] if reports else KVConnectorOutput(),  # no report: the worker had no news
             preempted={r for r, n in preemptions.items() if r in requests and requests[r].num_preemptions > n},
         )
 

@@ -11,15 +11,17 @@ What plugins see of vLLM:
   ``(parent, tokens, extra_keys)`` by default), not :mod:`kvconn.hashing`:
   keys are stable within one engine and across engines with the same vLLM
   hashing settings, but do not match blocks saved by the reference engine.
-* a ``kvconn.SchedulerOutput`` built from vLLM's (:func:`translate_scheduler_output`);
+* a ``kvconn.SchedulerOutput`` built from vLLM's (:func:`translate_scheduler_output`)
+  at a cost that does not grow with the tables: ``new_block_ids`` is a
+  read-only view (:class:`NewBlockIdsView`) that copies an entry only when it is read;
 * vLLM's own KV-cache tensors, checked (:func:`check_kv_caches`), with
   ``ConnectorContext.kv_layout == "vllm-BHNC"``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, overload
 
 from ...block_state import BlockIds
 from ...context import ConnectorContext, KVCacheGroupSpec
@@ -27,6 +29,7 @@ from ...errors import ConnectorConfigError
 from ...outputs import CachedRequestData, NewRequestData, SchedulerOutput
 
 __all__ = [
+    "NewBlockIdsView",
     "VllmRequestView",
     "context_from_vllm",
     "VLLM_KV_LAYOUT",
@@ -85,8 +88,57 @@ class VllmRequestView:
 
 
 def to_block_ids(tables: Sequence[Sequence[int]]) -> BlockIds:
-    """A fresh ``tuple[list[int], ...]`` (plugins may keep or mutate it safely)."""
-    return tuple([int(b) for b in table] for table in tables)
+    """A fresh ``tuple[list[int], ...]`` of vLLM's block ids (plugins may keep or mutate it safely)."""
+    return tuple(map(list, tables))
+
+
+def _copy_entry(tables: Sequence[Sequence[int]] | None) -> BlockIds | None:
+    return None if tables is None else tuple(map(list, tables))
+
+
+class NewBlockIdsView(Sequence["BlockIds | None"]):
+    """vLLM's ``CachedRequestData.new_block_ids`` as plugins see it: read-only, copied entry by entry on read.
+
+    Why a view: vLLM sends these very lists to its workers after the
+    connectors ran, so a plugin must never hold them (a change would give a
+    worker a wrong table), and copying every entry every step costs more than
+    kvconn may add to a step (most plugins read tables from the block state
+    and never look here). Each read returns a fresh ``tuple[list[int], ...]``
+    (or ``None``: no block allocated this step); nothing is copied for entries
+    nobody reads. It compares equal to any sequence of the same entries.
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self, entries: Sequence[Sequence[Sequence[int]] | None]) -> None:
+        self._entries = entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @overload
+    def __getitem__(self, index: int) -> BlockIds | None: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[BlockIds | None]: ...
+
+    def __getitem__(self, index: int | slice) -> BlockIds | list[BlockIds | None] | None:
+        if isinstance(index, slice):
+            return [_copy_entry(e) for e in self._entries[index]]
+        return _copy_entry(self._entries[index])
+
+    def __iter__(self) -> Iterator[BlockIds | None]:
+        return map(_copy_entry, self._entries)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable like them
+
+    def __repr__(self) -> str:
+        return f"NewBlockIdsView({list(self)!r})"
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -142,15 +194,18 @@ def _resumed_flags(cached: Any) -> list[bool]:
     """vLLM >= 0.11 has ``resumed_req_ids`` (a set); older ones a per-position list."""
     resumed = getattr(cached, "resumed_req_ids", None)
     if resumed is not None:
-        return [req_id in resumed for req_id in cached.req_ids]
+        return [req_id in resumed for req_id in cached.req_ids] if resumed else [False] * len(cached.req_ids)
     return [bool(f) for f in getattr(cached, "resumed_from_preemption", [False] * len(cached.req_ids))]
 
 
 def translate_scheduler_output(output: Any, step: int) -> SchedulerOutput:
-    """kvconn's ``SchedulerOutput`` for one vLLM ``SchedulerOutput``.
+    """kvconn's ``SchedulerOutput`` for one vLLM ``SchedulerOutput``, at a cost that does not grow with the tables.
 
-    ``new_token_ids`` are vLLM's when it sends them (pipeline parallelism),
-    else empty lists: vLLM's workers keep sampled tokens themselves.
+    Lists of ids and counts are copied (in C), so plugins cannot change what
+    vLLM sends its workers; ``new_block_ids`` is a :class:`NewBlockIdsView`
+    for the same reason. ``new_token_ids`` are vLLM's when it sends them
+    (pipeline parallelism), else empty lists: vLLM's workers keep sampled
+    tokens themselves.
     """
     cached = output.scheduled_cached_reqs
     n = len(cached.req_ids)
@@ -165,7 +220,7 @@ def translate_scheduler_output(output: Any, step: int) -> SchedulerOutput:
             req_ids=list(cached.req_ids),
             resumed_from_preemption=_resumed_flags(cached),
             new_token_ids=new_token_ids,
-            new_block_ids=[None if b is None else to_block_ids(b) for b in cached.new_block_ids],
+            new_block_ids=NewBlockIdsView(cached.new_block_ids),
             num_computed_tokens=list(cached.num_computed_tokens),
             all_token_ids={k: list(v) for k, v in (getattr(cached, "all_token_ids", None) or {}).items()},
         ),
