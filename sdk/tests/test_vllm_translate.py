@@ -146,3 +146,21 @@ def test_translation_copies_no_table_nobody_reads_and_a_read_table_is_the_reader
     assert vllm_tables[0] is not None and vllm_tables[0][0] == [4, 5]  # vLLM's table, sent to its workers, is intact
     assert cached.new_block_ids[0] == ([4, 5],) and cached.new_block_ids[1:] == [None, ([9],)]
     assert cached.req_ids == ["r0", "r1", "r2"] and cached.resumed_from_preemption == [False] * 3
+
+
+def test_per_request_lists_are_read_only_views_over_vllms_own() -> None:
+    """Nothing per request is copied each step, and a plugin cannot change what vLLM sends its workers."""
+    from kvconn.adapters.vllm.translate import translate_scheduler_output
+
+    vllm_output = _vllm_decode_step([None, None])
+    output = translate_scheduler_output(vllm_output, step=1)
+    cached = output.scheduled_cached_reqs
+    vllm_output.scheduled_cached_reqs.num_computed_tokens[1] = 101  # vLLM's list, seen through the view
+    assert list(cached.num_computed_tokens) == [100, 101] and cached.req_ids[1:] == ["r1"] and "r0" in cached.req_ids
+    assert output.num_computed_tokens_by_request() == {"r0": 100, "r1": 101}
+    with pytest.raises(TypeError):
+        output.num_scheduled_tokens["r0"] = 5  # type: ignore[index]
+    with pytest.raises((TypeError, AttributeError)):
+        cached.req_ids.append("r2")  # type: ignore[attr-defined]
+    assert vllm_output.num_scheduled_tokens == {"r0": 1, "r1": 1}
+    assert vllm_output.scheduled_cached_reqs.req_ids == ["r0", "r1"]

@@ -97,6 +97,10 @@ class KVConnVllmMetadata(KVConnectorMetadata):
         return (KVConnVllmMetadata, (self.connectors, self.loads, self.failed_loads, self.dropped))
 
 
+#: A worker's metadata between steps (read, never changed).
+_UNBOUND = KVConnVllmMetadata()
+
+
 @dataclass
 class KVConnVllmWorkerMetadata(KVConnectorWorkerMetadata):
     """The workers' per-connector reports of one step (see :mod:`.reports`)."""
@@ -216,7 +220,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         self._collector = ReportCollector(self.host.names, int(vllm_config.parallel_config.world_size))
         # worker side: metadata is decoded only for connectors with a worker hook that takes it
         self._readers = set(self.host.implementers("start_load_kv") + self.host.implementers("save_kv_layer"))
-        self._bound: KVConnVllmMetadata = KVConnVllmMetadata()
+        self._bound = _UNBOUND
         self._undecoded: list[str] = []
         self._report: WorkerReport | None = None
         self._invalid: set[int] = set()
@@ -264,12 +268,15 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
                 encoded[name] = encode_metadata(name, meta)
             except KVConnError as exc:  # its workers get no metadata and fail its loads
                 logger.warning("kvconn connector %r: metadata dropped this step: %s", name, exc)
-        loads = {name: dict(reqs) for name, reqs in self._loads.items() if reqs}
-        for reqs in self._loads.values():  # sync loads complete within the step they are sent
-            for req_id in [r for r, (_, is_async) in reqs.items() if not is_async]:
-                del reqs[req_id]
+        loads = {}
+        for name, reqs in self._loads.items():
+            if reqs:
+                loads[name] = dict(reqs)
+                for req_id in [r for r, (_, is_async) in reqs.items() if not is_async]:
+                    del reqs[req_id]  # sync loads complete within the step they are sent
         failed, self._failed_loads = self._failed_loads, {}
-        dropped = [n for n in self._builders if n not in encoded]
+        # encoded holds only builders' metadata: one missing was dropped
+        dropped = [n for n in self._builders if n not in encoded] if len(encoded) < len(self._builders) else []
         return KVConnVllmMetadata(connectors=encoded, loads=loads, failed_loads=failed, dropped=dropped)
 
     def _block_state(self, scheduler_output: Any, output: Any) -> KVConnectorBlockState:
@@ -369,7 +376,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         is bound, before any layer, whatever order vLLM uses.
         """
         super().bind_connector_metadata(connector_metadata)
-        self._bound = connector_metadata if isinstance(connector_metadata, KVConnVllmMetadata) else KVConnVllmMetadata()
+        self._bound = connector_metadata if isinstance(connector_metadata, KVConnVllmMetadata) else _UNBOUND
         decoded: dict[str, KVConnMetadata] = {}
         self._undecoded = []
         for name, blob in self._bound.connectors.items():
@@ -421,16 +428,19 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
                 out.failed = True  # the host recomputes its loads; vLLM learns it from the blocks below
                 out.invalid_block_ids |= {b for blocks, _ in loads.values() for b in blocks}
         failed_async = {r for r, (_, is_async) in bound.failed_loads.items() if is_async}
-        self._invalid = {b for out in outputs.values() for b in out.invalid_block_ids}
-        self._invalid |= {b for blocks, _ in bound.failed_loads.values() for b in blocks}
+        self._invalid = {b for blocks, _ in bound.failed_loads.values() for b in blocks}
+        # A step with nothing to report (the usual one) sends no report: the scheduler side reads "nothing".
+        news = bool(failed_async)
         for name, out in outputs.items():
+            if out.is_empty():
+                continue
+            news = True
+            self._invalid |= out.invalid_block_ids
             for key, value in out.stats.items():
                 if not key.startswith("_"):  # private gauges reach the connector's scheduler side only
                     self._stats[f"{name}.{key}"] = self._stats.get(f"{name}.{key}", 0) + value
-        # A step with nothing to report (the usual one) sends no report: the scheduler side reads "nothing".
-        news = failed_async or not all(out.is_empty() for out in outputs.values())
         self._report = WorkerReport(outputs, failed_async) if news else None
-        self._bound = KVConnVllmMetadata()
+        self._bound = _UNBOUND
         if _HAS_WORKER_META:
             return None, None
         sending = {r for out in outputs.values() for r in out.finished_sending}
