@@ -132,6 +132,17 @@ def test_workers_decode_only_metadata_a_hook_reads_and_send_no_report_without_ne
     assert reports == [None] * len(loop.outputs) and scheduler.connector.host.degraded_events == 0
 
 
+def test_a_free_a_worker_never_reports_is_released_even_when_no_step_runs_a_forward(test_connectors: str) -> None:
+    """The host's stall bound needs a report every step while it waits, though workers skip empty reports."""
+    scheduler = make_scheduler(f"{test_connectors}:HandoffConnector", {"send_steps": 10**6}, on_error="degrade")
+    scheduler.connector.host.stall_steps = 3
+    scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=2))
+    loop = VllmLoop(scheduler)
+    loop.run(max_steps=20)  # after r0 finishes, only steps without a forward run: vLLM waits for the free
+    assert scheduler.connector.host.degraded_events == 1
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == scheduler.kv_cache_config.num_blocks - 1
+
+
 def test_finish_and_abort_reach_the_plugin() -> None:
     from vllm.v1.request import RequestStatus
 

@@ -294,6 +294,16 @@ class ConnectorHost:
     def names(self) -> list[str]:
         return list(self.connectors)
 
+    @property
+    def awaits_reports(self) -> bool:
+        """Whether a connector has a transfer in flight (a load, a delayed free) that its workers must report.
+
+        The stall bound counts :meth:`update_connector_output` calls: an engine
+        that leaves out empty worker reports must still deliver one every step
+        while this holds.
+        """
+        return bool(self._sending) or any(self._loads.values()) or any(self._abandoned.values())
+
     def implementers(self, hook: str) -> list[str]:
         """The connectors implementing ``hook``, in order: an engine need not prepare what no connector reads."""
         return [name for name, _ in self._impls.get(hook, ())]
@@ -346,8 +356,7 @@ class ConnectorHost:
         connector's name returning them. ``check`` validates and converts a
         result; a :class:`BadHookAnswer` it raises is a failure of the hook.
         On the worker, a connector that raised earlier in the step sits out
-        the rest of it. A hook nobody implements costs no generator (most
-        hooks, in most steps of a typical engine).
+        the rest of it. A hook nobody implements costs no generator.
         """
         return self._call_each(hook, args, check) if self._impls[hook] else iter(())
 

@@ -85,16 +85,19 @@ class KVConnVllmMetadata(KVConnectorMetadata):
     ``failed_loads``: loads vLLM planned that no connector will do (the loader
     failed while committing them): reported invalid by the workers.
     ``dropped``: connectors whose metadata failed this step: their loads fail.
+    ``report``: the workers report this step even with nothing to say (a
+    transfer is in flight, whose stall bound counts the reports).
     """
 
     connectors: dict[str, bytes] = field(default_factory=dict)
     loads: dict[str, dict[str, LoadSpec]] = field(default_factory=dict)
     failed_loads: dict[str, LoadSpec] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)
+    report: bool = False
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as its fields, in order (vLLM pickles it every step: faster than a dataclass's state dict)."""
-        return (KVConnVllmMetadata, (self.connectors, self.loads, self.failed_loads, self.dropped))
+        return (KVConnVllmMetadata, (self.connectors, self.loads, self.failed_loads, self.dropped, self.report))
 
 
 #: A worker's metadata between steps (read, never changed).
@@ -277,7 +280,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         failed, self._failed_loads = self._failed_loads, {}
         # encoded holds only builders' metadata: one missing was dropped
         dropped = [n for n in self._builders if n not in encoded] if len(encoded) < len(self._builders) else []
-        return KVConnVllmMetadata(connectors=encoded, loads=loads, failed_loads=failed, dropped=dropped)
+        return KVConnVllmMetadata(encoded, loads, failed, dropped, report=self.host.awaits_reports)
 
     def _block_state(self, scheduler_output: Any, output: Any) -> KVConnectorBlockState:
         """vLLM's lazy block state, or (vLLM without it) tables tracked from the outputs."""
@@ -429,8 +432,9 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
                 out.invalid_block_ids |= {b for blocks, _ in loads.values() for b in blocks}
         failed_async = {r for r, (_, is_async) in bound.failed_loads.items() if is_async}
         self._invalid = {b for blocks, _ in bound.failed_loads.values() for b in blocks}
-        # A step with nothing to report (the usual one) sends no report: the scheduler side reads "nothing".
-        news = bool(failed_async)
+        # A step with nothing to report (the usual one) sends no report, unless the scheduler waits on a
+        # transfer: vLLM calls update_connector_output only on a step with a forward or a report.
+        news = bool(failed_async) or bound.report
         for name, out in outputs.items():
             if out.is_empty():
                 continue
