@@ -100,26 +100,22 @@ class Load:
             self.scheduler.add_request(make_request(f"r{i}", prompt, max_tokens=max_tokens))
 
 
-#: What vLLM calls on a connector: the adapter's entry points, timed by a :class:`Meter`.
+#: What vLLM's scheduler calls on a connector: the adapter's scheduler-side entry points, timed by a :class:`Meter`.
 SCHEDULER_CALLS = (
     "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished",
     "request_finished_all_groups", "update_connector_output",
 )  # fmt: skip
-WORKER_CALLS = (
-    "bind_connector_metadata", "start_load_kv", "wait_for_save", "get_transfer_results",
-    "get_block_ids_with_load_errors", "get_kv_connector_stats", "build_connector_worker_meta",
-    "clear_connector_metadata",
-)  # fmt: skip
 
 
 class Meter:
-    """Seconds spent inside a connector's entry points (and pickling its metadata), over all steps.
+    """Seconds spent in a connector, over all steps: the direct measure of what kvconn adds.
 
-    The direct measure of what kvconn adds: it does not depend on telling two
-    noisy vLLM step times apart. Each entry point vLLM calls is timed as a
-    whole (nested calls, such as ``request_finished`` calling
-    ``request_finished_all_groups``, are counted once); the two clock reads
-    per call are counted too, so the figure errs high.
+    It does not depend on telling two noisy vLLM step times apart. Each
+    scheduler-side entry point vLLM calls is timed as a whole (nested calls,
+    such as ``request_finished`` calling ``request_finished_all_groups``, are
+    counted once); the worker side of a step, from the metadata's pickle round
+    trip to ``clear_connector_metadata``, is timed as one block (see
+    :func:`step_function`). The clock reads are counted too, so the figure errs high.
     """
 
     def __init__(self) -> None:
@@ -154,34 +150,41 @@ def step_function(load: Load, worker: Any = None, meter: Meter | None = None) ->
 
     What crosses processes is pickled, as vLLM's multiprocess executor does:
     the connector metadata to the workers and their connector output back.
-    With a ``meter``, the connector's entry points and the metadata's trip are
-    timed; the trip back is vLLM's own ``KVConnectorOutput`` (the bare
-    connector's too), which carries kvconn's report only on a step with news.
+    The worker's calls run back to back, as in vLLM's model runner; with a
+    ``meter`` they are timed as one block with the metadata's round trip (a
+    standalone ``pickle`` round trip: more than the metadata's share of vLLM's
+    pickling of the whole output). The trip back is vLLM's own
+    ``KVConnectorOutput`` (the bare connector's too), which carries kvconn's
+    report only when there is one; it is not metered.
     """
     from vllm.v1.outputs import KVConnectorOutput
 
     scheduler = load.scheduler
-    send_metadata = (meter.timed if meter is not None else lambda fn: fn)(roundtrip)
     if meter is not None:
         meter.wrap(scheduler.connector, SCHEDULER_CALLS)
-        meter.wrap(worker, WORKER_CALLS)
 
     def step() -> None:
         output = scheduler.schedule()
         kv_output = None
         if worker is not None:
-            worker.bind_connector_metadata(send_metadata(output.kv_connector_metadata))
+            start = time.perf_counter()
+            worker.bind_connector_metadata(roundtrip(output.kv_connector_metadata))
             worker.start_load_kv(None)
             worker.wait_for_save()
             results = worker.get_transfer_results(output.finished_req_ids)
+            invalid = worker.get_block_ids_with_load_errors()
+            stats = worker.get_kv_connector_stats()
+            worker_meta = worker.build_connector_worker_meta()
+            worker.clear_connector_metadata()
+            if meter is not None:
+                meter.seconds += time.perf_counter() - start
             kv_output = KVConnectorOutput(
                 finished_sending=results.finished_sending or None,
                 finished_recving=results.finished_recving or None,
-                invalid_block_ids=worker.get_block_ids_with_load_errors(),
-                kv_connector_stats=worker.get_kv_connector_stats(),
-                kv_connector_worker_meta=worker.build_connector_worker_meta(),
+                invalid_block_ids=invalid,
+                kv_connector_stats=stats,
+                kv_connector_worker_meta=worker_meta,
             )
-            worker.clear_connector_metadata()
             kv_output = roundtrip(kv_output)
         runner_output = make_model_runner_output(output, scheduler, kv_connector_output=kv_output)
         scheduler.update_from_output(output, runner_output)
