@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Bench", "machine", "median_times", "parse_args"]
+__all__ = ["Bench", "machine", "median_times", "parse_args", "round_times"]
 
 
 def parse_args(description: str | None, argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -32,22 +32,40 @@ def parse_args(description: str | None, argv: Sequence[str] | None = None) -> ar
     return parser.parse_args(argv)
 
 
-def median_times(*fns: Callable[[], object], repeat: int = 7, min_time: float = 0.01) -> list[float]:
-    """Median seconds per call of each of ``fns``, measured side by side.
+def median_times(
+    *fns: Callable[[], object],
+    repeat: int = 7,
+    min_time: float = 0.01,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
+    """Median seconds per call of each of ``fns``, measured side by side (see :func:`round_times`)."""
+    return [statistics.median(times) for times in round_times(*fns, repeat=repeat, min_time=min_time, clock=clock)]
+
+
+def round_times(
+    *fns: Callable[[], object],
+    repeat: int = 7,
+    min_time: float = 0.01,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[list[float]]:
+    """Seconds per call of each of ``fns`` in each of ``repeat`` rounds, measured side by side.
 
     Each function is calibrated to enough calls per round to last ``min_time``;
     then the rounds are interleaved (one round of each, ``repeat`` times), so
-    a slow spell of a shared machine lands on every function alike.
+    a slow spell of a shared machine lands on every function alike, and round
+    ``i`` of one function can be compared with round ``i`` of another.
+    ``clock``: ``time.thread_time`` counts only this thread's CPU time, so the
+    time others' processes hold the CPU is left out (single-threaded code only).
     """
     numbers = [_calibrate(fn, min_time) for fn in fns]
     rounds: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
         for fn, number, times in zip(fns, numbers, rounds, strict=True):
-            start = time.perf_counter()
+            start = clock()
             for _ in range(number):
                 fn()
-            times.append((time.perf_counter() - start) / number)
-    return [statistics.median(times) for times in rounds]
+            times.append((clock() - start) / number)
+    return rounds
 
 
 def _calibrate(fn: Callable[[], object], min_time: float) -> int:

@@ -103,6 +103,46 @@ def test_worker_side_dummy_gets_its_metadata_every_step() -> None:
     assert saves == set(harness.LAYERS)
 
 
+def test_workers_decode_only_metadata_a_hook_reads_and_send_no_report_without_news(
+    test_connectors: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's fixed cost: nothing is decoded that no worker hook reads, and an empty report is not sent."""
+    import kvconn_vllm.connector as adapter_module
+
+    decoded: list[str] = []
+    decode = adapter_module.decode_metadata
+    monkeypatch.setattr(
+        adapter_module, "decode_metadata", lambda name, *args: decoded.append(name) or decode(name, *args)
+    )
+    tables = f"{test_connectors}:TablesConnector"  # builds metadata every step, has no worker hook
+    scheduler = make_scheduler([tables, "dummy"])
+    scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=3))
+    loop = VllmLoop(scheduler)
+    loop.run()
+    assert decoded == ["dummy"] * len(loop.outputs)  # the dummy reads its metadata in start_load_kv
+    assert all(tables in output.kv_connector_metadata.connectors for output in loop.outputs)
+
+    scheduler = make_scheduler(tables)
+    scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=3))
+    loop = VllmLoop(scheduler)
+    reports = []
+    while scheduler.has_requests():
+        loop.step()
+        reports.append(loop.last_kv_output and loop.last_kv_output.kv_connector_worker_meta)
+    assert reports == [None] * len(loop.outputs) and scheduler.connector.host.degraded_events == 0
+
+
+def test_a_free_a_worker_never_reports_is_released_even_when_no_step_runs_a_forward(test_connectors: str) -> None:
+    """The host's stall bound needs a report every step while it waits, though workers skip empty reports."""
+    scheduler = make_scheduler(f"{test_connectors}:HandoffConnector", {"send_steps": 10**6}, on_error="degrade")
+    scheduler.connector.host.stall_steps = 3
+    scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=2))
+    loop = VllmLoop(scheduler)
+    loop.run(max_steps=20)  # after r0 finishes, only steps without a forward run: vLLM waits for the free
+    assert scheduler.connector.host.degraded_events == 1
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == scheduler.kv_cache_config.num_blocks - 1
+
+
 def test_finish_and_abort_reach_the_plugin() -> None:
     from vllm.v1.request import RequestStatus
 

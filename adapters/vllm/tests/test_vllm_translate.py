@@ -1,9 +1,10 @@
-"""The vLLM adapter's parts that need no vLLM: KV-cache checks, logging, merging worker reports."""
+"""The vLLM adapter's parts that need no vLLM: KV-cache checks, logging, merging worker reports, translation."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -96,3 +97,70 @@ def test_reports_of_several_workers_sum_counters_and_take_the_smallest_private_g
 
     merged, _ = ReportCollector(["offload"], world_size=2).collect([report(3, 7), report(3, 5)])
     assert merged["offload"].stats == {"blocks_saved": 6, "_stores_done": 5, "_pool_slots": 64}
+
+
+class _ReadCountingTable(list[int]):
+    """One of vLLM's block-id lists, counting how often it is read."""
+
+    reads = 0
+
+    def __iter__(self) -> Iterator[int]:
+        _ReadCountingTable.reads += 1
+        return super().__iter__()
+
+
+def _vllm_decode_step(new_block_ids: list[Any]) -> Any:
+    """A vLLM ``SchedulerOutput`` of decode steps for ``r0``, ``r1``, ... (attributes only, as the adapter reads it)."""
+    from types import SimpleNamespace
+
+    req_ids = [f"r{i}" for i in range(len(new_block_ids))]
+    cached = SimpleNamespace(
+        req_ids=req_ids,
+        resumed_req_ids=set(),
+        new_token_ids=[],
+        all_token_ids={},
+        new_block_ids=new_block_ids,
+        num_computed_tokens=[100] * len(req_ids),
+    )
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=dict.fromkeys(req_ids, 1),
+        total_num_scheduled_tokens=len(req_ids),
+        finished_req_ids=set(),
+    )
+
+
+def test_translation_copies_no_table_nobody_reads_and_a_read_table_is_the_readers_own() -> None:
+    """kvconn's cost per step must not grow with tables a connector never reads, nor may it hand out vLLM's lists."""
+    from kvconn_vllm.translate import translate_scheduler_output
+
+    vllm_tables = [(_ReadCountingTable([4, 5]),), None, (_ReadCountingTable([9]),)]
+    _ReadCountingTable.reads = 0
+    cached = translate_scheduler_output(_vllm_decode_step(vllm_tables), step=1).scheduled_cached_reqs
+    assert _ReadCountingTable.reads == 0
+    assert len(cached.new_block_ids) == 3 and cached.new_block_ids == [([4, 5],), None, ([9],)]
+    first = cached.new_block_ids[0]
+    assert first is not None
+    first[0].append(6)  # a connector changing what it was given
+    assert vllm_tables[0] is not None and vllm_tables[0][0] == [4, 5]  # vLLM's table, sent to its workers, is intact
+    assert cached.new_block_ids[0] == ([4, 5],) and cached.new_block_ids[1:] == [None, ([9],)]
+    assert cached.req_ids == ["r0", "r1", "r2"] and cached.resumed_from_preemption == [False] * 3
+
+
+def test_per_request_lists_are_read_only_views_over_vllms_own() -> None:
+    """Nothing per request is copied each step, and a plugin cannot change what vLLM sends its workers."""
+    from kvconn_vllm.translate import translate_scheduler_output
+
+    vllm_output = _vllm_decode_step([None, None])
+    output = translate_scheduler_output(vllm_output, step=1)
+    cached = output.scheduled_cached_reqs
+    vllm_output.scheduled_cached_reqs.num_computed_tokens[1] = 101  # vLLM's list, seen through the view
+    assert list(cached.num_computed_tokens) == [100, 101] and cached.req_ids[1:] == ["r1"] and "r0" in cached.req_ids
+    assert output.num_computed_tokens_by_request() == {"r0": 100, "r1": 101}
+    with pytest.raises(TypeError):
+        output.num_scheduled_tokens["r0"] = 5  # type: ignore[index]
+    with pytest.raises((TypeError, AttributeError)):
+        cached.req_ids.append("r2")  # type: ignore[attr-defined]
+    assert vllm_output.num_scheduled_tokens == {"r0": 1, "r1": 1}
+    assert vllm_output.scheduled_cached_reqs.req_ids == ["r0", "r1"]

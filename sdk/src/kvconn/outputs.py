@@ -7,6 +7,8 @@ on the wire: it is set only while connectors build metadata.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import msgspec
 
 from .block_state import BlockIds, KVConnectorBlockState
@@ -38,23 +40,28 @@ class CachedRequestData(msgspec.Struct):
     was resumed from preemption. ``new_token_ids[i]`` are the tokens appended
     to the request since it was last scheduled. ``all_token_ids`` holds every
     token of the resumed requests.
+
+    Plugins read it and never change it: an engine may hand over read-only
+    sequences (vLLM's adapter does: views over vLLM's own lists, with
+    ``new_block_ids`` entries copied as they are read), so that kvconn's cost
+    per step does not grow with the batch.
     """
 
-    req_ids: list[str] = msgspec.field(default_factory=list)
+    req_ids: Sequence[str] = msgspec.field(default_factory=list)
     resumed_from_preemption: list[bool] = msgspec.field(default_factory=list)
     new_token_ids: list[list[int]] = msgspec.field(default_factory=list)
-    new_block_ids: list[BlockIds | None] = msgspec.field(default_factory=list)
-    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+    new_block_ids: Sequence[BlockIds | None] = msgspec.field(default_factory=list)
+    num_computed_tokens: Sequence[int] = msgspec.field(default_factory=list)
     all_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
 class SchedulerOutput(msgspec.Struct):
-    """One engine step, as decided by the scheduler."""
+    """One engine step, as decided by the scheduler (read-only for plugins, as :class:`CachedRequestData`)."""
 
     step: int
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
-    num_scheduled_tokens: dict[str, int]
+    num_scheduled_tokens: Mapping[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = msgspec.field(default_factory=set)
     #: Per connector name, that connector's metadata for this step.
@@ -86,6 +93,12 @@ class KVConnectorOutput(msgspec.Struct):
     invalid_block_ids: set[int] = msgspec.field(default_factory=set)
     failed: bool = False
     stats: dict[str, float] = msgspec.field(default_factory=dict)
+
+    def is_empty(self) -> bool:
+        """Whether it reports nothing (no transfer ended, no error, no stats): most steps of most connectors."""
+        return not (
+            self.finished_sending or self.finished_recving or self.invalid_block_ids or self.failed or self.stats
+        )
 
 
 class ModelRunnerOutput(msgspec.Struct):

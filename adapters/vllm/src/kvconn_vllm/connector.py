@@ -87,12 +87,23 @@ class KVConnVllmMetadata(KVConnectorMetadata):
     ``failed_loads``: loads vLLM planned that no connector will do (the loader
     failed while committing them): reported invalid by the workers.
     ``dropped``: connectors whose metadata failed this step: their loads fail.
+    ``report``: the workers report this step even with nothing to say (a
+    transfer is in flight, whose stall bound counts the reports).
     """
 
     connectors: dict[str, bytes] = field(default_factory=dict)
     loads: dict[str, dict[str, LoadSpec]] = field(default_factory=dict)
     failed_loads: dict[str, LoadSpec] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)
+    report: bool = False
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its fields, in order (vLLM pickles it every step: faster than a dataclass's state dict)."""
+        return (KVConnVllmMetadata, (self.connectors, self.loads, self.failed_loads, self.dropped, self.report))
+
+
+#: A worker's metadata between steps (read, never changed).
+_UNBOUND = KVConnVllmMetadata()
 
 
 @dataclass
@@ -214,9 +225,10 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             if n in self._sent and hasattr(hook_object(c), "build_connector_meta")
         ]
         self._collector = ReportCollector(self.host.names, int(vllm_config.parallel_config.world_size))
-        # worker side
-        self._bound: KVConnVllmMetadata = KVConnVllmMetadata()
-        self._undecoded: set[str] = set()
+        # worker side: metadata is decoded only for connectors with a worker hook that takes it
+        self._readers = set(self.host.implementers("start_load_kv") + self.host.implementers("save_kv_layer"))
+        self._bound = _UNBOUND
+        self._undecoded: list[str] = []
         self._report: WorkerReport | None = None
         self._invalid: set[int] = set()
         self._stats: dict[str, float] = {}
@@ -263,20 +275,25 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
                 encoded[name] = encode_metadata(name, meta)
             except KVConnError as exc:  # its workers get no metadata and fail its loads
                 logger.warning("kvconn connector %r: metadata dropped this step: %s", name, exc)
-        loads = {name: dict(reqs) for name, reqs in self._loads.items() if reqs}
-        for reqs in self._loads.values():  # sync loads complete within the step they are sent
-            for req_id in [r for r, (_, is_async) in reqs.items() if not is_async]:
-                del reqs[req_id]
+        loads = {}
+        for name, reqs in self._loads.items():
+            if reqs:
+                loads[name] = dict(reqs)
+                for req_id in [r for r, (_, is_async) in reqs.items() if not is_async]:
+                    del reqs[req_id]  # sync loads complete within the step they are sent
         failed, self._failed_loads = self._failed_loads, {}
-        dropped = [n for n in self._builders if n not in encoded]
-        return KVConnVllmMetadata(connectors=encoded, loads=loads, failed_loads=failed, dropped=dropped)
+        # encoded holds only builders' metadata: one missing was dropped
+        dropped = [n for n in self._builders if n not in encoded] if len(encoded) < len(self._builders) else []
+        return KVConnVllmMetadata(encoded, loads, failed, dropped, report=self.host.awaits_reports)
 
     def _block_state(self, scheduler_output: Any, output: Any) -> KVConnectorBlockState:
         """vLLM's lazy block state, or (vLLM without it) tables tracked from the outputs."""
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         if state is not None and self._tracker is None:
+            # vLLM builds the offered set and the hand-offs afresh each step for the connector and drops them after
+            # build_connector_meta: they are wrapped, not copied.
             return KVConnectorBlockState(
-                set(state.req_ids), state.resolve_block_ids, dict(getattr(state, "boundary_state_offloads", {}) or {})
+                state.req_ids, state.resolve_block_ids, getattr(state, "boundary_state_offloads", None)
             )
         if self._tracker is None:
             if self._sliding:
@@ -316,6 +333,8 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(worker_meta, KVConnVllmWorkerMetadata):
             outputs, failed_recving = self._collector.collect(worker_meta.reports)
+        elif worker_meta is None and _HAS_WORKER_META:  # no worker had anything to report
+            outputs, failed_recving = {}, set()
         else:
             outputs, failed_recving = self._attribute(connector_output)
         update = self.host.update_connector_output(outputs)
@@ -364,15 +383,18 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         is bound, before any layer, whatever order vLLM uses.
         """
         super().bind_connector_metadata(connector_metadata)
-        self._bound = connector_metadata if isinstance(connector_metadata, KVConnVllmMetadata) else KVConnVllmMetadata()
+        self._bound = connector_metadata if isinstance(connector_metadata, KVConnVllmMetadata) else _UNBOUND
         decoded: dict[str, KVConnMetadata] = {}
+        self._undecoded = []
         for name, blob in self._bound.connectors.items():
+            if name not in self._readers:
+                continue
             try:
                 decoded[name] = decode_metadata(name, blob, self.host.metadata_types)
             except WireError as exc:
                 logger.warning("%s; it sits this step out on this worker", exc)
+                self._undecoded.append(name)
         self.host.bind_connector_metadata(decoded)
-        self._undecoded = set(self._bound.connectors) - set(decoded)
         self._saved = False
         self.host.start_load_kv()
 
@@ -413,14 +435,20 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
                 out.failed = True  # the host recomputes its loads; vLLM learns it from the blocks below
                 out.invalid_block_ids |= {b for blocks, _ in loads.values() for b in blocks}
         failed_async = {r for r, (_, is_async) in bound.failed_loads.items() if is_async}
-        self._invalid = {b for out in outputs.values() for b in out.invalid_block_ids}
-        self._invalid |= {b for blocks, _ in bound.failed_loads.values() for b in blocks}
+        self._invalid = {b for blocks, _ in bound.failed_loads.values() for b in blocks}
+        # A step with nothing to report (the usual one) sends no report, unless the scheduler waits on a
+        # transfer: vLLM calls update_connector_output only on a step with a forward or a report.
+        news = bool(failed_async) or bound.report
         for name, out in outputs.items():
+            if out.is_empty():
+                continue
+            news = True
+            self._invalid |= out.invalid_block_ids
             for key, value in out.stats.items():
                 if not key.startswith("_"):  # private gauges reach the connector's scheduler side only
                     self._stats[f"{name}.{key}"] = self._stats.get(f"{name}.{key}", 0) + value
-        self._report = WorkerReport(outputs, failed_async)
-        self._bound = KVConnVllmMetadata()
+        self._report = WorkerReport(outputs, failed_async) if news else None
+        self._bound = _UNBOUND
         if _HAS_WORKER_META:
             return None, None
         sending = {r for out in outputs.values() for r in out.finished_sending}

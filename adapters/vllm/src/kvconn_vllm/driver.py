@@ -22,7 +22,7 @@ from kvconn.errors import ConnectorLoadError
 from kvconn.host import CallOutcome
 from kvconn.host.wire import decode_metadata
 from kvconn.metadata import KVConnectorMetadata
-from kvconn.outputs import SchedulerOutput
+from kvconn.outputs import KVConnectorOutput, SchedulerOutput
 from kvconn.testing.conformance.driver import (
     DriverFactory,
     DriverSpec,
@@ -111,7 +111,8 @@ class VllmDriver:
         encoded = sent.connectors.get(self.name) if metadata is not None else None
         types = {self.name: self.metadata_type}
         decoded = decode_metadata(self.name, encoded, types) if encoded is not None else None
-        worker_meta = self.loop.last_kv_output.kv_connector_worker_meta
+        kv_output = self.loop.last_kv_output  # None after a step without a forward whose workers reported nothing
+        worker_meta = kv_output.kv_connector_worker_meta if kv_output is not None else None
         reports = [decode_report(blob).outputs.get(self.name) for blob in worker_meta.reports] if worker_meta else []
         requests = self.scheduler.requests
         return StepRecord(
@@ -122,7 +123,7 @@ class VllmDriver:
             tables=tables,
             offered=offered,
             resolved=resolved,
-            connector_output=reports[0] if reports else None,
+            connector_output=reports[0] if reports else KVConnectorOutput(),  # no report: the worker had no news
             preempted={r for r, n in preemptions.items() if r in requests and requests[r].num_preemptions > n},
         )
 

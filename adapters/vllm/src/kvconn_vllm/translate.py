@@ -11,15 +11,19 @@ What plugins see of vLLM:
   ``(parent, tokens, extra_keys)`` by default), not :mod:`kvconn.hashing`:
   keys are stable within one engine and across engines with the same vLLM
   hashing settings, but do not match blocks saved by the reference engine.
-* a ``kvconn.SchedulerOutput`` built from vLLM's (:func:`translate_scheduler_output`);
+* a ``kvconn.SchedulerOutput`` built from vLLM's (:func:`translate_scheduler_output`)
+  at a cost that does not grow with the batch: read-only views over vLLM's
+  lists (:class:`ListView`, :class:`NewBlockIdsView`), nothing copied that no
+  plugin reads;
 * vLLM's own KV-cache tensors, checked (:func:`check_kv_caches`), with
   ``ConnectorContext.kv_layout == "vllm-BHNC"``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, TypeVar, overload
 
 from kvconn.block_state import BlockIds
 from kvconn.context import ConnectorContext, KVCacheGroupSpec
@@ -27,6 +31,8 @@ from kvconn.errors import ConnectorConfigError
 from kvconn.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 
 __all__ = [
+    "ListView",
+    "NewBlockIdsView",
     "VllmRequestView",
     "context_from_vllm",
     "VLLM_KV_LAYOUT",
@@ -35,6 +41,8 @@ __all__ = [
     "translate_scheduler_output",
 ]
 
+
+T = TypeVar("T")
 
 #: ``ConnectorContext.kv_layout`` under vLLM: ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``.
 VLLM_KV_LAYOUT = "vllm-BHNC"
@@ -85,8 +93,84 @@ class VllmRequestView:
 
 
 def to_block_ids(tables: Sequence[Sequence[int]]) -> BlockIds:
-    """A fresh ``tuple[list[int], ...]`` (plugins may keep or mutate it safely)."""
-    return tuple([int(b) for b in table] for table in tables)
+    """A fresh ``tuple[list[int], ...]`` of vLLM's block ids (plugins may keep or mutate it safely)."""
+    return tuple(map(list, tables))
+
+
+def _copy_entry(tables: BlockIds | None) -> BlockIds | None:
+    return None if tables is None else tuple(map(list, tables))
+
+
+class ListView(Sequence[T]):
+    """One of vLLM's lists as plugins see it: read-only, made in O(1), nothing copied.
+
+    Why a view: vLLM sends its ``SchedulerOutput`` to its workers after the
+    connectors ran, so a plugin must not be able to change it; and copying a
+    list of every scheduled request each step costs kvconn time that grows
+    with the batch (each copy touches every element), whether a plugin reads
+    it or not. It compares equal to any sequence of the same items.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Sequence[T]) -> None:
+        self._items = items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[T]: ...
+
+    def __getitem__(self, index: int | slice) -> T | list[T]:
+        if isinstance(index, slice):
+            return list(self._items[index])
+        return self._items[index]
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._items)
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._items
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable like them
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self)!r})"
+
+
+class NewBlockIdsView(ListView["BlockIds | None"]):
+    """vLLM's ``CachedRequestData.new_block_ids``: a :class:`ListView` whose entries are copied when read.
+
+    Entries hold vLLM's own block-id lists, so a read returns a fresh
+    ``tuple[list[int], ...]`` (or ``None``: no block allocated this step), which
+    the plugin may keep or change; nothing is copied for entries nobody reads
+    (most plugins read tables from the block state and never look here).
+    """
+
+    __slots__ = ()
+
+    @overload
+    def __getitem__(self, index: int) -> BlockIds | None: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[BlockIds | None]: ...
+
+    def __getitem__(self, index: int | slice) -> BlockIds | list[BlockIds | None] | None:
+        if isinstance(index, slice):
+            return [_copy_entry(e) for e in self._items[index]]
+        return _copy_entry(self._items[index])
+
+    def __iter__(self) -> Iterator[BlockIds | None]:
+        return map(_copy_entry, self._items)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -142,15 +226,20 @@ def _resumed_flags(cached: Any) -> list[bool]:
     """vLLM >= 0.11 has ``resumed_req_ids`` (a set); older ones a per-position list."""
     resumed = getattr(cached, "resumed_req_ids", None)
     if resumed is not None:
-        return [req_id in resumed for req_id in cached.req_ids]
+        return [req_id in resumed for req_id in cached.req_ids] if resumed else [False] * len(cached.req_ids)
     return [bool(f) for f in getattr(cached, "resumed_from_preemption", [False] * len(cached.req_ids))]
 
 
 def translate_scheduler_output(output: Any, step: int) -> SchedulerOutput:
-    """kvconn's ``SchedulerOutput`` for one vLLM ``SchedulerOutput``.
+    """kvconn's ``SchedulerOutput`` for one vLLM ``SchedulerOutput``, at a cost that does not grow with the batch.
 
-    ``new_token_ids`` are vLLM's when it sends them (pipeline parallelism),
-    else empty lists: vLLM's workers keep sampled tokens themselves.
+    Plugins must not change what vLLM sends its workers, and what they do not
+    read should cost nothing: vLLM's per-request lists are read-only views
+    (:class:`ListView`; ``new_block_ids`` a :class:`NewBlockIdsView`, which
+    copies each entry read) and ``num_scheduled_tokens`` a read-only mapping
+    over vLLM's dict. ``new_token_ids`` are vLLM's when it sends them
+    (pipeline parallelism), else empty lists: vLLM's workers keep sampled
+    tokens themselves.
     """
     cached = output.scheduled_cached_reqs
     n = len(cached.req_ids)
@@ -162,14 +251,14 @@ def translate_scheduler_output(output: Any, step: int) -> SchedulerOutput:
             for r in output.scheduled_new_reqs
         ],
         scheduled_cached_reqs=CachedRequestData(
-            req_ids=list(cached.req_ids),
+            req_ids=ListView(cached.req_ids),
             resumed_from_preemption=_resumed_flags(cached),
             new_token_ids=new_token_ids,
-            new_block_ids=[None if b is None else to_block_ids(b) for b in cached.new_block_ids],
-            num_computed_tokens=list(cached.num_computed_tokens),
+            new_block_ids=NewBlockIdsView(cached.new_block_ids),
+            num_computed_tokens=ListView(cached.num_computed_tokens),
             all_token_ids={k: list(v) for k, v in (getattr(cached, "all_token_ids", None) or {}).items()},
         ),
-        num_scheduled_tokens=dict(output.num_scheduled_tokens),
+        num_scheduled_tokens=MappingProxyType(output.num_scheduled_tokens),
         total_num_scheduled_tokens=int(output.total_num_scheduled_tokens),
         finished_req_ids=set(output.finished_req_ids),
     )

@@ -348,6 +348,20 @@ class ConnectorHost:
         return list(self.connectors)
 
     @property
+    def awaits_reports(self) -> bool:
+        """Whether a connector has a transfer in flight (a load, a delayed free) that its workers must report.
+
+        The stall bound counts :meth:`update_connector_output` calls: an engine
+        that leaves out empty worker reports must still deliver one every step
+        while this holds.
+        """
+        return bool(self._sending) or any(self._loads.values()) or any(self._abandoned.values())
+
+    def implementers(self, hook: str) -> list[str]:
+        """The connectors implementing ``hook``, in order: an engine need not prepare what no connector reads."""
+        return [name for name, _ in self._impls.get(hook, ())]
+
+    @property
     def degraded_events(self) -> int:
         """How many hook calls failed and were degraded."""
         return sum(self.error_counts.values())
@@ -467,8 +481,16 @@ class ConnectorHost:
         connector's name returning them. ``check`` validates and converts a
         result; a :class:`BadHookAnswer` it raises is a failure of the hook.
         On the worker, a connector that raised earlier in the step sits out
-        the rest of it.
+        the rest of it. A hook nobody implements costs no generator.
         """
+        return self._call_each(hook, args, check) if self._impls[hook] else iter(())
+
+    def _call_each(
+        self,
+        hook: str,
+        args: tuple[Any, ...] | Callable[[str], tuple[Any, ...]],
+        check: Callable[[Any], Any] | None,
+    ) -> Iterator[tuple[str, Any]]:
         skip = self._failed_this_step if self.role is KVConnectorRole.WORKER else ()
         # One clock read per call: each call's time runs from the previous read, so it also holds the
         # caller's bookkeeping between two yields (microseconds; the budget is in seconds).
@@ -649,6 +671,8 @@ class ConnectorHost:
         self._notify("update_connector_output", lambda name: (outputs.get(name, empty),))
         for name in self.connectors:
             out = outputs.get(name, empty)
+            if out.is_empty() and not (self._loads[name] or self._abandoned[name] or self._sending):
+                continue  # nothing in flight, nothing reported: the usual step of a connector
             update.stats.update(out.stats)
             failed = out.failed or not self._report_ok(name, out)
             self._settle_loads(name, out, failed, update)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable
+from typing import cast
 
 from ..block_state import KVConnectorBlockState
 from ..context import ConnectorContext
@@ -318,12 +319,13 @@ class Scheduler:
     def _add_cached(
         self, cached: CachedRequestData, request: Request, block_ids: tuple[list[int], ...] | None, *, resumed: bool
     ) -> None:
-        cached.req_ids.append(request.request_id)
+        # The engine fills the fields' defaults, lists; plugins see them as read-only sequences.
+        cast("list[str]", cached.req_ids).append(request.request_id)
         cached.resumed_from_preemption.append(resumed)
         on_worker = self._tokens_on_worker.get(request.request_id, 0)
         cached.new_token_ids.append([] if resumed else request.all_token_ids[on_worker:])
-        cached.new_block_ids.append(block_ids)
-        cached.num_computed_tokens.append(request.num_computed_tokens)
+        cast("list[tuple[list[int], ...] | None]", cached.new_block_ids).append(block_ids)
+        cast("list[int]", cached.num_computed_tokens).append(request.num_computed_tokens)
         if resumed:
             cached.all_token_ids[request.request_id] = request.all_token_ids[:]
 
