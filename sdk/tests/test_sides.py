@@ -302,3 +302,24 @@ def test_validate_reports_a_lazy_side_of_the_wrong_role_in_kv006() -> None:
     assert result.status == "failed"
     assert "Scheduler implements build_connector_meta (scheduler-side), " in result.message
     assert "never called on it: it is the worker side of LazyWrongSide" in result.message
+
+
+class SkipsBaseInit(Sided):
+    """Its own __init__ never calls KVConnector's, so no side is ever built."""
+
+    def __init__(self, config: SidesConfig | None = None, *, role: Any, context: Any = None) -> None:
+        self.config = config
+
+
+@pytest.mark.parametrize("role", ["scheduler", "worker"])
+def test_a_host_refuses_a_connector_whose_declared_side_was_never_built(role: str) -> None:
+    # Registered as its own hooks, it would have none for this role: every save and load silently skipped.
+    with pytest.raises(ConnectorLoadError, match=r"declares a .*_side but has no side built.*super\(\).__init__"):
+        ConnectorHost.from_names(f"{HERE}:SkipsBaseInit", role=role)
+
+
+def test_a_host_refuses_a_connector_built_for_the_other_role() -> None:
+    # The scheduler's side on a worker host would be the plugin: the worker hooks never run, silently.
+    connector = load_connector(f"{HERE}:Sided", role="scheduler")
+    with pytest.raises(ConnectorLoadError, match="was built for the scheduler role, not the worker role"):
+        ConnectorHost({"s": connector}, role="worker")

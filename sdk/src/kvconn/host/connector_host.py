@@ -44,8 +44,9 @@ import pluggy
 
 from .._plugins.manager import KVConnPluginManager
 from .._plugins.registry import connector_roles, instantiate_connector, load_connector_class
+from .._plugins.sides import declared_side
 from ..block_state import BlockIds, KVConnectorBlockState, block_ids_in_range
-from ..connector import KVConnectorRole
+from ..connector import KVConnector, KVConnectorRole
 from ..context import ConnectorContext
 from ..errors import ConnectorConfigError, ConnectorError, ConnectorLoadError
 from ..hookspecs import SCHEDULER_HOOKS, WORKER_HOOKS
@@ -335,6 +336,7 @@ class ConnectorHost:
     def _register(self, name: str, connector: object) -> None:
         if name in self.connectors:
             raise ConnectorLoadError(f"connector {name!r} is given twice: each connector needs a distinct name")
+        self._check_side(name, connector)
         try:
             self._pm.register_connector(connector, name=name)  # its side for this role, if it declares one
             self._pm.check_pending()
@@ -342,6 +344,30 @@ class ConnectorHost:
             raise ConnectorLoadError(f"connector {name!r} has an invalid hook implementation: {exc}") from exc
         self.connectors[name] = connector
         self.metadata_types[name] = getattr(connector, "Metadata", KVConnectorMetadata)
+
+    def _check_side(self, name: str, connector: object) -> None:
+        """Refuse a connector with sides whose registered object would not be its side for this host's role.
+
+        Its hooks live on its sides, so registering anything else (the side of
+        the other role, or the bare connector) would leave this role without
+        hooks: every save and load silently skipped.
+        """
+        if not isinstance(connector, KVConnector):
+            return
+        cls, role = type(connector), self.role.value
+        if all(declared_side(cls, r.value) is None for r in KVConnectorRole):
+            return  # a connector that is its own hooks serves either role
+        built_for = getattr(connector, "role", None)
+        if built_for is not None and built_for is not self.role:
+            raise ConnectorLoadError(
+                f"connector {name!r} ({cls.__qualname__}) was built for the {built_for.value} role, not the {role} "
+                f"role of this host: its hooks are on the side of its role; build one instance per role"
+            )
+        if declared_side(cls, role) is not None and getattr(connector, "side", None) is None:
+            raise ConnectorLoadError(
+                f"connector {name!r}: {cls.__qualname__} declares a {role}_side but has no side built: its "
+                "__init__ must call super().__init__(config, role=role, context=context), which builds it"
+            )
 
     @property
     def names(self) -> list[str]:
