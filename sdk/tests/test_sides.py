@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
+import kvconn
 from kvconn import (
     ConnectorContext,
     ConnectorHost,
@@ -323,3 +324,25 @@ def test_a_host_refuses_a_connector_built_for_the_other_role() -> None:
     connector = load_connector(f"{HERE}:Sided", role="scheduler")
     with pytest.raises(ConnectorLoadError, match="was built for the scheduler role, not the worker role"):
         ConnectorHost({"s": connector}, role="worker")
+
+
+class PlainWithSide:
+    """Not a KVConnector: nothing would ever build its declared side."""
+
+    api_version = "1.0"
+    worker_side = Worker
+
+    def __init__(self, config: Any = None, *, role: Any, context: Any = None) -> None:
+        self.role = role
+
+    @kvconn.hookimpl
+    def build_connector_meta(self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState) -> Sent:
+        return Sent()
+
+
+def test_a_side_on_a_class_that_is_not_a_kvconnector_is_refused() -> None:
+    # Loaded, it would run with no worker hooks at all: its declared side is built only by KVConnector.__init__.
+    with pytest.raises(ConnectorLoadError, match=r"PlainWithSide declares worker_side .* subclass kvconn.KVConnector"):
+        load_connector_class(f"{HERE}:PlainWithSide")
+    with pytest.raises(ConnectorLoadError, match=r"PlainWithSide declares worker_side .* subclass kvconn.KVConnector"):
+        ConnectorHost({"p": PlainWithSide(role="worker")}, role="worker")

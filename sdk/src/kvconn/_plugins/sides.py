@@ -38,6 +38,7 @@ __all__ = [
     "check_roles",
     "declared_side",
     "import_target",
+    "refuse_sides_off_kvconnector",
     "side_class",
     "uncalled_hooks",
 ]
@@ -154,6 +155,21 @@ def check_roles(cls: type, *, by_name: bool) -> None:
         if uncalled:
             why = f"it serves only the {' and '.join(own)} role itself" if own else "it declares a side for each role"
             raise ConnectorLoadError(_uncalled_message(klass, uncalled, why))
+
+
+def refuse_sides_off_kvconnector(cls: type) -> None:
+    """Reject a plugin class that is not a ``KVConnector`` but declares a side: nothing would build it.
+
+    Only ``KVConnector.__init__`` builds a side, so such a class would run
+    with no hooks for that role at all (no save, no load, no error).
+    """
+    for role in ROLE_HOOKS:
+        declared = declared_side(cls, role)
+        if declared is not None:
+            raise ConnectorLoadError(
+                f"{cls.__qualname__} declares {role}_side = {declared!r} but only a KVConnector builds its sides: "
+                "subclass kvconn.KVConnector, or put the hooks on the class itself with @kvconn.hookimpl"
+            )
 
 
 def _roles(cls: type) -> frozenset[str]:

@@ -44,7 +44,7 @@ import pluggy
 
 from .._plugins.manager import KVConnPluginManager
 from .._plugins.registry import connector_roles, instantiate_connector, load_connector_class
-from .._plugins.sides import declared_side
+from .._plugins.sides import declared_side, refuse_sides_off_kvconnector
 from ..block_state import BlockIds, KVConnectorBlockState, block_ids_in_range
 from ..connector import KVConnector, KVConnectorRole
 from ..context import ConnectorContext
@@ -352,9 +352,10 @@ class ConnectorHost:
         the other role, or the bare connector) would leave this role without
         hooks: every save and load silently skipped.
         """
-        if not isinstance(connector, KVConnector):
-            return
         cls, role = type(connector), self.role.value
+        if not isinstance(connector, KVConnector):
+            refuse_sides_off_kvconnector(cls)
+            return
         if all(declared_side(cls, r.value) is None for r in KVConnectorRole):
             return  # a connector that is its own hooks serves either role
         built_for = getattr(connector, "role", None)
