@@ -410,7 +410,9 @@ class ConnectorHost:
         call that raised (its exception is re-raised once the monitors ran).
         With several monitors the ``before`` callbacks run in the order the
         monitors were added and the ``after`` ones in reverse (the first added
-        is the outermost). Returns the undo: it removes this monitor.
+        is the outermost; a ``before`` that raises ends the call for the
+        monitors outside it, whose ``after`` sees its exception). Returns the
+        undo: it removes this monitor.
 
         A call no monitor watches costs nothing: only while one is installed
         does the instance hold a wrapper that shadows the method, as pluggy
@@ -442,24 +444,29 @@ class ConnectorHost:
 
     def _monitored(self, call: str, monitors: list[_Monitor]) -> Callable[..., Any]:
         method = getattr(type(self), call).__get__(self)
-        befores = [m.before for m in monitors if m.before is not None]
-        afters = [m.after for m in reversed(monitors) if m.after is not None]
+        # (position, callback): the monitors nest, so a before that raises ends the call for those outside it
+        befores = [(i, m.before) for i, m in enumerate(monitors) if m.before is not None]
+        afters = [(i, m.after) for i, m in reversed(list(enumerate(monitors))) if m.after is not None]
+        everyone = len(monitors)
 
         @functools.wraps(method)
         def monitored(*args: Any, **kwargs: Any) -> Any:
             if kwargs:  # monitors see the arguments positionally, in the method's order
                 args = inspect.signature(method).bind(*args, **kwargs).args
-            for before in befores:
-                before(call, args)
             outcome = CallOutcome()
+            entered = everyone  # the monitors before this position saw the call begin
             try:
+                for entered, before in befores:  # noqa: B007  (read in the except clause)
+                    before(call, args)
+                entered = everyone
                 outcome.result = method(*args)
             except BaseException as exc:
                 outcome.exception = exc
-                for after in afters:
-                    after(call, args, outcome)
+                for i, after in afters:
+                    if i < entered:
+                        after(call, args, outcome)
                 raise
-            for after in afters:
+            for _, after in afters:
                 after(call, args, outcome)
             return outcome.result
 
