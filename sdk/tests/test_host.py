@@ -428,6 +428,19 @@ def test_a_monitor_whose_before_raises_still_lets_the_monitors_outside_it_see_th
     assert seen == [("outer", err.value)]  # the inner monitor never began: no after for it
 
 
+def test_a_monitor_given_one_call_name_as_a_string_watches_that_call() -> None:
+    # A string is one call name, not the set of its letters (an error listing '_', 'd', 'e'... otherwise).
+    host = scheduler_host(a=sched(hits=16))
+    seen: list[str] = []
+    host.add_monitor(lambda call, args: seen.append(call), calls="request_finished")
+    (request,) = create_requests(1, 40)
+    host.get_num_new_matched_tokens(request, 0)
+    host.request_finished(request, ([1, 2, 3],))
+    assert seen == ["request_finished"]
+    with pytest.raises(ValueError, match=r"cannot monitor \['no_such_call'\]"):
+        host.add_monitor(calls="no_such_call")
+
+
 def test_a_monitor_sees_arguments_given_by_keyword_in_order() -> None:
     host = scheduler_host(a=sched(hits=16))
     seen: list[tuple[Any, ...]] = []

@@ -400,7 +400,7 @@ class ConnectorHost:
         before: MonitorBefore | None = None,
         after: MonitorAfter | None = None,
         *,
-        calls: Iterable[str] | None = None,
+        calls: str | Iterable[str] | None = None,
     ) -> Callable[[], None]:
         """Call ``before`` and ``after`` around each of the host's ``calls`` (default: :data:`MONITORED_CALLS`).
 
@@ -418,7 +418,7 @@ class ConnectorHost:
         does the instance hold a wrapper that shadows the method, as pluggy
         swaps its hook executor.
         """
-        names = frozenset(MONITORED_CALLS if calls is None else calls)
+        names = frozenset(MONITORED_CALLS if calls is None else (calls,) if isinstance(calls, str) else calls)
         unknown = sorted(names - set(MONITORED_CALLS))
         if unknown:
             raise ValueError(f"cannot monitor {unknown}: the host's monitored calls are {list(MONITORED_CALLS)}")
