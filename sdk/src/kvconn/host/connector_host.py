@@ -359,10 +359,11 @@ class ConnectorHost:
         if all(declared_side(cls, r.value) is None for r in KVConnectorRole):
             return  # a connector that is its own hooks serves either role
         built_for = getattr(connector, "role", None)
-        if built_for is not None and built_for is not self.role:
+        if built_for is not None and built_for != self.role:  # a str enum: "worker" (a str) is the worker role
+            built = getattr(built_for, "value", built_for)
             raise ConnectorLoadError(
-                f"connector {name!r} ({cls.__qualname__}) was built for the {built_for.value} role, not the {role} "
-                f"role of this host: its hooks are on the side of its role; build one instance per role"
+                f"connector {name!r} ({cls.__qualname__}) was built for the {built} role, not the {role} role of "
+                "this host: its hooks are on the side of its role; build one instance per role"
             )
         if declared_side(cls, role) is not None and getattr(connector, "side", None) is None:
             raise ConnectorLoadError(
