@@ -346,3 +346,19 @@ def test_a_side_on_a_class_that_is_not_a_kvconnector_is_refused() -> None:
         load_connector_class(f"{HERE}:PlainWithSide")
     with pytest.raises(ConnectorLoadError, match=r"PlainWithSide declares worker_side .* subclass kvconn.KVConnector"):
         ConnectorHost({"p": PlainWithSide(role="worker")}, role="worker")
+
+
+def test_a_lazy_side_whose_module_lacks_a_dependency_is_not_blamed_on_its_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The path is right (offload's worker side without torch, say): the error names the missing module, and does
+    # not send the author to fix the declaration.
+    (tmp_path / "kvconn_sides_needs_dep.py").write_text("import no_such_dependency_kvconn\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "kvconn_sides_needs_dep", raising=False)
+    with pytest.raises(ConnectorLoadError) as info:
+        _sided(worker_side="kvconn_sides_needs_dep:Worker")(role="worker")
+    message = str(info.value)
+    assert "failed to import module 'kvconn_sides_needs_dep'" in message
+    assert "No module named 'no_such_dependency_kvconn'" in message
+    assert "fix the" not in message
