@@ -411,6 +411,36 @@ def test_several_monitors_nest_the_first_added_outermost_and_each_watches_its_ca
     ]
 
 
+def test_a_monitor_whose_before_raises_still_lets_the_monitors_outside_it_see_the_call_end() -> None:
+    # Nested as documented (the first added outermost): an outer monitor that saw the call begin sees it end,
+    # with the inner monitor's error, or a timer or a recorder is left open for good.
+    host = scheduler_host(a=sched(hits=16))
+    seen: list[tuple[str, BaseException | None]] = []
+    host.add_monitor(after=lambda call, args, outcome: seen.append(("outer", outcome.exception)))
+
+    def broken(call: str, args: tuple[Any, ...]) -> None:
+        raise RuntimeError("monitor bug")
+
+    host.add_monitor(broken, lambda call, args, outcome: seen.append(("inner", outcome.exception)))
+    (request,) = create_requests(1, 40)
+    with pytest.raises(RuntimeError, match="monitor bug") as err:
+        host.get_num_new_matched_tokens(request, 0)
+    assert seen == [("outer", err.value)]  # the inner monitor never began: no after for it
+
+
+def test_a_monitor_given_one_call_name_as_a_string_watches_that_call() -> None:
+    # A string is one call name, not the set of its letters (an error listing '_', 'd', 'e'... otherwise).
+    host = scheduler_host(a=sched(hits=16))
+    seen: list[str] = []
+    host.add_monitor(lambda call, args: seen.append(call), calls="request_finished")
+    (request,) = create_requests(1, 40)
+    host.get_num_new_matched_tokens(request, 0)
+    host.request_finished(request, ([1, 2, 3],))
+    assert seen == ["request_finished"]
+    with pytest.raises(ValueError, match=r"cannot monitor \['no_such_call'\]"):
+        host.add_monitor(calls="no_such_call")
+
+
 def test_a_monitor_sees_arguments_given_by_keyword_in_order() -> None:
     host = scheduler_host(a=sched(hits=16))
     seen: list[tuple[Any, ...]] = []

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
+import kvconn
 from kvconn import (
     ConnectorContext,
     ConnectorHost,
@@ -302,3 +303,62 @@ def test_validate_reports_a_lazy_side_of_the_wrong_role_in_kv006() -> None:
     assert result.status == "failed"
     assert "Scheduler implements build_connector_meta (scheduler-side), " in result.message
     assert "never called on it: it is the worker side of LazyWrongSide" in result.message
+
+
+class SkipsBaseInit(Sided):
+    """Its own __init__ never calls KVConnector's, so no side is ever built."""
+
+    def __init__(self, config: SidesConfig | None = None, *, role: Any, context: Any = None) -> None:
+        self.config = config
+
+
+@pytest.mark.parametrize("role", ["scheduler", "worker"])
+def test_a_host_refuses_a_connector_whose_declared_side_was_never_built(role: str) -> None:
+    # Registered as its own hooks, it would have none for this role: every save and load silently skipped.
+    with pytest.raises(ConnectorLoadError, match=r"declares a .*_side but has no side built.*super\(\).__init__"):
+        ConnectorHost.from_names(f"{HERE}:SkipsBaseInit", role=role)
+
+
+def test_a_host_refuses_a_connector_built_for_the_other_role() -> None:
+    # The scheduler's side on a worker host would be the plugin: the worker hooks never run, silently.
+    connector = load_connector(f"{HERE}:Sided", role="scheduler")
+    with pytest.raises(ConnectorLoadError, match="was built for the scheduler role, not the worker role"):
+        ConnectorHost({"s": connector}, role="worker")
+
+
+class PlainWithSide:
+    """Not a KVConnector: nothing would ever build its declared side."""
+
+    api_version = "1.0"
+    worker_side = Worker
+
+    def __init__(self, config: Any = None, *, role: Any, context: Any = None) -> None:
+        self.role = role
+
+    @kvconn.hookimpl
+    def build_connector_meta(self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState) -> Sent:
+        return Sent()
+
+
+def test_a_side_on_a_class_that_is_not_a_kvconnector_is_refused() -> None:
+    # Loaded, it would run with no worker hooks at all: its declared side is built only by KVConnector.__init__.
+    with pytest.raises(ConnectorLoadError, match=r"PlainWithSide declares worker_side .* subclass kvconn.KVConnector"):
+        load_connector_class(f"{HERE}:PlainWithSide")
+    with pytest.raises(ConnectorLoadError, match=r"PlainWithSide declares worker_side .* subclass kvconn.KVConnector"):
+        ConnectorHost({"p": PlainWithSide(role="worker")}, role="worker")
+
+
+def test_a_lazy_side_whose_module_lacks_a_dependency_is_not_blamed_on_its_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The path is right (offload's worker side without torch, say): the error names the missing module, and does
+    # not send the author to fix the declaration.
+    (tmp_path / "kvconn_sides_needs_dep.py").write_text("import no_such_dependency_kvconn\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "kvconn_sides_needs_dep", raising=False)
+    with pytest.raises(ConnectorLoadError) as info:
+        _sided(worker_side="kvconn_sides_needs_dep:Worker")(role="worker")
+    message = str(info.value)
+    assert "failed to import module 'kvconn_sides_needs_dep'" in message
+    assert "No module named 'no_such_dependency_kvconn'" in message
+    assert "fix the" not in message

@@ -30,7 +30,7 @@ from ..context import ConnectorContext
 from ..errors import ConnectorConfigError, ConnectorLoadError, ConnectorNotFoundError
 from ..version import check_api_version
 from .manager import implemented_hooks
-from .sides import check_roles, declared_side, import_target
+from .sides import check_roles, declared_side, import_target, refuse_sides_off_kvconnector
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -151,6 +151,8 @@ def _not_found_message(name: str, installed: Mapping[str, ConnectorEntry]) -> st
 def _check_connector_class(obj: object, source: str) -> type:
     if not isinstance(obj, type):
         raise ConnectorLoadError(f"{source} is {type(obj).__name__} {obj!r}, not a connector class")
+    if not issubclass(obj, KVConnector):
+        refuse_sides_off_kvconnector(obj)
     has_sides = any(declared_side(obj, role.value) is not None for role in KVConnectorRole)
     if not has_sides and not implemented_hooks(obj):
         how = (

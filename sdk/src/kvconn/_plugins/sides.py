@@ -38,6 +38,7 @@ __all__ = [
     "check_roles",
     "declared_side",
     "import_target",
+    "refuse_sides_off_kvconnector",
     "side_class",
     "uncalled_hooks",
 ]
@@ -46,15 +47,19 @@ __all__ = [
 ROLE_HOOKS = {"scheduler": SCHEDULER_HOOKS, "worker": WORKER_HOOKS}
 
 
-def import_target(target: str, *, source: str) -> object:
+def import_target(target: str, *, source: str, path_hint: str = "") -> object:
     """The object a ``"package.module:Name"`` path names; every failure is a :class:`ConnectorLoadError`.
 
-    ``source`` says who asked (it starts the message). A plugin raising at
-    import, even ``SystemExit``, never takes the engine or the CLI down.
+    ``source`` says who asked (it starts the message); ``path_hint`` follows
+    it where the path itself is at fault (no colon, no such module, no such
+    name), not where the module it names failed on its own imports. A plugin
+    raising at import, even ``SystemExit``, never takes the engine or the CLI down.
     """
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
-        raise ConnectorLoadError(f"{source}: {target!r} is not a path: use the form 'package.module:ClassName'")
+        raise ConnectorLoadError(
+            f"{source}{path_hint}: {target!r} is not a path: use the form 'package.module:ClassName'"
+        )
     try:
         module = importlib.import_module(module_name)
     except SystemExit as exc:
@@ -64,13 +69,15 @@ def import_target(target: str, *, source: str) -> object:
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # a plugin raising BaseException must not take the engine or the CLI down
+        missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+        named = missing is not None and (module_name == missing or module_name.startswith(f"{missing}."))
         raise ConnectorLoadError(
-            f"{source} failed to import module {module_name!r}: {type(exc).__name__}: {exc}"
+            f"{source}{path_hint if named else ''} failed to import module {module_name!r}: {type(exc).__name__}: {exc}"
         ) from exc
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise ConnectorLoadError(f"{source}: module {module_name!r} has no attribute {attr!r}") from None
+        raise ConnectorLoadError(f"{source}{path_hint}: module {module_name!r} has no attribute {attr!r}") from None
 
 
 def declared_side(cls: type, role: str) -> type | str | None:
@@ -90,7 +97,7 @@ def side_class(cls: type, role: str) -> type | None:
         return None
     where = f"{cls.__qualname__}.{role}_side = {declared!r}"
     if isinstance(declared, str):
-        target = import_target(declared, source=f"{where} (fix the 'package.module:ClassName' path)")
+        target = import_target(declared, source=where, path_hint=" (fix the 'package.module:ClassName' path)")
     else:
         target = declared
     if not isinstance(target, type):
@@ -154,6 +161,21 @@ def check_roles(cls: type, *, by_name: bool) -> None:
         if uncalled:
             why = f"it serves only the {' and '.join(own)} role itself" if own else "it declares a side for each role"
             raise ConnectorLoadError(_uncalled_message(klass, uncalled, why))
+
+
+def refuse_sides_off_kvconnector(cls: type) -> None:
+    """Reject a plugin class that is not a ``KVConnector`` but declares a side: nothing would build it.
+
+    Only ``KVConnector.__init__`` builds a side, so such a class would run
+    with no hooks for that role at all (no save, no load, no error).
+    """
+    for role in ROLE_HOOKS:
+        declared = declared_side(cls, role)
+        if declared is not None:
+            raise ConnectorLoadError(
+                f"{cls.__qualname__} declares {role}_side = {declared!r} but only a KVConnector builds its sides: "
+                "subclass kvconn.KVConnector, or put the hooks on the class itself with @kvconn.hookimpl"
+            )
 
 
 def _roles(cls: type) -> frozenset[str]:

@@ -19,6 +19,8 @@ from .connector_host import (
     CallOutcome,
     ConnectorHost,
     LoadPlan,
+    MonitorAfter,
+    MonitorBefore,
     OnError,
     StepUpdate,
 )
@@ -33,6 +35,8 @@ __all__ = [
     "CallOutcome",
     "ConnectorHost",
     "LoadPlan",
+    "MonitorAfter",
+    "MonitorBefore",
     "OnError",
     "StepUpdate",
 ]

@@ -44,8 +44,9 @@ import pluggy
 
 from .._plugins.manager import KVConnPluginManager
 from .._plugins.registry import connector_roles, instantiate_connector, load_connector_class
+from .._plugins.sides import declared_side, refuse_sides_off_kvconnector
 from ..block_state import BlockIds, KVConnectorBlockState, block_ids_in_range
-from ..connector import KVConnectorRole
+from ..connector import KVConnector, KVConnectorRole
 from ..context import ConnectorContext
 from ..errors import ConnectorConfigError, ConnectorError, ConnectorLoadError
 from ..hookspecs import SCHEDULER_HOOKS, WORKER_HOOKS
@@ -335,6 +336,7 @@ class ConnectorHost:
     def _register(self, name: str, connector: object) -> None:
         if name in self.connectors:
             raise ConnectorLoadError(f"connector {name!r} is given twice: each connector needs a distinct name")
+        self._check_side(name, connector)
         try:
             self._pm.register_connector(connector, name=name)  # its side for this role, if it declares one
             self._pm.check_pending()
@@ -342,6 +344,32 @@ class ConnectorHost:
             raise ConnectorLoadError(f"connector {name!r} has an invalid hook implementation: {exc}") from exc
         self.connectors[name] = connector
         self.metadata_types[name] = getattr(connector, "Metadata", KVConnectorMetadata)
+
+    def _check_side(self, name: str, connector: object) -> None:
+        """Refuse a connector with sides whose registered object would not be its side for this host's role.
+
+        Its hooks live on its sides, so registering anything else (the side of
+        the other role, or the bare connector) would leave this role without
+        hooks: every save and load silently skipped.
+        """
+        cls, role = type(connector), self.role.value
+        if not isinstance(connector, KVConnector):
+            refuse_sides_off_kvconnector(cls)
+            return
+        if all(declared_side(cls, r.value) is None for r in KVConnectorRole):
+            return  # a connector that is its own hooks serves either role
+        built_for = getattr(connector, "role", None)
+        if built_for is not None and built_for != self.role:  # a str enum: "worker" (a str) is the worker role
+            built = getattr(built_for, "value", built_for)
+            raise ConnectorLoadError(
+                f"connector {name!r} ({cls.__qualname__}) was built for the {built} role, not the {role} role of "
+                "this host: its hooks are on the side of its role; build one instance per role"
+            )
+        if declared_side(cls, role) is not None and getattr(connector, "side", None) is None:
+            raise ConnectorLoadError(
+                f"connector {name!r}: {cls.__qualname__} declares a {role}_side but has no side built: its "
+                "__init__ must call super().__init__(config, role=role, context=context), which builds it"
+            )
 
     @property
     def names(self) -> list[str]:
@@ -373,7 +401,7 @@ class ConnectorHost:
         before: MonitorBefore | None = None,
         after: MonitorAfter | None = None,
         *,
-        calls: Iterable[str] | None = None,
+        calls: str | Iterable[str] | None = None,
     ) -> Callable[[], None]:
         """Call ``before`` and ``after`` around each of the host's ``calls`` (default: :data:`MONITORED_CALLS`).
 
@@ -383,13 +411,15 @@ class ConnectorHost:
         call that raised (its exception is re-raised once the monitors ran).
         With several monitors the ``before`` callbacks run in the order the
         monitors were added and the ``after`` ones in reverse (the first added
-        is the outermost). Returns the undo: it removes this monitor.
+        is the outermost; a ``before`` that raises ends the call for the
+        monitors outside it, whose ``after`` sees its exception). Returns the
+        undo: it removes this monitor.
 
         A call no monitor watches costs nothing: only while one is installed
         does the instance hold a wrapper that shadows the method, as pluggy
         swaps its hook executor.
         """
-        names = frozenset(MONITORED_CALLS if calls is None else calls)
+        names = frozenset(MONITORED_CALLS if calls is None else (calls,) if isinstance(calls, str) else calls)
         unknown = sorted(names - set(MONITORED_CALLS))
         if unknown:
             raise ValueError(f"cannot monitor {unknown}: the host's monitored calls are {list(MONITORED_CALLS)}")
@@ -415,24 +445,29 @@ class ConnectorHost:
 
     def _monitored(self, call: str, monitors: list[_Monitor]) -> Callable[..., Any]:
         method = getattr(type(self), call).__get__(self)
-        befores = [m.before for m in monitors if m.before is not None]
-        afters = [m.after for m in reversed(monitors) if m.after is not None]
+        # (position, callback): the monitors nest, so a before that raises ends the call for those outside it
+        befores = [(i, m.before) for i, m in enumerate(monitors) if m.before is not None]
+        afters = [(i, m.after) for i, m in reversed(list(enumerate(monitors))) if m.after is not None]
+        everyone = len(monitors)
 
         @functools.wraps(method)
         def monitored(*args: Any, **kwargs: Any) -> Any:
             if kwargs:  # monitors see the arguments positionally, in the method's order
                 args = inspect.signature(method).bind(*args, **kwargs).args
-            for before in befores:
-                before(call, args)
             outcome = CallOutcome()
+            entered = everyone  # the monitors before this position saw the call begin
             try:
+                for entered, before in befores:  # noqa: B007  (read in the except clause)
+                    before(call, args)
+                entered = everyone
                 outcome.result = method(*args)
             except BaseException as exc:
                 outcome.exception = exc
-                for after in afters:
-                    after(call, args, outcome)
+                for i, after in afters:
+                    if i < entered:
+                        after(call, args, outcome)
                 raise
-            for after in afters:
+            for _, after in afters:
                 after(call, args, outcome)
             return outcome.result
 
