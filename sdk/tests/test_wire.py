@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 import msgspec
 import pytest
 
-from kvconn import KVConnectorMetadata, ModelRunnerOutput, WireError
+from kvconn import KVConnectorBlockState, KVConnectorMetadata, ModelRunnerOutput, WireError
 from kvconn.host.wire import (
     decode_model_runner_output,
     decode_scheduler_output,
@@ -67,6 +69,39 @@ def test_metadata_that_is_not_plain_data_is_refused_with_the_connector_named(val
     with pytest.raises(WireError, match=f"connector 'leaky'.*{expected}") as err:
         encode_metadata("leaky", Leaky(thing=value))
     assert err.value.connector == "leaky"
+
+
+class ReadOnlyList(Sequence[int]):
+    """A read-only view such as an engine adapter hands out instead of its own list."""
+
+    def __init__(self, items: list[int]) -> None:
+        self._items = items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._items[index]
+
+
+class Views(KVConnectorMetadata):
+    ids: list[int]
+    tokens: dict[str, int]
+
+
+def test_read_only_views_kept_in_metadata_go_as_the_lists_and_dicts_they_show() -> None:
+    built = Views(ids=ReadOnlyList([3, 1, 2]), tokens=MappingProxyType({"a": 16}))  # type: ignore[arg-type]
+    decoded = msgspec.msgpack.decode(encode_metadata("views", built), type=Views)
+    assert decoded == Views(ids=[3, 1, 2], tokens={"a": 16})
+
+
+def test_the_block_states_legacy_mapping_never_travels() -> None:
+    class Leaky(KVConnectorMetadata):
+        tables: Any = None
+
+    state = KVConnectorBlockState({"a"}, lambda req_id: ([1],))
+    with pytest.warns(DeprecationWarning), pytest.raises(WireError, match="connector 'leaky'"):
+        encode_metadata("leaky", Leaky(tables=state.block_ids))
 
 
 def test_corrupt_or_truncated_bytes_are_a_wire_error() -> None:

@@ -119,3 +119,23 @@ class TablesConnector(kvconn.KVConnector):
     ) -> TablesMetadata:
         tables = {r: block_state.get_block_ids(r) for r in scheduler_output.num_scheduled_tokens}
         return TablesMetadata(tables={r: t for r, t in tables.items() if t is not None})
+
+
+class FieldsMetadata(KVConnectorMetadata):
+    cached_req_ids: list[str] = msgspec.field(default_factory=list)
+    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class FieldsConnector(kvconn.KVConnector):
+    """Keeps scheduler-output fields in its metadata as they are handed out (under vLLM: read-only views)."""
+
+    Metadata = FieldsMetadata
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> FieldsMetadata:
+        cached = scheduler_output.scheduled_cached_reqs
+        return FieldsMetadata(
+            cached_req_ids=cached.req_ids,  # type: ignore[arg-type]
+            num_computed_tokens=cached.num_computed_tokens,  # type: ignore[arg-type]
+            num_scheduled_tokens=scheduler_output.num_scheduled_tokens,  # type: ignore[arg-type]
+        )

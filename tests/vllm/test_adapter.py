@@ -132,6 +132,26 @@ def test_workers_decode_only_metadata_a_hook_reads_and_send_no_report_without_ne
     assert reports == [None] * len(loop.outputs) and scheduler.connector.host.degraded_events == 0
 
 
+def test_metadata_that_keeps_the_read_only_views_arrives_as_the_lists_vllm_scheduled(test_connectors: str) -> None:
+    """Views kept as they are in metadata encode like the lists the reference engine hands out."""
+    from kvconn_test_connectors import FieldsMetadata
+
+    name = f"{test_connectors}:FieldsConnector"
+    scheduler = make_scheduler(name)
+    for i in range(2):
+        scheduler.add_request(make_request(f"r{i}", PROMPT_47, max_tokens=3))
+    loop = VllmLoop(scheduler)
+    loop.run()
+    assert scheduler.connector.host.degraded_events == 0
+    for output in loop.outputs:
+        sent = msgspec.msgpack.decode(output.kv_connector_metadata.connectors[name], type=FieldsMetadata)
+        cached = output.scheduled_cached_reqs
+        assert sent == FieldsMetadata(
+            list(cached.req_ids), list(cached.num_computed_tokens), dict(output.num_scheduled_tokens)
+        )
+    assert any(output.scheduled_cached_reqs.req_ids for output in loop.outputs)
+
+
 def test_a_free_a_worker_never_reports_is_released_even_when_no_step_runs_a_forward(test_connectors: str) -> None:
     """The host's stall bound needs a report every step while it waits, though workers skip empty reports."""
     scheduler = make_scheduler(f"{test_connectors}:HandoffConnector", {"send_steps": 10**6}, on_error="degrade")

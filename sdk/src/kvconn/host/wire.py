@@ -9,8 +9,9 @@ that is not plain data is refused at encode time, with the fix in the message.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import cache
+from types import MappingProxyType
 from typing import Any
 
 import msgspec
@@ -50,9 +51,21 @@ _FIELD_NAMES = [f.name for f in _FIELDS]
 
 
 def enc_hook(obj: Any) -> Any:
-    """msgspec ``enc_hook`` that explains why an object cannot go to a worker."""
+    """msgspec ``enc_hook``: read-only views of engine data go as lists and dicts; anything else is explained.
+
+    Engines may hand connectors read-only views instead of lists (the vLLM
+    adapter's ``ListView`` over vLLM's own lists, a ``MappingProxyType`` for
+    ``num_scheduled_tokens``), so metadata that keeps one of them as it is
+    encodes to what it shows, exactly as a list or dict would under the
+    reference engine. Other mappings are not accepted: the block state's legacy
+    ``block_ids`` view must never travel.
+    """
     if isinstance(obj, KVConnectorBlockState):
         raise KVConnectorBlockState.serialization_error()
+    if isinstance(obj, MappingProxyType):
+        return dict(obj)
+    if isinstance(obj, Sequence):  # str, bytes and lists never get here: msgspec encodes them itself
+        return list(obj)
     what = getattr(obj, "__qualname__", type(obj).__qualname__)
     kind = "a callable" if callable(obj) else f"a {type(obj).__qualname__}"
     raise TypeError(
