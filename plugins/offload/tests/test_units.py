@@ -109,6 +109,25 @@ def test_finished_request_keeps_its_blocks_until_its_store_is_done() -> None:
     assert sched.get_num_new_matched_tokens(Request("c", list(range(100, 140)), 4, 16), 0) == (32, True)
 
 
+def test_blocks_a_load_found_stale_are_no_longer_offered() -> None:
+    """A store the worker dropped (the engine broke the step order) is forgotten once a load finds it missing."""
+    sched = load_connector("offload", role="scheduler", config={"pool_blocks": 8}).side
+    prompt = list(range(100, 140))
+    writer = Request("a", prompt, 4, 16)
+    sched.update_state_after_alloc(writer, ([3, 5, 9],), 0)
+    sched.build_connector_meta(*_step(writer, 0, 40, ([3, 5, 9],)))  # store job 1: blocks 0 and 1
+    sched.update_connector_output(KVConnectorOutput(stats={STORES_DONE_STAT: 1}))  # done, but nothing was kept
+    reader = Request("c", prompt, 4, 16)
+    assert sched.get_num_new_matched_tokens(reader, 0) == (32, True)
+    sched.update_state_after_alloc(reader, ([7, 8, 2],), 32)
+    meta = sched.build_connector_meta(*_step(reader, 32, 8, ([7, 8, 2],)))
+    assert meta.block_ids_by_request() == {"c": ([7, 8],)}
+    sched.update_connector_output(KVConnectorOutput(invalid_block_ids={7}))  # the worker found block 0's slot stale
+    assert sched.get_num_new_matched_tokens(Request("d", prompt, 4, 16), 0) == (32, True)  # still pinned by "c"
+    sched.update_connector_output(KVConnectorOutput(finished_recving={"c"}))
+    assert sched.get_num_new_matched_tokens(Request("d", prompt, 4, 16), 0) == (0, False)  # recomputed, saved again
+
+
 def _worker_with_caches() -> tuple[Any, dict[str, torch.Tensor]]:
     worker = load_connector("offload", role="worker", config={"pool_blocks": 4}).side
     gen = torch.Generator().manual_seed(0)

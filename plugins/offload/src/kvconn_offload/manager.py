@@ -97,6 +97,14 @@ class OffloadManager:
                 del self._entries[key]
                 heapq.heappush(self._free, entry.slot)
 
+    def forget(self, keys: Iterable[bytes]) -> None:
+        """Drop ready ``keys`` whose slots turned out not to hold them; a key another load still pins stays."""
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None and entry.ready and entry.pins == 0:
+                del self._entries[key]
+                heapq.heappush(self._free, entry.slot)
+
     def prepare_load(self, keys: Iterable[bytes]) -> None:
         """Pin ready entries a load is about to read (never evicted until ``complete_load``)."""
         for key in keys:

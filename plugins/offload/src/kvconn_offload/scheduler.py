@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from kvconn import (
     BlockIds,
@@ -46,6 +47,17 @@ STORES_DONE_STAT = "_stores_done"
 POOL_SLOTS_STAT = "_pool_slots"
 
 
+@dataclass
+class _InFlight:
+    """A load the worker runs: the keys it pinned, the key each device block reads, and keys found stale."""
+
+    keys: list[bytes] = field(default_factory=list)
+    key_of_block: dict[int, bytes] = field(default_factory=dict)
+    #: keys whose slot did not hold them when the worker read it (a store the worker dropped): forgotten once
+    #: the load ends, so later lookups stop offering them
+    stale: set[bytes] = field(default_factory=set)
+
+
 class OffloadScheduler:
     """The scheduler side of ``offload``: the pool index, and the copies each step plans."""
 
@@ -57,7 +69,7 @@ class OffloadScheduler:
         slots = config.num_slots
         self.manager: OffloadManager | None = OffloadManager(slots, policy=self.policy) if slots else None
         self._requests: dict[str, ConnectorRequest] = {}
-        self._loads: dict[str, list[bytes]] = {}  # in flight: pinned keys
+        self._loads: dict[str, _InFlight] = {}
         self._new_loads: list[BlockTransfer] = []
         self._store_jobs: deque[tuple[int, list[bytes]]] = deque()
         self._next_seq = 1
@@ -116,11 +128,13 @@ class OffloadScheduler:
         keys = self._keys(request, 0, -(-end // m))
         used = keys[first // m :]
         transfer = BlockTransfer(request.request_id, [[] for _ in block_ids], [[] for _ in block_ids])
+        load = _InFlight()
         for i, g, device in iter_block_ids(block_ids, first, end):
             entry = self.manager.get(keys[i // m]) if i // m < len(keys) else None
             if entry is None or not entry.ready or not entry.valid[g] >> (i % m) & 1:
                 transfer.failed_blocks.append(device)
                 continue
+            load.key_of_block[device] = keys[i // m]
             transfer.device_blocks[g].append(device)
             transfer.host_blocks[g].append(entry.slot * m + i % m)
         present = [(key, entry) for key in used if (entry := self.manager.get(key)) is not None]
@@ -128,7 +142,8 @@ class OffloadScheduler:
         transfer.slots = [entry.slot for _, entry in present]
         self.manager.prepare_load(transfer.keys)
         self.manager.touch(keys)
-        self._loads[request.request_id] = transfer.keys
+        load.keys = transfer.keys
+        self._loads[request.request_id] = load
         self._new_loads.append(transfer)
 
     # ------------------------------------------------------------------ store
@@ -201,11 +216,16 @@ class OffloadScheduler:
             _, keys = self._store_jobs.popleft()
             if self.manager is not None:
                 self.manager.complete_store(keys)
+        for load in self._loads.values():  # a block the worker could not load: its slot lost what we think it holds
+            load.stale.update(
+                load.key_of_block[b] for b in connector_output.invalid_block_ids & load.key_of_block.keys()
+            )
         finished = set(self._loads) if connector_output.failed else connector_output.finished_recving
         for req_id in finished & self._loads.keys():
-            keys = self._loads.pop(req_id)
+            load = self._loads.pop(req_id)
             if self.manager is not None:
-                self.manager.complete_load(keys)
+                self.manager.complete_load(load.keys)
+                self.manager.forget(load.stale)
         for req_id in connector_output.finished_sending:
             self._delayed.discard(req_id)
 
