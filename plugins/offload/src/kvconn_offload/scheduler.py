@@ -216,10 +216,9 @@ class OffloadScheduler:
             _, keys = self._store_jobs.popleft()
             if self.manager is not None:
                 self.manager.complete_store(keys)
-        for load in self._loads.values():  # a block the worker could not load: its slot lost what we think it holds
-            load.stale.update(
-                load.key_of_block[b] for b in connector_output.invalid_block_ids & load.key_of_block.keys()
-            )
+        if invalid := connector_output.invalid_block_ids:  # blocks the worker could not load: stale slots
+            for load in self._loads.values():
+                load.stale.update(load.key_of_block[b] for b in invalid & load.key_of_block.keys())
         finished = set(self._loads) if connector_output.failed else connector_output.finished_recving
         for req_id in finished & self._loads.keys():
             load = self._loads.pop(req_id)

@@ -18,7 +18,7 @@ import pluggy
 
 from .. import hookspecs
 from ..connector import KVConnector
-from .markers import PROJECT_NAME
+from .markers import PROJECT_NAME, implements
 
 __all__ = ["HOOK_NAMES", "KVConnPluginManager", "hook_object", "implemented_hooks"]
 
@@ -72,8 +72,5 @@ def implemented_hooks(cls: type, *, by_name: bool | None = None) -> list[str]:
     ``by_name``: every method named after a hook counts, as on a side class;
     by default only on a :class:`KVConnector` subclass (others need ``@hookimpl``).
     """
-    marker = f"{PROJECT_NAME}_impl"
     named = issubclass(cls, KVConnector) if by_name is None else by_name
-    return sorted(
-        name for name in HOOK_NAMES if callable(attr := getattr(cls, name, None)) and (named or hasattr(attr, marker))
-    )
+    return sorted(name for name in HOOK_NAMES if implements(cls, name, by_name=named))

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..errors import ConnectorLoadError
 from ..hookspecs import SCHEDULER_HOOKS, WORKER_HOOKS
-from .markers import PROJECT_NAME
+from .markers import implements
 
 __all__ = [
     "ROLE_HOOKS",
@@ -125,13 +125,10 @@ def uncalled_hooks(cls: type, roles: Iterable[str], *, by_name: bool, own: bool 
     written in ``cls``'s own body.
     """
     called = frozenset().union(*(ROLE_HOOKS[r] for r in roles))
-    marker = f"{PROJECT_NAME}_impl"
     return sorted(
         name
         for name in (SCHEDULER_HOOKS | WORKER_HOOKS) - called
-        if (not own or name in vars(cls))
-        and callable(attr := getattr(cls, name, None))
-        and (by_name or hasattr(attr, marker))
+        if (not own or name in vars(cls)) and implements(cls, name, by_name=by_name)
     )
 
 

@@ -383,7 +383,11 @@ class ConnectorHost:
         that leaves out empty worker reports must still deliver one every step
         while this holds.
         """
-        return bool(self._sending) or any(self._loads.values()) or any(self._abandoned.values())
+        return bool(self._sending) or any(map(self._in_flight, self.connectors))
+
+    def _in_flight(self, name: str) -> bool:
+        """Whether connector ``name`` has a load (or an abandoned one) its workers have still to report."""
+        return bool(self._loads[name] or self._abandoned[name])
 
     def implementers(self, hook: str) -> list[str]:
         """The connectors implementing ``hook``, in order: an engine need not prepare what no connector reads."""
@@ -706,7 +710,7 @@ class ConnectorHost:
         self._notify("update_connector_output", lambda name: (outputs.get(name, empty),))
         for name in self.connectors:
             out = outputs.get(name, empty)
-            if out.is_empty() and not (self._loads[name] or self._abandoned[name] or self._sending):
+            if out.is_empty() and not (self._sending or self._in_flight(name)):
                 continue  # nothing in flight, nothing reported: the usual step of a connector
             update.stats.update(out.stats)
             failed = out.failed or not self._report_ok(name, out)

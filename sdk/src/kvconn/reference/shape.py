@@ -20,7 +20,15 @@ __all__ = ["MAX_NUM_BLOCKS", "EngineShape"]
 #: so a pool far larger only exhausts memory slowly instead of failing at once.
 MAX_NUM_BLOCKS = 1 << 22
 
-_POSITIVE = ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_kv_heads")
+_POSITIVE = (
+    "block_size",
+    "num_blocks",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "num_kv_heads",
+    "head_dim",
+)
 
 
 class EngineShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -50,7 +58,7 @@ class EngineShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     head_dim: int = 8
 
     def __post_init__(self) -> None:
-        for name in (*_POSITIVE, "head_dim"):
+        for name in _POSITIVE:
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineShape {name} must be >= 1, got {getattr(self, name)}")
         if self.num_blocks > MAX_NUM_BLOCKS:
@@ -77,7 +85,7 @@ class EngineShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 f"unknown engine shape option(s) {unknown}: the fields of EngineShape are "
                 f"{', '.join(cls.__struct_fields__)}"
             )
-        fields = {name: getattr(base, name) for name in cls.__struct_fields__} if base is not None else {}
+        fields = msgspec.structs.asdict(base) if base is not None else {}
         try:
             return msgspec.convert({**fields, **options}, cls)
         except msgspec.ValidationError as exc:
