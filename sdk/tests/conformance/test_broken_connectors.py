@@ -7,24 +7,39 @@ each changes one thing in a correct connector. A correct saver/loader
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 import pytest
+from kvconn_conformance_fixtures import broken
 
-from kvconn.testing.conformance import ConnectorReport, list_checks, run_conformance
+from kvconn.testing.conformance import ConnectorReport, Session, list_checks, run_conformance
 from kvconn.testing.conformance.catalog import get_check
+from kvconn.testing.conformance.checks.data import all_runs
 from kvconn.testing.conformance.results import NOT_RUN
 from kvconn.testing.conformance.session import METADATA_FIX
 
 BROKEN = "kvconn_conformance_fixtures.broken:"
+BROKEN_FILE = inspect.getsourcefile(broken)
+INDEXES_LIVE_BLOCKS_LINE = inspect.getsourcelines(broken.IndexesLiveBlocks.transfers)[1] + 5
+_COUNT = itertools.count()
 STORE = "kvconn.testing.memory_connector:MemoryConnector"
 
 
 def _failed(report: ConnectorReport) -> dict[str, str]:
     assert report.load_error is None, report.load_error
     return {r.id: r.message for r in report.results if r.status == "failed"}
+
+
+#: Connectors whose failure's fix is the one for the mechanism observed, not the check's own.
+SPECIFIC_FIXES = {
+    "NeverReleases": "report 'r0', 'r1', 'r2' in get_finished's finished_sending (once) as soon as the save that "
+    "made request_finished return True no longer reads its blocks; return False from request_finished when no save "
+    "of the request is pending",
+}
 
 
 @pytest.mark.parametrize(
@@ -77,7 +92,80 @@ def test_broken_connector_fails_its_check(connector: str, check_id: str, observe
     assert check_id in failed, f"{connector} passed {check_id}"
     message = failed[check_id]
     assert observed in message
-    assert message.startswith("observed ") and f"; fix: {check.fix}" in message
+    assert message.startswith("observed ") and message.endswith(f"; fix: {SPECIFIC_FIXES.get(connector, check.fix)}")
+
+
+@pytest.mark.parametrize(
+    ("connector", "observed", "fix"),
+    [
+        ("MisspeltSaveOverride", "MisspeltSaveOverride.save_kv_layers is not a hook and is never called: it "
+         "misspells save_kv_layer, so the MemoryConnector.save_kv_layer it inherits keeps running in its place",
+         "rename MisspeltSaveOverride.save_kv_layers to save_kv_layer so that it overrides "
+         "MemoryConnector.save_kv_layer"),
+        ("MisspeltFinishOverride", "MisspeltFinishOverride.request_finish is not a hook and is never called: it "
+         "misspells request_finished, so the MemoryConnector.request_finished it inherits keeps running",
+         "rename MisspeltFinishOverride.request_finish to request_finished"),
+        ("DisabledInheritedHook", "DisabledInheritedHook.get_block_ids_with_load_errors = None is not callable: "
+         "the MemoryConnector.get_block_ids_with_load_errors it inherits is never called",
+         "define get_block_ids_with_load_errors as a method, or delete the assignment in DisabledInheritedHook"),
+    ],
+)  # fmt: skip
+def test_a_subclass_misnaming_or_disabling_an_inherited_hook_fails_hook_names(
+    connector: str, observed: str, fix: str
+) -> None:
+    """The first failure is KV006, naming the inherited hook that runs (or never runs) instead."""
+    with _quiet():
+        report = run_conformance(BROKEN + connector)
+    first = next(r for r in report.results if r.status == "failed")
+    assert first.id == "KV006"
+    observed_part, fix_part = first.message.split("; fix: ")
+    assert observed in observed_part and fix in fix_part
+
+
+@pytest.mark.parametrize(
+    ("connector", "observed", "fix"),
+    [
+        ("NeverReportsSave", "request 'r0' waits for finished_sending since step 33, when request_finished returned "
+         "True for it (a delayed free): its blocks stay held until finished_sending reports it, and get_finished "
+         "never reported it (and 2 more the same way: 'r1', 'r2')",
+         "report 'r0', 'r1', 'r2' in get_finished's finished_sending (once)"),
+        ("NeverReportsLoad", "scenario 'preemption', step 98: nothing could be scheduled for 64 steps: request 'r3' "
+         "waits for finished_recving since step 34, when get_num_new_matched_tokens returned (48, True) for it (an "
+         "async load): it cannot be scheduled until finished_recving reports it, and get_finished never reported it",
+         "report 'r3' in get_finished's finished_recving (once) when the async load started for it"),
+        ("IndexesLiveBlocks", "in build_connector_meta: IndexError: list index out of range, at "
+         f"{BROKEN_FILE}:{INDEXES_LIVE_BLOCKS_LINE} in transfers: out.append(Transfer(request.request_id, group, "
+         "live[i], request.block_hashes[i], i - blocks.start)); that step: the table of 'r0' holds null blocks "
+         "(sliding window) at group 1 positions 0-1",
+         f"make build_connector_meta ({BROKEN_FILE}:{INDEXES_LIVE_BLOCKS_LINE}) cope with what that step had: the "
+         "table of 'r0' holds null blocks (sliding window) at group 1 positions 0-1"),
+        ("LoadsOneSlotOff", "in scenario 'preemption', step 34: a load (metadata.loads[0]) pairs block 13 with the "
+         "hash of block 0 of r3, but block 13 is at position 1 of its live table ([7, 13, 9, 2],): the bytes saved "
+         "for block 0 are written into the block at position 1, 1 position later",
+         "in the load, pair the hash of block i with the block id at position i of the table (block_ids[group][i]): "
+         "the load takes its block ids 1 position later than their hashes; look for a '+ 1'"),
+    ],
+)  # fmt: skip
+def test_the_first_failure_names_the_mechanism_and_its_fix(connector: str, observed: str, fix: str) -> None:
+    """A request that never progresses names the request, the report awaited and the answer that started the wait;
+    a hook that raises shows the connector's own frame and what the step had."""
+    with _quiet():
+        report = run_conformance(BROKEN + connector, config_factory=_fresh_namespaces())
+    first = next(r for r in report.results if r.status == "failed")
+    observed_part, fix_part = first.message.split("; fix: ")
+    assert observed in observed_part and fix_part.startswith(fix)
+
+
+def test_two_async_loads_of_a_resumed_request_are_reported_once_each() -> None:
+    """vLLM waits for one finished_recving per async load (each puts the request in WAITING_FOR_REMOTE_KVS):
+    a request preempted and resumed while its prefix is in the store loads, and is reported, twice."""
+    session = Session(STORE, config_factory=lambda run: {"store": f"{run}-{next(_COUNT)}", "load_async": True})
+    with _quiet():
+        result = session.run(get_check("KV031"))
+    assert result.status == "passed", result.message
+    reports = Counter(r for run in all_runs(session) for rec in run.records if rec.connector_output
+                      for r in rec.connector_output.finished_recving)  # fmt: skip
+    assert max(reports.values()) >= 2
 
 
 @pytest.mark.parametrize(

@@ -22,13 +22,14 @@ import decimal
 import enum
 import uuid
 from collections.abc import Collection, Mapping, Sequence
+from typing import NamedTuple
 
 import msgspec
 
 from ...block_state import KVConnectorBlockState
 from ...outputs import SchedulerOutput
 
-__all__ = ["BlockRefs", "INTROSPECTION_METHOD", "block_refs", "hashed_blocks", "non_plain_data"]
+__all__ = ["BlockRefs", "INTROSPECTION_METHOD", "HashedBlock", "block_refs", "hashed_blocks", "non_plain_data"]
 
 INTROSPECTION_METHOD = "block_ids_by_request"
 
@@ -111,19 +112,29 @@ class _Walker:
                 self.walk(item, owner, name, seen)
 
 
-def hashed_blocks(metadata: object, requests: Collection[str]) -> list[tuple[str, int, bytes]]:
-    """``(request, block id, block hash)`` for each Struct in ``metadata`` that pairs a block id with a hash.
+class HashedBlock(NamedTuple):
+    """A Struct of the metadata pairing a request's block id with a block hash; ``path`` is where it sits
+    (``metadata.loads[2]``): its field names say whether it is a load or a save."""
+
+    req_id: str
+    block_id: int
+    block_hash: bytes
+    path: str
+
+
+def hashed_blocks(metadata: object, requests: Collection[str]) -> list[HashedBlock]:
+    """Each Struct in ``metadata`` that pairs a block id with a hash.
 
     A Struct pairs them when it names a request (a string field equal to its
     id), has exactly one int field named for a block id and exactly one
     ``bytes`` field: a transfer of that block, keyed by that hash.
     """
-    found: list[tuple[str, int, bytes]] = []
-    _find_hashed(metadata, set(requests), found, set())
+    found: list[HashedBlock] = []
+    _find_hashed(metadata, set(requests), found, set(), "metadata")
     return found
 
 
-def _find_hashed(obj: object, requests: set[str], found: list[tuple[str, int, bytes]], seen: set[int]) -> None:
+def _find_hashed(obj: object, requests: set[str], found: list[HashedBlock], seen: set[int], path: str) -> None:
     if id(obj) in seen or isinstance(obj, (str, bytes, int, float, type(None))):
         return
     seen.add(id(obj))
@@ -137,16 +148,16 @@ def _find_hashed(obj: object, requests: set[str], found: list[tuple[str, int, by
         ]
         hashes = [v for _, v in fields if isinstance(v, bytes)]
         if len(owner) == 1 and len(ids) == 1 and len(hashes) == 1:
-            found.append((owner[0], ids[0], hashes[0]))
-        values: list[object] = [v for _, v in fields]
+            found.append(HashedBlock(owner[0], ids[0], hashes[0], path))
+        values: list[tuple[str, object]] = [(f"{path}.{f}", v) for f, v in fields]
     elif isinstance(obj, Mapping):
-        values = list(obj.values())
+        values = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
     elif isinstance(obj, (list, tuple, set, frozenset)):
-        values = list(obj)
+        values = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
     else:
         return
-    for value in values:
-        _find_hashed(value, requests, found, seen)
+    for where, value in values:
+        _find_hashed(value, requests, found, seen, where)
 
 
 def non_plain_data(metadata: object) -> list[str]:

@@ -22,6 +22,7 @@ from ...reference.engine import Engine
 from ...reference.request import Request
 from ...reference.stats import EngineStats
 from ..utils import assert_scheduler_empty
+from .diagnose import Awaited
 from .driver import DriverSpec, HandedTable, StepRecord, freeze, mutated_tables, observe_block_state, tracked_by_role
 
 __all__ = ["ReferenceDriver"]
@@ -95,7 +96,8 @@ class ReferenceDriver:
         self._fail_first_load = fail_first_load
         self._victim: _Victim | None = None
         self._handed: list[HandedTable] = []
-        self._awaiting: dict[str, set[str]] = {kind: set() for kind in _AWAITED}
+        #: per report kind, the requests the engine waits for: the step and the answer that started the wait
+        self._awaiting: dict[str, dict[str, tuple[int, str]]] = {kind: {} for kind in _AWAITED}
         self._reported: dict[str, set[str]] = {kind: set() for kind in _AWAITED}
         self._record: dict[str, Any] = {}  # this step's observations
         self._monitor()
@@ -156,7 +158,8 @@ class ReferenceDriver:
             )
         elif call == "request_finished":
             if outcome.result:
-                self._awaiting["finished_sending"].add(args[0].request_id)
+                answer = "request_finished returned True for it (a delayed free)"
+                self._awaiting["finished_sending"][args[0].request_id] = (self._step, answer)
         elif call == "update_state_after_alloc":
             self._after_alloc(*args, loading=outcome.result)
 
@@ -165,7 +168,8 @@ class ReferenceDriver:
             return
         self._record["loaded"][request.request_id] = plan.num_tokens
         if plan.load_async:
-            self._awaiting["finished_recving"].add(request.request_id)
+            answer = f"get_num_new_matched_tokens returned ({plan.num_tokens}, True) for it (an async load)"
+            self._awaiting["finished_recving"][request.request_id] = (self._step, answer)
         if self._fail_first_load and self._victim is None:
             last = (request.num_computed_tokens + plan.num_tokens) // self.block_size - 1
             blocks = [(g, t[last]) for g, t in enumerate(block_ids) if t[last] != NULL_BLOCK_ID]
@@ -204,7 +208,7 @@ class ReferenceDriver:
             awaiting, reported = self._awaiting[kind], self._reported[kind]
             for req_id in sorted(getattr(out, kind)):
                 if req_id in awaiting:
-                    awaiting.discard(req_id)
+                    del awaiting[req_id]
                     reported.add(req_id)
                 elif req_id in reported:
                     found.append(f"{kind} reported {req_id!r} a second time")
@@ -224,6 +228,43 @@ class ReferenceDriver:
             for group, block_id in victim.block_ids:
                 if groups[layer] == group:
                     self.worker.kv_caches[layer][block_id].fill_(_GARBAGE)
+
+    def awaited(self) -> list[Awaited]:
+        """The reports the engine still waits for, oldest first (see :func:`~.diagnose.stall`)."""
+        waits = [
+            Awaited(req_id, kind, step, answer)
+            for kind, awaiting in self._awaiting.items()
+            for req_id, (step, answer) in awaiting.items()
+        ]
+        return sorted(waits, key=lambda a: a.step)
+
+    def situation(self) -> list[str]:
+        """What the step in progress has that a connector may not cope with (see :func:`~.diagnose.diagnose_error`).
+
+        Tables holding null blocks (a sliding window dropped them), requests
+        resumed after preemption (a new table), requests that finished, and
+        the requests this step schedules.
+        """
+        kv = self.scheduler.kv_cache_manager
+        facts = []
+        for req_id, request in self.requests.items():
+            if not kv.has_request(req_id):
+                continue
+            nulls = [
+                f"group {g} positions {_span([i for i, b in enumerate(t) if b == NULL_BLOCK_ID])}"
+                for g, t in enumerate(kv.get_block_ids(req_id))
+                if NULL_BLOCK_ID in t
+            ]
+            if nulls:
+                facts.append(f"the table of {req_id!r} holds null blocks (sliding window) at {', '.join(nulls)}")
+            if request.num_preemptions and not request.is_finished:
+                facts.append(f"{req_id!r} was preempted and resumed with a new table")
+        out = self._record.get("output")
+        if out is not None:
+            if out.finished_req_ids:
+                facts.append(f"{sorted(out.finished_req_ids)} finished")
+            facts.append(f"scheduled {dict(sorted(out.num_scheduled_tokens.items()))} tokens")
+        return facts
 
     @property
     def injected_failure(self) -> bool:
@@ -291,3 +332,14 @@ class ReferenceDriver:
     @property
     def stats(self) -> EngineStats:
         return self.engine.stats
+
+
+def _span(positions: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    runs: list[list[int]] = []
+    for p in positions:
+        if runs and p == runs[-1][-1] + 1:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)

@@ -17,6 +17,7 @@ from typing import Any
 
 from ...context import KVCacheGroupSpec
 from ...reference.shape import EngineShape
+from .diagnose import Stalled, diagnose_error, stall
 from .driver import DriverFactory, DriverSpec, ScenarioUnsupported, SchedulerDriver, StepRecord
 
 __all__ = [
@@ -76,12 +77,14 @@ class Scenario:
 
 @dataclass
 class Trace:
-    """What a scenario showed. ``error`` is set when it stopped early (the connector raised)."""
+    """What a scenario showed. ``error`` is set when it stopped early (the connector raised, or the run stalled):
+    what was observed; ``fix`` then the fix for that mechanism, when the diagnosis knows one."""
 
     scenario: Scenario
     records: list[StepRecord] = field(default_factory=list)
     error: str | None = None
     exception: Exception | None = None
+    fix: str | None = None
     finished_calls: dict[str, int] = field(default_factory=dict)
     tracked: dict[str, int] = field(default_factory=dict)
     leak: str | None = None
@@ -89,6 +92,8 @@ class Trace:
     unsupported: str | None = None
     #: finished requests whose blocks were still held when the drain ended
     stuck: bool = False
+    #: who still waits for what when ``stuck`` (see :func:`~.diagnose.stall`)
+    stalled: Stalled | None = None
     block_size: int = 16
     num_blocks: int = 256
 
@@ -178,7 +183,8 @@ def run_scenario(factory: DriverFactory, scenario: Scenario, connector: str, con
         trace.unsupported = str(exc)
         return trace
     except Exception as exc:
-        trace.error = f"{trace.where()}: the engine could not be built: {type(exc).__name__}: {exc}"
+        built = f"the engine could not be built: {type(exc).__name__}: {exc}"
+        trace.error = f"the connector raised in {trace.where()}: {built}"
         trace.exception = exc
         return trace
     try:
@@ -190,7 +196,8 @@ def run_scenario(factory: DriverFactory, scenario: Scenario, connector: str, con
         except AssertionError as exc:
             trace.leak = str(exc)
     except Exception as exc:
-        trace.error = f"{trace.where()}, step {len(trace.records)}: {type(exc).__name__}: {exc}"
+        diagnosis = diagnose_error(exc, driver, f"{trace.where()}, step {len(trace.records)}", scenario.description)
+        trace.error, trace.fix = diagnosis.observed, diagnosis.fix
         trace.exception = exc
         trace.finished_calls = driver.finished_calls()
     finally:
@@ -217,14 +224,13 @@ def _play(driver: SchedulerDriver, scenario: Scenario, trace: Trace) -> None:
             # real time to finish before STALL_STEPS idle steps call it a stall.
             time.sleep(IDLE_STEP_S)
         if idle >= STALL_STEPS:
-            raise RuntimeError(
-                f"nothing could be scheduled for {STALL_STEPS} steps: the KV cache is full of blocks held for the "
-                "connector (a delayed free never reported in finished_sending?), or a load never finishes"
-            )
+            raise stall(driver, f"nothing could be scheduled for {STALL_STEPS} steps")
     else:
-        raise RuntimeError(f"requests still unfinished after {MAX_STEPS} steps (a load never reported finished?)")
+        raise stall(driver, f"requests still unfinished after {MAX_STEPS} steps")
     for _ in range(DRAIN_STEPS):
         if not driver.has_work():
             return
         trace.records.append(driver.step(withhold=scenario.withhold))
     trace.stuck = driver.has_work()
+    if trace.stuck:
+        trace.stalled = stall(driver, "after every request ended")

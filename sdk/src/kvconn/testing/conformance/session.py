@@ -146,7 +146,7 @@ class Session:
         traces = self.standard_traces()
         for trace in traces:
             if trace.error:
-                raise ScenarioBroken(f"the connector raised in {trace.error}", _fix_for(trace.exception))
+                raise ScenarioBroken(trace.error, _fix_for(trace.exception) or trace.fix)
         return traces
 
     def run(self, check: Check) -> CheckResult:

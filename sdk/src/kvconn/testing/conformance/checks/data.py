@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 from ....reference import Engine, EngineShape
 from ..catalog import IMPORTED, check
+from ..diagnose import Diagnosis, diagnose_error, stall
 from ..driver import DriverSpec, StepRecord
 from ..reference import ReferenceDriver
 from ..results import ScenarioBroken, Violation
@@ -137,8 +138,9 @@ class _Run:
         step: Callable[[], object],
         busy: Callable[[], bool],
         phase_done: Callable[[], None] = lambda: None,
+        stalled: Callable[[str], Exception] = RuntimeError,
     ):
-        self.add, self._step, self._busy, self._phase_done = add, step, busy, phase_done
+        self.add, self._step, self._busy, self._phase_done, self._stalled = add, step, busy, phase_done, stalled
 
     def finish(self) -> None:
         for _ in range(MAX_STEPS):
@@ -146,7 +148,7 @@ class _Run:
                 self._phase_done()
                 return
             self._step()
-        raise RuntimeError(f"requests still unfinished after {MAX_STEPS} steps (a load never reported finished?)")
+        raise self._stalled(f"requests still unfinished after {MAX_STEPS} steps")
 
 
 def _play(case: DataRun, run: _Run, generated: Callable[[str], list[int]], block_size: int) -> dict[str, list[int]]:
@@ -205,8 +207,8 @@ def data_run(
 ) -> DataResult:
     """``case`` through the reference engine with the connector, once per session; raises :class:`ScenarioBroken`."""
     result = session.memo(f"data:{case.name}", lambda: _with_connector(session, case, fail_first_load, lose_blocks))
-    if isinstance(result, str):
-        raise ScenarioBroken(result)
+    if isinstance(result, Diagnosis):
+        raise ScenarioBroken(result.observed, result.fix)
     return result
 
 
@@ -246,7 +248,7 @@ def all_runs(session: Session) -> list[Run]:
 
 def _with_connector(
     session: Session, case: DataRun, fail_first_load: bool, lose_blocks: bool = False
-) -> DataResult | str:
+) -> DataResult | Diagnosis:
     """Play ``case``; with ``lose_blocks`` the phases after the first run on an engine whose worker side has
     a fresh (empty) store while its scheduler side still sees the first phase's."""
     spec = DriverSpec(session.connector, session.config_for(case.name), _shape(case))
@@ -267,12 +269,18 @@ def _with_connector(
         phase[0] += 1
 
     try:
-        run = _Run(add, lambda: records.append(current().step()), lambda: current().has_work(), next_phase)
+        run = _Run(
+            add,
+            lambda: records.append(current().step()),
+            lambda: current().has_work(),
+            next_phase,
+            lambda what: stall(current(), what),
+        )
         try:
             tokens = _play(case, run, lambda r: owner[r].generated(r), spec.shape.block_size)
             return DataResult(tokens, drivers[-1], records)
         except Exception as exc:
-            return f"the connector raised in data run {case.name!r}: {type(exc).__name__}: {exc}"
+            return diagnose_error(exc, current(), f"data run {case.name!r}, step {len(records)}", case.name)
     finally:
         for driver in drivers:
             driver.close()

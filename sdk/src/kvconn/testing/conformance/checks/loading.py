@@ -177,14 +177,41 @@ def hook_names(session: Session) -> None:
 
 
 def _check_spelling(owner: type) -> None:
-    """A public method of ``owner`` (a connector or a side class) named almost like a hook is a misspelt hook."""
-    own = {name for klass in owner.__mro__ if klass not in (KVConnector, object) for name in vars(klass)}
+    """A public method of ``owner`` (a connector or a side class) named almost like a hook is a misspelt hook,
+    and a hook name bound to something that is not callable disables that hook.
+
+    A subclass of a working connector that misspells an override (``save_kv_layers``) still has the hook it
+    meant to replace, from its base: the misspelling counts unless the class defining it defines the hook too.
+    """
+    mro = [klass for klass in owner.__mro__ if klass not in (KVConnector, object)]
+    for name in sorted(HOOK_NAMES):
+        holder = next((klass for klass in mro if name in vars(klass)), None)
+        if holder is not None and not callable(vars(holder)[name]):
+            inherited = next((k for k in mro[mro.index(holder) + 1 :] if callable(vars(k).get(name))), None)
+            lost = f"the {inherited.__qualname__}.{name} it inherits" if inherited else "the hook"
+            raise ConformanceFailure(
+                f"{holder.__qualname__}.{name} = {vars(holder)[name]!r} is not callable: {lost} is never called",
+                f"define {name} as a method, or delete the assignment in {holder.__qualname__} to keep the "
+                "inherited hook",
+            )
+    own = {name for klass in mro for name in vars(klass)}
     for name in sorted(own - HOOK_NAMES):
         if name.startswith("_") or not callable(getattr(owner, name, None)):
             continue
         near = difflib.get_close_matches(name, HOOK_NAMES, n=1, cutoff=0.8)
-        if near and near[0] not in own:
+        if not near:
+            continue
+        definer = next(klass for klass in mro if name in vars(klass))
+        hook_owner = next((klass for klass in mro if near[0] in vars(klass)), None)
+        if hook_owner is None:
             raise Violation(f"{owner.__qualname__}.{name} is not a hook and is never called: did you mean {near[0]}?")
+        if mro.index(hook_owner) > mro.index(definer):
+            raise ConformanceFailure(
+                f"{definer.__qualname__}.{name} is not a hook and is never called: it misspells {near[0]}, so "
+                f"the {hook_owner.__qualname__}.{near[0]} it inherits keeps running in its place",
+                f"rename {definer.__qualname__}.{name} to {near[0]} so that it overrides "
+                f"{hook_owner.__qualname__}.{near[0]}",
+            )
 
 
 @check(

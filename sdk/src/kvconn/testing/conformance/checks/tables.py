@@ -5,8 +5,9 @@ from __future__ import annotations
 from ....hashing import hash_blocks
 from ..analysis import StepView, live_ids, step_views
 from ..catalog import SCHEDULER_CHECK, check
+from ..diagnose import shifted_pairing, transfer_kind
 from ..observe import hashed_blocks
-from ..results import CheckSkipped, Violation
+from ..results import CheckSkipped, ConformanceFailure, Violation
 from ..scenarios import OFFERED_ONLY, Trace
 from ..session import Session
 from .data import Run, all_runs
@@ -119,7 +120,9 @@ def _check_positions(run: Run) -> None:
     """A block id the metadata pairs with the hash of a request's block ``i`` is at position ``i`` of its table."""
     tokens: dict[str, list[int]] = {}
     hashes: dict[str, list[bytes]] = {}
+    preempted: set[str] = set()
     for record in run.records:
+        preempted |= record.preempted
         out = record.output
         for new in out.scheduled_new_reqs:
             tokens[new.req_id] = list(new.prompt_token_ids)
@@ -130,7 +133,7 @@ def _check_positions(run: Run) -> None:
             tokens[req_id] = list(all_ids)
         if record.metadata is None:
             continue
-        for req_id, block_id, block_hash in hashed_blocks(record.metadata, tokens):
+        for req_id, block_id, block_hash, path in hashed_blocks(record.metadata, tokens):
             known = hashes.get(req_id, [])
             if len(known) != len(tokens[req_id]) // run.block_size:
                 known = hashes[req_id] = hash_blocks(tokens[req_id], run.block_size)
@@ -140,6 +143,13 @@ def _check_positions(run: Run) -> None:
             index = known.index(block_hash)
             here = [group[index] for group in table if index < len(group)]
             if block_id not in here:
+                where = f"in {run.where}, step {record.step}"
+                # a table never replaced (no preemption), or a load's (handed by update_state_after_alloc
+                # this step) is not stale: an index is shifted
+                if req_id not in preempted or transfer_kind(path) == "load":
+                    shifted = shifted_pairing(where, path, req_id, block_id, index, table)
+                    if shifted is not None:
+                        raise ConformanceFailure(shifted.observed, shifted.fix or "")
                 raise Violation(
                     f"in {run.where}, step {record.step}: the metadata pairs block {block_id} with the hash of "
                     f"block {index} of {req_id}, but position {index} of its live table {table} holds {here}"

@@ -99,7 +99,7 @@ def metadata_size(session: Session) -> None:
     small, large = (session.trace(_size_scenario(n)) for n in (SMALL_CACHE, LARGE_CACHE))
     for trace in (small, large):
         if trace.error:
-            raise ScenarioBroken(f"the connector raised in {trace.error}")
+            raise ScenarioBroken(trace.error, trace.fix)
     small_bytes, large_bytes = _total(small), _total(large)
     allowance = small_bytes // 4 + 16 * len(large.records)
     if large_bytes > small_bytes + allowance:
