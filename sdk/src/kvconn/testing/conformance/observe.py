@@ -122,19 +122,22 @@ class HashedBlock(NamedTuple):
     path: str
 
 
-def hashed_blocks(metadata: object, requests: Collection[str]) -> list[HashedBlock]:
+def hashed_blocks(metadata: object, requests: Collection[str], *, named: bool = True) -> list[HashedBlock]:
     """Each Struct in ``metadata`` that pairs a block id with a hash.
 
     A Struct pairs them when it names a request (a string field equal to its
     id), has exactly one int field named for a block id and exactly one
-    ``bytes`` field: a transfer of that block, keyed by that hash.
+    ``bytes`` field: a transfer of that block, keyed by that hash. With
+    ``named=False`` a Struct naming no request counts too (``req_id`` empty).
     """
     found: list[HashedBlock] = []
-    _find_hashed(metadata, set(requests), found, set(), "metadata")
+    _find_hashed(metadata, set(requests), found, set(), "metadata", named)
     return found
 
 
-def _find_hashed(obj: object, requests: set[str], found: list[HashedBlock], seen: set[int], path: str) -> None:
+def _find_hashed(
+    obj: object, requests: set[str], found: list[HashedBlock], seen: set[int], path: str, named: bool
+) -> None:
     if id(obj) in seen or isinstance(obj, (str, bytes, int, float, type(None))):
         return
     seen.add(id(obj))
@@ -147,8 +150,8 @@ def _find_hashed(obj: object, requests: set[str], found: list[HashedBlock], seen
             if isinstance(v, int) and not isinstance(v, bool) and "block" in f and not any(w in f for w in _NOT_BLOCKS)
         ]
         hashes = [v for _, v in fields if isinstance(v, bytes)]
-        if len(owner) == 1 and len(ids) == 1 and len(hashes) == 1:
-            found.append(HashedBlock(owner[0], ids[0], hashes[0], path))
+        if (len(owner) == 1 or not (named or owner)) and len(ids) == 1 and len(hashes) == 1:
+            found.append(HashedBlock(owner[0] if owner else "", ids[0], hashes[0], path))
         values: list[tuple[str, object]] = [(f"{path}.{f}", v) for f, v in fields]
     elif isinstance(obj, Mapping):
         values = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
@@ -157,7 +160,7 @@ def _find_hashed(obj: object, requests: set[str], found: list[HashedBlock], seen
     else:
         return
     for where, value in values:
-        _find_hashed(value, requests, found, seen, where)
+        _find_hashed(value, requests, found, seen, where, named)
 
 
 def non_plain_data(metadata: object) -> list[str]:

@@ -24,18 +24,27 @@ from ...reference.stats import EngineStats
 from ..utils import assert_scheduler_empty
 from .diagnose import Awaited
 from .driver import DriverSpec, HandedTable, StepRecord, freeze, mutated_tables, observe_block_state, tracked_by_role
+from .kv_audit import FAILED_LOAD_GARBAGE, LoadedBlock, audit_load, freed_value
 
 __all__ = ["ReferenceDriver"]
 
-#: What an injected failed load leaves in a block: far outside the model's KV range.
-_GARBAGE = 3.0
-#: What a freed block holds at once under ``scrub_freed`` (another value: the two are told apart).
-_FREED = -5.0
 #: Why the engine waits for a request in each ``get_finished`` report, for the message when it does not.
 _AWAITED = {
     "finished_sending": "request_finished did not delay its free",
     "finished_recving": "no async load of it was in flight (a sync load is never reported)",
 }
+
+
+@dataclass(frozen=True)
+class _Load:
+    """A load the connector set out to do, audited once it lands (under ``scrub_freed``)."""
+
+    req_id: str
+    step: int
+    is_async: bool
+    token_ids: list[int]
+    table: list[list[int]]
+    blocks: range
 
 
 @dataclass
@@ -100,6 +109,12 @@ class ReferenceDriver:
         self._awaiting: dict[str, dict[str, tuple[int, str]]] = {kind: {} for kind in _AWAITED}
         self._reported: dict[str, set[str]] = {kind: set() for kind in _AWAITED}
         self._record: dict[str, Any] = {}  # this step's observations
+        self._loads: list[_Load] = []  # loads not landed yet (audited under scrub_freed)
+        #: every layer of every landed load's block that did not hold the KV the model computes (scrub_freed)
+        self.wrong_loads: list[LoadedBlock] = []
+        #: the steps at which each block was freed (scrub_freed)
+        self.freed_at: dict[int, list[int]] = {}
+        self._audit = scrub_freed
         self._monitor()
         if scrub_freed:
             self.scheduler.kv_cache_manager.pool.on_free = self._scrub
@@ -167,6 +182,12 @@ class ReferenceDriver:
         if not (loading and plan.num_tokens):
             return
         self._record["loaded"][request.request_id] = plan.num_tokens
+        if self._audit:
+            first = request.num_computed_tokens // self.block_size
+            span = range(first, first + plan.num_tokens // self.block_size)
+            table = [list(t) for t in block_ids]
+            load = _Load(request.request_id, self._step, plan.load_async, list(request.all_token_ids), table, span)
+            self._loads.append(load)
         if plan.load_async:
             answer = f"get_num_new_matched_tokens returned ({plan.num_tokens}, True) for it (an async load)"
             self._awaiting["finished_recving"][request.request_id] = (self._step, answer)
@@ -219,15 +240,44 @@ class ReferenceDriver:
         return found
 
     def _scrub(self, block_ids: list[int]) -> None:
+        """Fill each freed block with the pattern naming it (:func:`~.kv_audit.freed_value`)."""
+        torch = self.worker.model.torch
+        values = torch.tensor([freed_value(b) for b in block_ids]).view(-1, 1, 1, 1, 1)
         for kv in self.worker.kv_caches.values():
-            kv[block_ids] = _FREED
+            kv[block_ids] = values.to(kv.dtype)
+        for block_id in block_ids:
+            self.freed_at.setdefault(block_id, []).append(self._step)
+
+    def _audit_landed(self, out: KVConnectorOutput | None) -> None:
+        """Audit the loads that landed this step: sync ones started now, async ones reported finished now."""
+        received = out.finished_recving if out is not None else set()
+        skip = set(out.invalid_block_ids) if out is not None else set()
+        if self._victim is not None:
+            skip |= {b for _, b in self._victim.block_ids}
+        landed = [
+            load for load in self._loads if (load.req_id in received if load.is_async else load.step == self._step)
+        ]
+        self._loads = [load for load in self._loads if load not in landed]
+        layers = [(name, group) for name, group, _ in self.worker.layers]
+        for load in landed:
+            self.wrong_loads += audit_load(
+                self.worker.model,
+                self.worker.kv_caches,
+                layers,
+                req_id=load.req_id,
+                step=load.step,
+                token_ids=load.token_ids,
+                table=load.table,
+                blocks=load.blocks,
+                skip=skip,
+            )
 
     def _corrupt(self, victim: _Victim, layers: Sequence[str]) -> None:
         groups = self.engine.context.group_of_layer()
         for layer in layers:
             for group, block_id in victim.block_ids:
                 if groups[layer] == group:
-                    self.worker.kv_caches[layer][block_id].fill_(_GARBAGE)
+                    self.worker.kv_caches[layer][block_id].fill_(FAILED_LOAD_GARBAGE)
 
     def awaited(self) -> list[Awaited]:
         """The reports the engine still waits for, oldest first (see :func:`~.diagnose.stall`)."""
@@ -284,6 +334,8 @@ class ReferenceDriver:
         record = self._record = {"resolved": [], "loaded": {}, "unexpected": [], "connector_output": None}
         preemptions = {r: req.num_preemptions for r, req in self.requests.items()}
         self.engine.step()
+        if self._audit:
+            self._audit_landed(record["connector_output"])
         self._step += 1
         # every table handed so far: a connector may keep one and change it steps later
         mutated = mutated_tables(self._handed)

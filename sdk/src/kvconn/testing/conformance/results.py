@@ -105,7 +105,14 @@ class CheckSkipped(Exception):
 
 
 class Violation(Exception):
-    """Raised by a check with what was observed; the check's own ``fix`` completes the message."""
+    """Raised by a check with what was observed; ``fix``, or the check's own when ``None``, completes the message.
+
+    ``fix`` is given when the diagnosis found the mechanism, and so the fix for it.
+    """
+
+    def __init__(self, observed: str, fix: str | None = None) -> None:
+        super().__init__(observed)
+        self.fix = fix
 
 
 class ScenarioBroken(Violation):
@@ -114,7 +121,3 @@ class ScenarioBroken(Violation):
 
     ``fix`` replaces the check's own when the error says more precisely what is wrong.
     """
-
-    def __init__(self, observed: str, fix: str | None = None) -> None:
-        super().__init__(observed)
-        self.fix = fix

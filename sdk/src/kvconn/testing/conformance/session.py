@@ -180,7 +180,7 @@ class Session:
         except ConformanceFailure as exc:
             return CheckResult(check.id, check.name, "failed", str(exc))
         except Violation as exc:
-            return CheckResult(check.id, check.name, "failed", str(ConformanceFailure(str(exc), check.fix)))
+            return CheckResult(check.id, check.name, "failed", str(ConformanceFailure(str(exc), exc.fix or check.fix)))
         except CheckSkipped as exc:
             return CheckResult(check.id, check.name, "skipped", str(exc))
         except Exception as exc:

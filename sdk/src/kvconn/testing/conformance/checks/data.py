@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 from ....reference import Engine, EngineShape
 from ..catalog import IMPORTED, check
-from ..diagnose import Diagnosis, diagnose_error, stall
+from ..diagnose import Diagnosis, diagnose_error, explain_wrong_kv, stall
 from ..driver import DriverSpec, StepRecord
 from ..reference import ReferenceDriver
 from ..results import ScenarioBroken, Violation
@@ -290,10 +290,20 @@ def _compare(case: DataRun, result: DataResult, when: str = "") -> None:
     want = _expected(case)
     for req_id, tokens in want.items():
         if result.tokens[req_id] != tokens:
-            raise Violation(
+            seen = (
                 f"in the {case.name!r} data run{when}, request {req_id!r} generated {result.tokens[req_id]}, "
                 f"but {tokens} without the connector: it ran on wrong KV"
             )
+            why = _why_wrong(result)
+            raise Violation(f"{seen}: {why.observed}", why.fix) if why is not None else Violation(seen)
+
+
+def _why_wrong(result: DataResult) -> Diagnosis | None:
+    """What the run's loads landed that the model did not compute, and why (see :func:`~.diagnose.explain_wrong_kv`)."""
+    driver = result.driver
+    groups = [spec.layer_names for spec in driver.engine.context.kv_cache_groups]
+    hashes = {r: request.block_hashes for r, request in driver.requests.items()}
+    return explain_wrong_kv(driver.wrong_loads, groups, result.records, hashes, driver.freed_at)
 
 
 def _exact(session: Session, case: DataRun) -> None:

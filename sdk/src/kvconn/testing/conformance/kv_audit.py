@@ -1,0 +1,126 @@
+"""What a landed load put in the KV cache, block by block and layer by layer, against what the model computes.
+
+The reference model's KV is a function of the token prefix, so the KV a
+load should land is known without running anything. Under ``scrub_freed``
+every freed block is filled with a pattern naming it (:func:`freed_value`),
+so a block whose bytes were read after its free is recognised when loaded
+back, and told apart from a block the load never wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ...context import NULL_BLOCK_ID
+from ...reference.model import ReferenceModel, prefix_hashes
+
+__all__ = ["FAILED_LOAD_GARBAGE", "FREED_BASE", "LoadedBlock", "audit_load", "freed_block", "freed_value"]
+
+#: A freed block ``b`` holds ``FREED_BASE - (b % 1024) / 128`` in every element: exact in float16 and wider,
+#: outside the model's KV range ([-1, 1]) and apart from an injected failure's garbage.
+FREED_BASE = -8.0
+_IDS = 1024
+#: What the reference driver's injected failed load leaves in a block: far outside the model's KV range.
+FAILED_LOAD_GARBAGE = 3.0
+
+
+def freed_value(block_id: int) -> float:
+    """The value every element of block ``block_id`` holds once it is freed."""
+    return FREED_BASE - (block_id % _IDS) / 128
+
+
+def freed_block(value: float) -> int | None:
+    """The block (modulo 1024) whose free pattern ``value`` is, or ``None``."""
+    k = (FREED_BASE - value) * 128
+    return round(k) if 0 <= k < _IDS and abs(k - round(k)) < 1e-3 else None
+
+
+@dataclass(frozen=True)
+class LoadedBlock:
+    """One layer of one loaded block that does not hold the KV the model computes for its position.
+
+    ``holds`` says what it holds instead: ``"freed:X"`` (block ``X``'s free
+    pattern: read after its free when ``X`` is another block, never written
+    when it is this one), ``"zeros"`` (never written), ``"garbage"`` (what an
+    injected failed load left), ``"partial:N"`` (the KV of its first ``N``
+    tokens only: saved before it was full), ``"layer:K"`` (the KV
+    of layer ``K`` at this position), ``"position:J"`` (this layer's KV of
+    block ``J``), or ``"other"``.
+    """
+
+    req_id: str
+    step: int
+    layer: str
+    group: int
+    position: int
+    block_id: int
+    holds: str
+
+
+def audit_load(
+    model: ReferenceModel,
+    kv_caches: dict[str, Any],
+    layers: Sequence[tuple[str, int]],
+    *,
+    req_id: str,
+    step: int,
+    token_ids: Sequence[int],
+    table: Sequence[Sequence[int]],
+    blocks: range,
+    skip: set[int],
+) -> list[LoadedBlock]:
+    """The layers of the blocks at positions ``blocks`` of ``table`` that hold the wrong KV.
+
+    ``layers`` are ``(name, group)`` in model order; blocks in ``skip`` (a
+    load reported failed) are not audited.
+    """
+    block_size = kv_caches[layers[0][0]].shape[2]
+    hashes = prefix_hashes(list(token_ids[: blocks.stop * block_size]), [])
+    inputs = model.kv_inputs(hashes)
+    # per layer: [positions, 2, block_size, heads, dim], the cache's layout
+    expected = []
+    for index in range(len(layers)):
+        values = model.kv_values(inputs, index)
+        expected.append(values.view(blocks.stop, block_size, *values.shape[1:]).transpose(1, 2))
+    found = []
+    for index, (layer, group) in enumerate(layers):
+        for position in blocks:
+            if position >= len(table[group]):
+                continue
+            block_id = table[group][position]
+            if block_id == NULL_BLOCK_ID or block_id in skip:
+                continue
+            actual = kv_caches[layer][block_id]
+            if actual.equal(expected[index][position]):
+                continue
+            found.append(
+                LoadedBlock(req_id, step, layer, group, position, block_id, _what(actual, expected, index, position))
+            )
+    return found
+
+
+def _what(actual: Any, expected: list[Any], index: int, position: int) -> str:
+    first = float(actual.flatten()[0])
+    if bool((actual == first).all()):
+        if first == 0:
+            return "zeros"
+        if first == FAILED_LOAD_GARBAGE:
+            return "garbage"
+        freed = freed_block(first)
+        if freed is not None:
+            return f"freed:{freed}"
+    # per token slot: a block saved before it was full has its first tokens' KV only
+    right = (actual == expected[index][position]).flatten(2).all(-1).all(0).tolist()
+    if right[0] and not all(right):
+        filled = right.index(False)
+        if not any(right[filled:]):
+            return f"partial:{filled}"
+    for other, values in enumerate(expected):
+        if other != index and actual.equal(values[position]):
+            return f"layer:{other}"
+    for other in range(len(expected[index])):
+        if other != position and actual.equal(expected[index][other]):
+            return f"position:{other}"
+    return "other"
