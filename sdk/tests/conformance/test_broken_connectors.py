@@ -179,6 +179,19 @@ def test_the_first_failure_names_the_mechanism_and_its_fix(connector: str, obser
     assert observed in observed_part and fix_part.startswith(fix)
 
 
+def test_a_store_nobody_can_reach_is_named_with_the_connector_s_own_stats_and_errors() -> None:
+    """Every store call of the connector is refused: KV040 shows its stats and its logged errors, and asks."""
+    failed = _failed(run_conformance(BROKEN + "UnreachableStore", select="KV04*"))
+    observed, fix = failed["KV040"].split("; fix: ")
+    assert observed.startswith(
+        "observed in the 'chunked-reuse' data run, requests sharing full blocks with earlier ones, whose local "
+        "copies were gone, loaded no token through the connector; its own stats count degraded_events="
+    )
+    assert "store_errors=" in observed and "failed: [Errno 111] Connection refused" in observed
+    assert observed.endswith("its store calls failed (is the store reachable?)")
+    assert fix.startswith("make the store reachable: start its server, or point the connector's config at one")
+
+
 def test_two_async_loads_of_a_resumed_request_are_reported_once_each() -> None:
     """vLLM waits for one finished_recving per async load (each puts the request in WAITING_FOR_REMOTE_KVS):
     a request preempted and resumed while its prefix is in the store loads, and is reported, twice."""

@@ -13,12 +13,12 @@ leaves garbage, not a lucky leftover copy of the right KV.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ....reference import Engine, EngineShape
 from ..catalog import IMPORTED, check
-from ..diagnose import Diagnosis, diagnose_error, explain_wrong_kv, stall
+from ..diagnose import Diagnosis, capture_warnings, diagnose_error, explain_wrong_kv, stall, store_trouble
 from ..driver import DriverSpec, StepRecord
 from ..reference import ReferenceDriver
 from ..results import ScenarioBroken, Violation
@@ -200,6 +200,8 @@ class DataResult:
     tokens: dict[str, list[int]]
     driver: ReferenceDriver
     records: list[StepRecord]
+    #: what was logged at WARNING or above while it ran (a connector's own store errors, say)
+    warnings: list[str] = field(default_factory=list)
 
 
 def data_run(
@@ -268,6 +270,7 @@ def _with_connector(
     def next_phase() -> None:
         phase[0] += 1
 
+    warnings = capture_warnings()
     try:
         run = _Run(
             add,
@@ -278,10 +281,11 @@ def _with_connector(
         )
         try:
             tokens = _play(case, run, lambda r: owner[r].generated(r), spec.shape.block_size)
-            return DataResult(tokens, drivers[-1], records)
+            return DataResult(tokens, drivers[-1], records, warnings.messages)
         except Exception as exc:
             return diagnose_error(exc, current(), f"data run {case.name!r}, step {len(records)}", case.name)
     finally:
+        warnings.close()
         for driver in drivers:
             driver.close()
 
@@ -316,10 +320,12 @@ def _exact(session: Session, case: DataRun) -> None:
             "load though nothing failed: it claimed more tokens than it holds"
         )
     if stats.prompt_tokens_loaded == 0:
-        raise Violation(
+        seen = (
             f"in the {case.name!r} data run, requests sharing full blocks with earlier ones, whose local copies "
             "were gone, loaded no token through the connector"
         )
+        why = store_trouble(result.records, stats.degraded_events, result.warnings)
+        raise Violation(f"{seen}; {why.observed}", why.fix) if why is not None else Violation(seen)
     _compare(case, result)
 
 
