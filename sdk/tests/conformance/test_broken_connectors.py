@@ -270,7 +270,7 @@ def test_correct_saver_and_loader_passes_everything() -> None:
 
 
 def test_a_load_skipping_missing_blocks_fails_when_the_store_loses_them() -> None:
-    """With a config_factory the suite empties the worker's store; without one the bug cannot show here."""
+    """With a config_factory the suite empties the worker's store (a fresh namespace)."""
     with _quiet():
         failed = _failed(run_conformance(BROKEN + "SkipsMissing", config_factory=_fresh_namespaces()))
     assert set(failed) == {"KV041"}
@@ -279,6 +279,27 @@ def test_a_load_skipping_missing_blocks_fails_when_the_store_loses_them() -> Non
         "namespace) had none of them, it reported no block failed to load, and 'b' ran on wrong KV; fix: report "
         "every block"
     )
+
+
+def test_without_a_config_factory_the_store_loses_the_blocks_in_a_worker_process() -> None:
+    """No factory: the second request's worker side runs in another process, where a process-memory store is
+    empty; a load skipping the missing blocks fails, and so do sides meeting in process memory undeclared."""
+    with _quiet():
+        skips = _failed(run_conformance(BROKEN + "SkipsMissing", select="KV041"))
+        undeclared = _failed(run_conformance(BROKEN + "UndeclaredProcessState", select="KV041"))
+        declared = run_conformance(STORE, select="KV041")
+    assert skips["KV041"].startswith(
+        "observed in the 'lost-blocks' data run with its worker side in another process (as vLLM's multiprocess "
+        "engine runs it), the connector claimed 64 tokens for 'b', the worker side did not have them, it reported no "
+        "block failed to load, and 'b' ran on wrong KV; fix: report every block"
+    )
+    observed, fix = undeclared["KV041"].split("; fix: ")
+    assert observed.endswith(
+        "the connector claimed 64 tokens for 'b' and every block of them failed to load (4): its scheduler side "
+        "finds blocks its worker side can reach only in the same process"
+    )
+    assert fix.startswith("declare in_process_state = True")
+    assert declared.ok, declared.to_dict()
 
 
 def test_a_config_factory_that_isolates_nothing_is_no_false_failure() -> None:

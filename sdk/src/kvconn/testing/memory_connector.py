@@ -79,6 +79,8 @@ class MemoryConnector(KVConnector):
     Metadata = MemoryMetadata
     saves = loads = True
     api_version = "1.0"
+    #: STORE is this process's memory: its sides must run in one process
+    in_process_state = True
     config: MemoryConfig
 
     def __init__(self, config: MemoryConfig | None = None, **kwargs: Any) -> None:

@@ -25,6 +25,7 @@ from ..utils import assert_scheduler_empty
 from .diagnose import Awaited
 from .driver import DriverSpec, HandedTable, StepRecord, freeze, mutated_tables, observe_block_state, tracked_by_role
 from .kv_audit import FAILED_LOAD_GARBAGE, LoadedBlock, audit_load, freed_value
+from .worker_process import WorkerProcess
 
 __all__ = ["ReferenceDriver"]
 
@@ -73,7 +74,11 @@ class ReferenceDriver:
 
     ``worker_config`` (default: the spec's) configures the worker side alone:
     a fresh store namespace there makes every block the scheduler side finds
-    go missing on load.
+    go missing on load. With ``worker_process`` the worker runs in a spawned
+    process (:class:`~.worker_process.WorkerProcess`), as vLLM's multiprocess
+    engine runs it: a store kept in this process's memory is empty there. The
+    worker-side observations (reports awaited, failed loads injected, freed
+    blocks scrubbed) then do not apply.
 
     Each step also records the tables the connector changed after they were
     handed to it, and ``get_finished`` reports of requests the engine was not
@@ -87,6 +92,7 @@ class ReferenceDriver:
         fail_first_load: bool = False,
         scrub_freed: bool = False,
         worker_config: Mapping[str, Any] | None = None,
+        worker_process: bool = False,
     ) -> None:
         if scrub_freed and spec.shape.enable_prefix_caching:
             raise ValueError("scrub_freed needs enable_prefix_caching=False: freed blocks stay prefix-cache hits")
@@ -98,6 +104,12 @@ class ReferenceDriver:
             spec.connector, spec.config, worker_config=worker_config, on_error="raise", shape=spec.shape
         )
         self.scheduler, self.worker = self.engine.scheduler, self.engine.worker
+        self._process: WorkerProcess | None = None
+        if worker_process:
+            config = worker_config if worker_config is not None else spec.config
+            self._process = WorkerProcess(spec.connector, config, self.engine.context, spec.shape)
+            # the engine steps it in place of its own worker, which (and whose connector) then stays idle
+            self.engine.worker = self._process  # type: ignore[assignment]
         self.requests: dict[str, Request] = {}
         self._finished_calls: Counter[str] = Counter()
         self._withhold: frozenset[str] = frozenset()
@@ -374,6 +386,8 @@ class ReferenceDriver:
 
     def close(self) -> None:
         self.engine.close()
+        if self._process is not None:
+            self._process.close()
 
     # ------------------------------------------------------------ engine-level
 

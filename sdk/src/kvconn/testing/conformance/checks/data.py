@@ -205,10 +205,21 @@ class DataResult:
 
 
 def data_run(
-    session: Session, case: DataRun, *, fail_first_load: bool = False, lose_blocks: bool = False
+    session: Session,
+    case: DataRun,
+    *,
+    fail_first_load: bool = False,
+    lose_blocks: bool = False,
+    worker_process: bool = False,
 ) -> DataResult:
-    """``case`` through the reference engine with the connector, once per session; raises :class:`ScenarioBroken`."""
-    result = session.memo(f"data:{case.name}", lambda: _with_connector(session, case, fail_first_load, lose_blocks))
+    """``case`` through the reference engine with the connector, once per session; raises :class:`ScenarioBroken`.
+
+    ``lose_blocks`` and ``worker_process``: see :func:`_with_connector`.
+    """
+    result = session.memo(
+        f"data:{case.name}:{worker_process}",
+        lambda: _with_connector(session, case, fail_first_load, lose_blocks, worker_process),
+    )
     if isinstance(result, Diagnosis):
         raise ScenarioBroken(result.observed, result.fix)
     return result
@@ -249,13 +260,16 @@ def all_runs(session: Session) -> list[Run]:
 
 
 def _with_connector(
-    session: Session, case: DataRun, fail_first_load: bool, lose_blocks: bool = False
+    session: Session, case: DataRun, fail_first_load: bool, lose_blocks: bool = False, worker_process: bool = False
 ) -> DataResult | Diagnosis:
     """Play ``case``; with ``lose_blocks`` the phases after the first run on an engine whose worker side has
-    a fresh (empty) store while its scheduler side still sees the first phase's."""
+    a fresh (empty) store while its scheduler side still sees the first phase's; with ``worker_process`` too,
+    that worker side runs in a process of its own (same config), where a store in process memory is empty."""
     spec = DriverSpec(session.connector, session.config_for(case.name), _shape(case))
     drivers = [ReferenceDriver(spec, fail_first_load=fail_first_load, scrub_freed=True)]
-    if lose_blocks:
+    if lose_blocks and worker_process:
+        drivers.append(ReferenceDriver(spec, worker_process=True))
+    elif lose_blocks:
         emptied = session.config_for(f"{case.name}-emptied")
         drivers.append(ReferenceDriver(spec, scrub_freed=True, worker_config=emptied))
     phase, owner, records = [0], dict[str, ReferenceDriver](), list[StepRecord]()
@@ -389,6 +403,46 @@ def load_failure(session: Session) -> None:
         raise Violation(f"after a failed load and every request ending, get_num_tracked_requests says {tracked}")
     if session.config_factory is not None:
         _lost_blocks(session)
+    else:
+        _worker_elsewhere(session)
+
+
+def _in_process_state(driver: ReferenceDriver) -> bool:
+    """Whether the connector declares that its sides meet only in one process (engines then keep them in one)."""
+    host = driver.engine.scheduler_host
+    return host is not None and any(getattr(c, "in_process_state", False) for c in host.connectors.values())
+
+
+def _worker_elsewhere(session: Session) -> None:
+    """Without a config factory: the second request's worker side runs in another process, with the same config.
+
+    A store shared between processes (a server, files) still has the blocks
+    there: every load succeeds. A store in process memory is empty there, as
+    if it lost them: every block claimed must be reported failed, and the
+    tokens stay exact. A connector whose sides meet only through process
+    memory must also say so (``in_process_state``), or a multiprocess engine
+    runs it with every load failing (or, with its own scheduler process, no
+    hit ever).
+    """
+    result = data_run(session, LOST_BLOCKS, lose_blocks=True, worker_process=True)
+    claimed = sum(n for record in result.records for r, n in record.loaded.items() if r == "b")
+    there = "its worker side in another process (as vLLM's multiprocess engine runs it)"
+    if result.tokens != _expected(LOST_BLOCKS) and not result.driver.stats.failed_load_blocks:
+        raise Violation(
+            f"in the {LOST_BLOCKS.name!r} data run with {there}, the connector claimed {claimed} tokens for 'b', the "
+            "worker side did not have them, it reported no block failed to load, and 'b' ran on wrong KV"
+        )
+    _compare(LOST_BLOCKS, result, f" (with {there})")
+    failed = result.driver.stats.failed_load_blocks
+    if claimed and failed * result.driver.block_size >= claimed and not _in_process_state(result.driver):
+        raise Violation(
+            f"in the {LOST_BLOCKS.name!r} data run with {there}, the connector claimed {claimed} tokens for 'b' and "
+            f"every block of them failed to load ({failed}): its scheduler side finds blocks its worker side can "
+            "reach only in the same process",
+            "declare in_process_state = True (a property may decide it from the config): engines then refuse to run "
+            "the sides in different processes, instead of running it with every load failing; or keep the store "
+            "where both processes reach it (a server, shared memory, files)",
+        )
 
 
 def _lost_blocks(session: Session) -> None:
