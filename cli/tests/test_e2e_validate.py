@@ -171,12 +171,16 @@ FIXTURES = Path(__file__).resolve().parents[2] / "sdk" / "tests" / "conformance"
 def test_a_config_factory_lets_validate_catch_a_load_that_skips_missing_blocks(
     run_kvconn: RunKvconn, make_env: Callable[..., dict[str, str]]
 ) -> None:
-    """Only with a fresh namespace per run can the suite make the store lose what the scheduler saw."""
+    """A fresh namespace per run makes the store lose what the scheduler saw; without a factory, a worker side
+    in another process does (its process-memory store is empty there)."""
     env = make_env(FIXTURES, KVCONN_PLUGINS="dummy")
     broken = ("validate", "--module", "kvconn_conformance_fixtures.broken:SkipsMissing", "--check", "KV04*")
     proc = run_kvconn(*broken, "--config-factory", "kvconn.testing.memory_connector:fresh_namespace", env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "its worker's store (a fresh namespace) had none of them, it reported no block failed" in proc.stdout
+    proc = run_kvconn(*broken, "--json", env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "with its worker side in another process (as vLLM's multiprocess engine runs it)" in proc.stdout
     proc = run_kvconn(*broken[:3], "--config-factory", "kvconn.testing.memory_connector:nope", env=env)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
