@@ -21,6 +21,7 @@ from kvconn.testing.conformance.catalog import get_check
 from kvconn.testing.conformance.checks.data import all_runs
 from kvconn.testing.conformance.results import NOT_RUN
 from kvconn.testing.conformance.session import METADATA_FIX
+from kvconn.testing.memory_connector import fresh_namespace
 
 BROKEN = "kvconn_conformance_fixtures.broken:"
 BROKEN_FILE = inspect.getsourcefile(broken)
@@ -173,7 +174,7 @@ def test_the_first_failure_names_the_mechanism_and_its_fix(connector: str, obser
     """A request that never progresses names the request, the report awaited and the answer that started the wait;
     a hook that raises shows the connector's own frame and what the step had."""
     with _quiet():
-        report = run_conformance(BROKEN + connector, config_factory=_fresh_namespaces())
+        report = run_conformance(BROKEN + connector, config_factory=fresh_namespace)
     first = next(r for r in report.results if r.status == "failed")
     observed_part, fix_part = first.message.split("; fix: ")
     assert observed in observed_part and fix_part.startswith(fix)

@@ -9,6 +9,7 @@ answer, which frame of the connector raised and in what situation.
 from __future__ import annotations
 
 import logging
+import sysconfig
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -113,6 +114,19 @@ def stall(driver: object, what: str) -> Stalled:
     return Stalled(f"{what}: {waits}", _FIXES[first.kind].format(ids=ids))
 
 
+_SDK = Path(__file__).resolve().parents[2]  # the kvconn package
+_STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
+
+
+def _connector_code(filename: str) -> bool:
+    """Whether ``filename`` is a connector's code: not kvconn's, pluggy's or the standard library's."""
+    if filename.startswith("<"):
+        return False
+    path = Path(filename).resolve()
+    in_stdlib = path.is_relative_to(_STDLIB) and "site-packages" not in path.parts
+    return not (path.is_relative_to(_SDK) or "pluggy" in path.parts or in_stdlib)
+
+
 def connector_frame(exc: BaseException) -> str | None:
     """``file:line in function`` of the innermost frame of ``exc`` in the connector's own code.
 
@@ -120,15 +134,7 @@ def connector_frame(exc: BaseException) -> str | None:
     the standard library are skipped: the frame shown is where the
     connector's author can put a breakpoint.
     """
-    sdk = Path(__file__).resolve().parents[2]  # the kvconn package
-    frames = [
-        frame
-        for frame in traceback.extract_tb(exc.__traceback__)
-        if not Path(frame.filename).resolve().is_relative_to(sdk)
-        and "pluggy" not in Path(frame.filename).parts
-        and not frame.filename.startswith("<")
-        and "/lib/python3" not in frame.filename.replace("site-packages", "")
-    ]
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__) if _connector_code(frame.filename)]
     cause = exc.__cause__ or exc.__context__
     if not frames and cause is not None:
         return connector_frame(cause)

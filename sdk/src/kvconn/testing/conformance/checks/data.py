@@ -268,7 +268,15 @@ def _with_connector(
     spec = DriverSpec(session.connector, session.config_for(case.name), _shape(case))
     drivers = [ReferenceDriver(spec, fail_first_load=fail_first_load, scrub_freed=True)]
     if lose_blocks and worker_process:
-        drivers.append(ReferenceDriver(spec, worker_process=True))
+        try:
+            drivers.append(ReferenceDriver(spec, worker_process=True))
+        except RuntimeError as exc:  # the worker side did not start there
+            drivers[0].close()
+            return Diagnosis(
+                f"the connector's worker side did not start in another process: {exc}",
+                "make the connector importable in a new interpreter (an installed plugin or a module on "
+                "PYTHONPATH) and its worker side start there from its config alone, as vLLM's workers do",
+            )
     elif lose_blocks:
         emptied = session.config_for(f"{case.name}-emptied")
         drivers.append(ReferenceDriver(spec, scrub_freed=True, worker_config=emptied))
