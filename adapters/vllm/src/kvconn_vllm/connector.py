@@ -48,7 +48,7 @@ from kvconn.host.wire import decode_metadata, encode_metadata
 from kvconn.metadata import KVConnectorMetadata as KVConnMetadata
 from kvconn.outputs import KVConnectorOutput
 
-from . import route_logs_to_vllm
+from . import EXTRA_CONFIG_KEYS, route_logs_to_vllm
 from .reports import ReportCollector, WorkerReport, encode_report
 from .tables import TableTracker
 from .translate import (
@@ -145,9 +145,7 @@ def _host_options(extra: dict[str, Any]) -> tuple[str | list[str], Any, dict[str
             '{"kvconn_connector": "offload"} or {"kvconn_connector": ["offload", "mooncake"]}; '
             f"got kvconn_connector={names!r} (see `kvconn list` for the installed ones)"
         )
-    options = {
-        key: extra[f"kvconn_{key}"] for key in ("on_error", "stall_steps", "hook_budget_s") if f"kvconn_{key}" in extra
-    }
+    options = {key.removeprefix("kvconn_"): extra[key] for key in EXTRA_CONFIG_KEYS[2:] if key in extra}
     return names, extra.get("kvconn_config"), options
 
 
