@@ -10,6 +10,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
+from kvconn._install import install_extra
 from kvconn.reference.simulate import RunResult, Simulation, describe_local_cache
 
 from .errors import UsageError
@@ -25,9 +26,8 @@ def require_matplotlib() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UsageError(
-            "--plot needs matplotlib, which is not installed: pip install 'kvconn-cli[plot]' (or matplotlib)"
-        ) from None
+        install = install_extra("kvconn-cli", "plot", "cli")
+        raise UsageError(f"--plot needs matplotlib, which is not installed here: {install}") from None
     return plt
 
 
