@@ -231,7 +231,7 @@ def _sources(root: Path, patterns: tuple[str, ...] = ("*.py",)) -> str:
 @pytest.fixture(scope="module")
 def kvconn_code() -> str:
     """The repository's code (packages, tests, scripts, Makefile): not its docs."""
-    roots = [REPO / d for d in ("sdk", "cli", "adapters", "plugins", "tests", "scripts")]
+    roots = [REPO / d for d in ("sdk", "cli", "adapters", "plugins", "tests", "scripts", "examples")]
     return "\n".join([*(_sources(r, ("*.py", "*.sh", "*.toml")) for r in roots), (REPO / "Makefile").read_text()])
 
 
