@@ -239,6 +239,12 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         plan = self.host.get_num_new_matched_tokens(VllmRequestView(request), num_computed_tokens)
         if plan.num_tokens is None:
             return None, False
+        if plan.num_tokens and not plan.load_async:
+            # After a synchronous load vLLM must have a token left to compute (it asserts num_new_tokens > 0):
+            # whole blocks that leave the last token, as kvconn's reference engine cuts every hit.
+            size = self.context.block_size
+            cut = max(0, (request.num_tokens - 1) // size * size - num_computed_tokens)
+            plan = LoadPlan(min(plan.num_tokens, cut), False, plan.connector) if plan.num_tokens > cut else plan
         self._plans[request.request_id] = (plan, num_computed_tokens)
         return plan.num_tokens, plan.load_async and plan.num_tokens > 0
 
