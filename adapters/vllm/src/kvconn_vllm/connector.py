@@ -237,16 +237,18 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         plan = self.host.get_num_new_matched_tokens(VllmRequestView(request), num_computed_tokens)
-        if plan.num_tokens is None:
+        num_tokens = plan.num_tokens
+        if num_tokens is None:
             return None, False
-        if plan.num_tokens and not plan.load_async:
+        if num_tokens and not plan.load_async:
             # After a synchronous load vLLM must have a token left to compute (it asserts num_new_tokens > 0):
             # whole blocks that leave the last token, as kvconn's reference engine cuts every hit.
             size = self.context.block_size
             cut = max(0, (request.num_tokens - 1) // size * size - num_computed_tokens)
-            plan = LoadPlan(min(plan.num_tokens, cut), False, plan.connector) if plan.num_tokens > cut else plan
+            if num_tokens > cut:
+                num_tokens, plan = cut, LoadPlan(cut, False, plan.connector)
         self._plans[request.request_id] = (plan, num_computed_tokens)
-        return plan.num_tokens, plan.load_async and plan.num_tokens > 0
+        return num_tokens, plan.load_async and num_tokens > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Commit the planned load; vLLM's external tokens follow the block-aligned local hit."""
