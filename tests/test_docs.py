@@ -196,3 +196,175 @@ def test_readme_author_snippet_validates_as_an_installed_plugin(tmp_path: Path) 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (report,) = json.loads(proc.stdout)["connectors"]
     assert report["name"] == name and report["failed"] == 0 and report["passed"] > 0
+
+
+# --- The names a doc's prose gives (`code spans`) exist: a renamed module, hook, key or flag fails here. ---
+
+#: Docs whose every code span is checked against the code.
+NAME_CHECKED_DOCS = [REPO / "docs" / "vllm.md"]
+_SPAN = re.compile(r"`([^`]+)`")
+_LITERAL = re.compile(r'"([^"]*)"')
+_NAME = re.compile(r"(?<![\w.:/-])[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+_ENV_VAR = re.compile(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+")
+_WORD = re.compile(r"[A-Za-z_]\w*")
+#: Python's own names, and a doc's placeholders: not looked up.
+_NOT_NAMES = {"None", "True", "False", "tuple", "list", "dict", "set", "int", "str", "bytes", "NAME", "MODEL"}
+#: Namespaces whose names a doc may use unqualified (``ConnectorContext.block_size``).
+_NAMESPACES = ["kvconn", "kvconn.host", "kvconn.testing", "kvconn.testing.conformance", "kvconn_vllm"]
+
+
+def _prose_spans(path: Path) -> list[str]:
+    """The code spans of ``path`` outside its fenced blocks, each with its line breaks joined."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(encoding="utf-8"), flags=re.MULTILINE | re.DOTALL)
+    return [" ".join(span.split()) for span in _SPAN.findall(text)]
+
+
+def _sources(root: Path, patterns: tuple[str, ...] = ("*.py",)) -> str:
+    return "\n".join(
+        p.read_text(encoding="utf-8", errors="replace")
+        for pattern in patterns
+        for p in root.rglob(pattern)
+        if not any(part.startswith(".venv") for part in p.relative_to(root).parts) and p != Path(__file__)
+    )
+
+
+@pytest.fixture(scope="module")
+def kvconn_code() -> str:
+    """The repository's code (packages, tests, scripts, Makefile): not its docs."""
+    roots = [REPO / d for d in ("sdk", "cli", "adapters", "plugins", "tests", "scripts", "examples")]
+    return "\n".join([*(_sources(r, ("*.py", "*.sh", "*.toml")) for r in roots), (REPO / "Makefile").read_text()])
+
+
+def _vllm_source() -> Path | None:
+    """vLLM's package directory: this interpreter's, else a vLLM venv of this checkout (read, never imported)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.origin:
+        return Path(spec.origin).parent
+    found = sorted(REPO.glob(".venv-vllm*/lib/python*/site-packages/vllm/envs.py"))
+    return found[0].parent if found else None
+
+
+def _resolve(dotted: str) -> bool:
+    """``dotted`` is an importable module, or an attribute path under one (a lazy name counts if exported)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if attr in getattr(obj, "__all__", ()) and attr == parts[-1]:
+                return True  # exported (kvconn_vllm's classes are imported lazily, with vLLM)
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def _check_span(span: str, code: str, names_for_vllm: set[str]) -> list[str]:
+    """What in ``span`` names nothing that exists; names only vLLM can confirm go to ``names_for_vllm``."""
+    entry_point = re.fullmatch(r'(\w+) = "([\w.]+):(\w+)"', span)
+    if entry_point:  # an entry-point line: declared by one of the projects, and its target exists
+        ok = span in code and _resolve(f"{entry_point[2]}.{entry_point[3]}")
+        return [] if ok else [f"`{span}`: no project declares this entry point, or its target is missing"]
+    argv = span.split()
+    if argv[0] == "kvconn" and len(argv) > 1:
+        try:
+            _parse_kvconn(shlex.split(span)[1:])
+        except Exception as exc:
+            return [f"`{span}`: {exc}"]
+        return []
+    if argv[0] == "make":
+        targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.MULTILINE))
+        return [f"`{span}`: no make target {t!r}" for t in argv[1:] if t not in targets]
+    if argv[:2] == ["pip", "install"]:
+        paths = [argv[i + 1].split("[")[0] for i, a in enumerate(argv) if a == "-e"]
+        return [f"`{span}`: no project at {p}" for p in paths if not (REPO / p / "pyproject.toml").is_file()]
+    if "::" in span:
+        file, _, test = span.partition("::")
+        ok = (REPO / file).is_file() and f"def {test}(" in (REPO / file).read_text()
+        return [] if ok else [f"`{span}`: no such test"]
+    first = argv[0]
+    if "/" in first or re.search(r"\.(py|sh|json|toml)$", first) or first.startswith(".venv"):
+        if first.startswith(("$", "/", "~")):
+            return []  # a path on the user's machine
+        if (REPO / first).is_file() and first.endswith(".sh"):  # its arguments are modes its `case` handles
+            script = (REPO / first).read_text()
+            return [f"`{span}`: {first} has no mode {a!r}" for a in argv[1:] if not re.search(rf"\b{a}\)", script)]
+        exists = (REPO / first).exists() or first in code or any(REPO.glob(f"*/**/{first}"))
+        return [] if exists else [f"`{span}`: no file {first}"]
+    problems = []
+    for literal in _LITERAL.findall(span):
+        if literal and not re.search(r"[<:{ ]", literal) and f'"{literal}"' not in code and f"'{literal}'" not in code:
+            names_for_vllm.add(f'"{literal}"')
+    for dotted in _NAME.findall(_LITERAL.sub("", span)):
+        head = dotted.split(".")[0]
+        if dotted in _NOT_NAMES or len(dotted) == 1:
+            continue
+        if head.startswith("kvconn") and head != "kvconn_" and importlib.util.find_spec(head) is None:
+            import kvconn_vllm
+
+            if dotted not in kvconn_vllm.EXTRA_CONFIG_KEYS:
+                problems.append(f"`{span}`: {dotted} is neither a module nor a key kvconn_vllm reads")
+        elif head.startswith("kvconn"):
+            if not _resolve(dotted):
+                problems.append(f"`{span}`: {dotted} does not exist")
+        elif ns := next((ns for ns in _NAMESPACES if head in importlib.import_module(ns).__all__), None):
+            if not _resolve(f"{ns}.{dotted}"):
+                problems.append(f"`{span}`: {ns}.{dotted} does not exist")
+        elif dotted.startswith("VLLM_") and _ENV_VAR.fullmatch(dotted):
+            names_for_vllm.add(dotted)  # vLLM's environment variables are vLLM's to define
+        else:
+            names_for_vllm.update(w for w in dotted.split(".") if not re.search(rf"\b{w}\b", code))
+    return problems
+
+
+@pytest.mark.parametrize("path", NAME_CHECKED_DOCS, ids=lambda p: p.name)
+def test_names_in_prose_exist(path: Path, kvconn_code: str) -> None:
+    """Module paths, config keys, commands, files and kvconn names in the prose resolve (vLLM's: next test)."""
+    problems = [p for span in _prose_spans(path) for p in _check_span(span, kvconn_code, set())]
+    for alias, target in re.findall(r"`([\w.]+)`[^`]{0,60}? is an alias of `([\w.]+)`", path.read_text()):
+        exported = set(importlib.import_module(target).__all__)
+        if alias == target or not exported <= set(importlib.import_module(alias).__all__):
+            problems.append(f"`{alias}` is said to be an alias of `{target}`, and is not")
+    assert not problems, f"{path.name} names what the code does not have:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("path", NAME_CHECKED_DOCS, ids=lambda p: p.name)
+def test_vllm_names_in_prose_exist_in_vllm(path: Path, kvconn_code: str) -> None:
+    """The names kvconn's code does not define (vLLM's classes, hooks, fields, env vars) are in vLLM's source."""
+    source = _vllm_source()
+    if source is None:
+        pytest.skip("no vLLM source here to check vLLM's names against (make test-vllm builds .venv-vllm)")
+    wanted: set[str] = set()
+    for span in _prose_spans(path):
+        _check_span(span, kvconn_code, wanted)
+    text = _sources(source)
+    words = set(_WORD.findall(text))
+    # a quoted value is in vLLM's code quoted, or is one of its names (a config field given as a JSON key)
+    missing = sorted(w for w in wanted if w not in text and f"'{w[1:-1]}'" not in text and w.strip('"') not in words)
+    assert not missing, f"{path.name} names what neither kvconn nor vLLM ({source}) has: {missing}"
+
+
+@pytest.mark.parametrize(
+    ("span", "for_vllm"),
+    [
+        ("kvconn_vllm.tables.TableTrackr", ""),  # a misspelt class
+        ("kvconn_conector", ""),  # a config key the adapter does not read
+        ("kvconn validate NAME --engin vllm", ""),  # a flag the CLI does not have
+        ("ConnectorContext.blocksize", ""),
+        ("make test-vlm", ""),
+        ("pip install -e sdk -e adapters/vlm", ""),
+        ("scripts/install-vllm-venv.sh engines", ""),
+        ('kvconn = "kvconn_vllm:regster"', ""),
+        ("request_finished_all_group(request, block_ids)", "request_finished_all_group"),  # vLLM's to confirm
+        ("VLLM_CPU_KV_CACHE_SPACE", "VLLM_CPU_KV_CACHE_SPACE"),
+    ],
+)
+def test_a_wrong_name_is_caught(span: str, for_vllm: str, kvconn_code: str) -> None:
+    wanted: set[str] = set()
+    problems = _check_span(span, kvconn_code, wanted)
+    assert (problems, wanted) != ([], set())
+    if for_vllm:
+        assert wanted == {for_vllm} and not problems

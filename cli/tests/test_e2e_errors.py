@@ -8,6 +8,8 @@ and asserts the text the author reads.
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from collections.abc import Callable
 from importlib.metadata import distribution
 from pathlib import Path
@@ -126,7 +128,7 @@ def test_a_forgotten_entry_point_prints_the_pyproject_lines(
     intro = (
         "kvconn: warning: kvconn-forgot 0.3.0 looks like a kvconn connector but declares no entry point in the "
         "group 'kvconn.connectors', so it cannot be loaded by name; add these lines to its pyproject.toml, "
-        "then reinstall it (pip install -e <its directory>):\n"
+        f"then reinstall it: {shlex.join([sys.executable, '-m', 'pip', 'install', str(project)])}:\n"
     )
 
     listed = run_kvconn("list", env=env)

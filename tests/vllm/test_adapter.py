@@ -440,3 +440,19 @@ def test_the_hosts_bounds_are_set_from_vllms_extra_config() -> None:
     )
     adapter = KVConnVllmConnector(scheduler.vllm_config, KVConnectorRole.SCHEDULER, scheduler.kv_cache_config)
     assert (adapter.host.stall_steps, adapter.host.hook_budget_s) == (7, 0.5)
+
+
+def test_a_synchronous_hit_on_the_whole_prompt_leaves_vllm_a_token_to_compute(test_connectors: str) -> None:
+    # vLLM's scheduler asserts num_new_tokens > 0 after a synchronous load: the adapter cuts the hit to the
+    # whole blocks before the last token, as the reference engine does.
+    name = f"{test_connectors}:HandoffConnector"
+    scheduler = make_scheduler(name, {"delay_free": False, "hit_tokens": 64})
+    size = scheduler.block_size
+    loop = VllmLoop(scheduler)
+    scheduler.add_request(make_request("hit0", list(range(64)), max_tokens=2))
+    output, _ = loop.step()
+    assert output.has_sync_kv_loads
+    assert output.num_scheduled_tokens["hit0"] == 64 - (63 // size) * size  # computed: the last block's tokens
+    loaded = scheduler.connector.host.connectors[name]
+    loop.run()
+    assert "hit0" not in scheduler.requests and loaded.finished == ["hit0"]

@@ -24,6 +24,7 @@ import pytest
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "engine_run.py"
+EXAMPLE = HERE.parent.parent / "examples" / "vllm_offline.py"
 NETNS_HARNESS = HERE.parent.parent / "plugins" / "mooncake" / "tests" / "mooncake_netns.py"
 #: Per engine run: start-up (tens of seconds for a multiprocess engine on 2 busy cores) and the workload.
 RUN_TIMEOUT_S = 420
@@ -41,6 +42,16 @@ def _engine_error() -> str | None:
     return None
 
 
+def _example() -> types.ModuleType:
+    """examples/vllm_offline.py, imported (its model, workload and engine are what this tier runs)."""
+    if "vllm_offline" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("vllm_offline", EXAMPLE)
+        assert spec and spec.loader
+        sys.modules["vllm_offline"] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["vllm_offline"]
+
+
 ENGINE_ERROR = _engine_error()
 if ENGINE_ERROR and os.environ.get("CI") == "true":
     raise RuntimeError(f"CI=true but vLLM's CPU engine is not usable here ({ENGINE_ERROR}): run make test-vllm")
@@ -56,23 +67,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A 2-layer Llama with random weights large enough that the output depends on every KV value read.
-
-    Built here, so nothing is fetched; ``initializer_range`` 0.3 (not the usual
-    0.02) makes attention sharp, so a wrong block in the cache changes tokens.
-    """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, vocab_size=1024, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
-        initializer_range=0.3, tie_word_embeddings=False, torch_dtype="float32",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    return str(path)
+    """The example's 2-layer random-weight Llama (``vllm_offline.tiny_llama``): nothing is fetched."""
+    return _example().tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
 def engine_env(*, multiprocess: bool) -> dict[str, str]:

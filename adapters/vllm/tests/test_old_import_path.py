@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import kvconn_vllm
 
@@ -30,7 +32,8 @@ def test_without_the_adapter_the_alias_says_what_to_install() -> None:
     # sys.modules[name] = None makes `import kvconn_vllm` fail as if the distribution were absent.
     probe = _python("import sys; sys.modules['kvconn_vllm'] = None; import kvconn.adapters.vllm")
     assert probe.returncode == 1
+    adapter = Path(kvconn_vllm.__file__).parents[2]  # adapters/vllm in this checkout
     assert probe.stderr.strip().splitlines()[-1] == (
-        "ModuleNotFoundError: kvconn.adapters.vllm is the kvconn-vllm distribution: install it (`pip install "
-        "kvconn-vllm`, or `pip install -e adapters/vllm` in a kvconn checkout) to run kvconn connectors inside vLLM"
+        "ModuleNotFoundError: kvconn.adapters.vllm is the kvconn-vllm distribution: install it to run kvconn "
+        f"connectors inside vLLM: {shlex.join([sys.executable, '-m', 'pip', 'install', '-e', str(adapter)])}"
     )

@@ -10,11 +10,12 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
+from kvconn._install import install_extra
 from kvconn.reference.simulate import RunResult, Simulation, describe_local_cache
 
 from .errors import UsageError
 
-__all__ = ["plot_simulation", "require_matplotlib"]
+__all__ = ["draw_simulation", "plot_simulation", "require_matplotlib"]
 
 
 def require_matplotlib() -> Any:
@@ -25,9 +26,8 @@ def require_matplotlib() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UsageError(
-            "--plot needs matplotlib, which is not installed: pip install 'kvconn-cli[plot]' (or matplotlib)"
-        ) from None
+        install = install_extra("kvconn-cli", "plot", "cli")
+        raise UsageError(f"--plot needs matplotlib, which is not installed here: {install}") from None
     return plt
 
 
@@ -41,31 +41,60 @@ def _cumulative(run: RunResult) -> tuple[list[int], list[int], list[int], list[f
     return steps, computed, loaded, hit_rate
 
 
-def plot_simulation(result: Simulation, path: Path) -> None:
-    """Write a two-panel PNG to ``path``; :class:`UsageError` if matplotlib is missing or the file unwritable."""
+#: One per run, in order (the baseline first): runs with identical figures still show as separate lines.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
+#: About this many markers per line; each run's start at a different step, so equal lines show every run's.
+_MARKS_PER_LINE = 12
+
+
+def draw_simulation(result: Simulation) -> Any:
+    """The two-panel figure of ``result`` (a ``matplotlib.figure.Figure``): the caller saves and closes it.
+
+    Every run has its own color, marker and line style, and its markers sit at
+    steps offset from the other runs', so two runs with the same figures are
+    both visible. In the token panel a run's computed line has filled markers
+    and its loaded line hollow ones. The legends sit right of the panels,
+    outside the data.
+    """
     plt = require_matplotlib()
-    fig, (tokens_ax, rate_ax) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(3, 2))
+    fig, (tokens_ax, rate_ax) = plt.subplots(2, 1, figsize=(12, 7), sharex=True, height_ratios=(3, 2))
     w = result.workload
     fig.suptitle(f"kvconn simulate: {w.name}, {w.description}\n{describe_local_cache(result.shape)}", fontsize=10)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, run in enumerate([result.baseline, *result.runs]):
-        color = colors[i % len(colors)]
+    runs = [result.baseline, *result.runs]
+    for i, run in enumerate(runs):
         steps, computed, loaded, hit_rate = _cumulative(run)
-        tokens_ax.plot(steps, computed, color=color, label=f"{run.label}: computed")
+        stride = max(len(runs), len(steps) // _MARKS_PER_LINE)  # >= one step per run: distinct offsets
+        style = {
+            "color": colors[i % len(colors)],
+            "marker": _MARKERS[i % len(_MARKERS)],
+            "linestyle": _LINESTYLES[i % len(_LINESTYLES)],
+            "markevery": (i * stride // len(runs), stride),
+            "markersize": 5,
+        }
+        tokens_ax.plot(steps, computed, label=f"{run.label}: computed", **style)
         if run is not result.baseline:
-            tokens_ax.plot(steps, loaded, color=color, linestyle="--", label=f"{run.label}: loaded")
-            rate_ax.plot(steps, hit_rate, color=color, label=run.label)
+            tokens_ax.plot(steps, loaded, label=f"{run.label}: loaded", markerfacecolor="none", **style)
+            rate_ax.plot(steps, hit_rate, label=run.label, **style)
     tokens_ax.set_ylabel("prompt tokens (cumulative)")
-    tokens_ax.legend(fontsize=8, loc="upper left")
-    tokens_ax.grid(alpha=0.3)
     rate_ax.set_ylabel("loaded / prompt tokens so far (%)")
     rate_ax.set_xlabel("engine step")
     rate_ax.set_ylim(0, 100)
-    rate_ax.legend(fontsize=8, loc="lower right")
-    rate_ax.grid(alpha=0.3)
+    for ax in (tokens_ax, rate_ax):
+        if ax.lines:
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
+    return fig
+
+
+def plot_simulation(result: Simulation, path: Path) -> None:
+    """Write :func:`draw_simulation`'s figure to ``path`` as a PNG; :class:`UsageError` if that cannot be done."""
+    plt = require_matplotlib()
+    fig = draw_simulation(result)
     try:
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight": the legends outside the panels are kept
     except OSError as exc:
         raise UsageError(f"cannot write --plot {str(path)!r}: {exc.strerror or exc}") from None
     finally:

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import re
 from dataclasses import dataclass
-from importlib.metadata import distributions
+from importlib.metadata import Distribution, distributions
+from urllib.parse import urlsplit
+from urllib.request import url2pathname
 
 import kvconn
+from kvconn._install import pip_install
 from kvconn._plugins.registry import ENTRY_POINT_GROUP
 
 from .errors import UsageError
@@ -39,6 +43,7 @@ class Unregistered:
     version: str
     entry_name: str  # the connector name to declare: the distribution name without ``kvconn-``
     targets: tuple[str, ...]  # "package:Class" of the KVConnector subclasses found, or a placeholder
+    reinstall: str = "reinstall it from its project directory"  # the command, where pip recorded the directory
 
     def pyproject_lines(self) -> list[str]:
         """The lines to add to the distribution's ``pyproject.toml``."""
@@ -53,7 +58,7 @@ class Unregistered:
         return (
             f"{self.distribution} {self.version} looks like a kvconn connector but declares no entry point in "
             f"the group '{ENTRY_POINT_GROUP}', so it cannot be loaded by name; add these lines to its "
-            f"pyproject.toml, then reinstall it (pip install -e <its directory>):\n{body}"
+            f"pyproject.toml, then {self.reinstall}:\n{body}"
         )
 
 
@@ -84,6 +89,19 @@ def _connector_classes(package: str) -> tuple[str, ...]:
     )
 
 
+def _reinstall(dist: Distribution) -> tuple[str, ...]:
+    """``("reinstall it: <command>",)`` when pip recorded the directory ``dist`` came from (PEP 610), else ``()``."""
+    try:
+        direct = json.loads(dist.read_text("direct_url.json") or "null")
+    except ValueError:
+        return ()
+    if not isinstance(direct, dict) or "dir_info" not in direct or not str(direct.get("url")).startswith("file://"):
+        return ()
+    path = url2pathname(urlsplit(direct["url"]).path)
+    editable = ("-e",) if direct["dir_info"].get("editable") else ()
+    return (f"reinstall it: {pip_install(*editable, path)}",)
+
+
 def find_unregistered() -> list[Unregistered]:
     """Every installed distribution that looks like a connector and declares none, by name."""
     found: dict[str, Unregistered] = {}
@@ -99,7 +117,7 @@ def find_unregistered() -> list[Unregistered]:
         package = name.replace("-", "_")
         entry_name = name.removeprefix("kvconn-").replace("-", "_")
         targets = _connector_classes(package) or (f"{package}:<YourConnectorClass>",)
-        found[name] = Unregistered(name, dist.version, entry_name, targets)
+        found[name] = Unregistered(name, dist.version, entry_name, targets, *_reinstall(dist))
     return sorted(found.values(), key=lambda u: u.distribution)
 
 

@@ -89,6 +89,7 @@ SPECIFIC_FIXES = {
         ("KeepsFirstTable", "KV012", "in data run 'preempted-saves', step 55: the metadata pairs block 9 with the "
          "hash of block 3 of a3, but position 3 of its live table ([9, 2, 1, 8],) holds [8]"),
         ("DeferredSaver", "KV044", "in the 'fill-step-saves' data run, request 'b0' generated"),
+        ("CountsPendingSaves", "KV040", "failed to load though nothing failed: it claimed more tokens than it holds"),
     ],
 )  # fmt: skip
 def test_broken_connector_fails_its_check(connector: str, check_id: str, observed: str) -> None:
@@ -366,3 +367,25 @@ def test_a_sync_load_reported_finished_is_refused_by_the_host_and_reported_once_
     assert "failed in get_finished: BadHookAnswer: reported ['r3'] in finished_recving" in failed["KV010"]
     assert failed["KV010"].endswith(f"; fix: {ANSWER_FIX}")
     assert next(r for r in report.results if r.id == "KV031").status == "skipped"  # not run: KV010 failed first
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_load_error_reported_after_its_finished_load_fails(late: bool) -> None:
+    """docs/authoring.md: a load error comes with, or before, the request's finished load; after is too late."""
+    connector = BROKEN + "ReportsLoadErrorsLate" if late else STORE
+    with _quiet():
+        report = run_conformance(
+            connector, config={"load_async": True}, select="KV041", config_factory=_fresh_async_namespaces()
+        )
+    failed = _failed(report)
+    if not late:  # the same connector, reporting with its finished load, passes
+        assert report.result("KV041").status == "passed", failed
+        return
+    assert set(failed) == {"KV041"}
+    # the host refuses the late report: by then the load had finished and was no longer in flight
+    assert "which are not in its loads in flight" in failed["KV041"], failed["KV041"]
+
+
+def _fresh_async_namespaces() -> Callable[[str], dict[str, object]]:
+    fresh = _fresh_namespaces()
+    return lambda run: {**fresh(run), "load_async": True}

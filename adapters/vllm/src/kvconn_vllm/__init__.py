@@ -20,6 +20,7 @@ from typing import Any
 
 __all__ = [
     "CONNECTOR_CLASS",
+    "EXTRA_CONFIG_KEYS",
     "SHORT_NAME",
     "KVConnVllmConnector",
     "KVConnVllmMetadata",
@@ -33,6 +34,14 @@ __all__ = [
 SHORT_NAME = "kvconn"
 #: The class vLLM loads (``kv_connector`` when ``kv_connector_module_path`` is this module).
 CONNECTOR_CLASS = "KVConnVllmConnector"
+#: The keys of ``kv_connector_extra_config`` the adapter reads: the connector(s), their config, the host's options.
+EXTRA_CONFIG_KEYS = (
+    "kvconn_connector",
+    "kvconn_config",
+    "kvconn_on_error",
+    "kvconn_stall_steps",
+    "kvconn_hook_budget_s",
+)
 
 _LAZY = {"KVConnVllmConnector", "KVConnVllmMetadata", "KVConnVllmStats", "KVConnVllmWorkerMetadata"}
 

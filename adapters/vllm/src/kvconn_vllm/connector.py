@@ -48,7 +48,7 @@ from kvconn.host.wire import decode_metadata, encode_metadata
 from kvconn.metadata import KVConnectorMetadata as KVConnMetadata
 from kvconn.outputs import KVConnectorOutput
 
-from . import route_logs_to_vllm
+from . import EXTRA_CONFIG_KEYS, route_logs_to_vllm
 from .reports import ReportCollector, WorkerReport, encode_report
 from .tables import TableTracker
 from .translate import (
@@ -145,9 +145,7 @@ def _host_options(extra: dict[str, Any]) -> tuple[str | list[str], Any, dict[str
             '{"kvconn_connector": "offload"} or {"kvconn_connector": ["offload", "mooncake"]}; '
             f"got kvconn_connector={names!r} (see `kvconn list` for the installed ones)"
         )
-    options = {
-        key: extra[f"kvconn_{key}"] for key in ("on_error", "stall_steps", "hook_budget_s") if f"kvconn_{key}" in extra
-    }
+    options = {key.removeprefix("kvconn_"): extra[key] for key in EXTRA_CONFIG_KEYS[2:] if key in extra}
     return names, extra.get("kvconn_config"), options
 
 
@@ -239,10 +237,18 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         plan = self.host.get_num_new_matched_tokens(VllmRequestView(request), num_computed_tokens)
-        if plan.num_tokens is None:
+        num_tokens = plan.num_tokens
+        if num_tokens is None:
             return None, False
+        if num_tokens and not plan.load_async:
+            # After a synchronous load vLLM must have a token left to compute (it asserts num_new_tokens > 0):
+            # whole blocks that leave the last token, as kvconn's reference engine cuts every hit.
+            size = self.context.block_size
+            cut = max(0, (request.num_tokens - 1) // size * size - num_computed_tokens)
+            if num_tokens > cut:
+                num_tokens, plan = cut, LoadPlan(cut, False, plan.connector)
         self._plans[request.request_id] = (plan, num_computed_tokens)
-        return plan.num_tokens, plan.load_async and plan.num_tokens > 0
+        return num_tokens, plan.load_async and num_tokens > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Commit the planned load; vLLM's external tokens follow the block-aligned local hit."""

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 from typing import Any
 
+from kvconn._install import checkout_path
 from kvconn.block_state import BlockIds
 from kvconn.errors import ConnectorLoadError
 from kvconn.host import CallOutcome
@@ -35,6 +36,9 @@ from .reports import decode_report
 
 __all__ = ["VllmDriver", "load_driver"]
 
+#: Builds a venv with vLLM's scheduler (``scheduler``) or full CPU engine (``engine``), relative to the checkout.
+_VENV_SCRIPT = "scripts/install-vllm-venv.sh"
+
 
 def load_driver() -> DriverFactory:
     """The driver factory; :class:`ConnectorLoadError` when vLLM cannot be imported."""
@@ -43,9 +47,10 @@ def load_driver() -> DriverFactory:
     prepare_environment()
     error = vllm_import_error()
     if error is not None:
+        script = checkout_path(_VENV_SCRIPT) or f"{_VENV_SCRIPT} (in a kvconn checkout)"
         raise ConnectorLoadError(
             f"vLLM is not installed in this environment: {error} "
-            "(install it with scripts/install-vllm-venv.sh scheduler and run kvconn from that venv)"
+            f"(build a venv with it: {script} scheduler, then run kvconn from that venv)"
         )
     return VllmDriver
 

@@ -24,6 +24,7 @@ def new(
     As generated it installs with pip and passes `kvconn validate NAME`.
     """
     import kvconn
+    from kvconn._install import pip_install
 
     from ..output import note, warn
     from ..scaffold import Scaffold, write
@@ -37,8 +38,9 @@ def new(
     note(f"Created {scaffold.distribution} in {target}:")
     for path in written:
         note(f"  {path.relative_to(target)}")
-    note(f"\nNext (kvconn-sdk must be installed in this environment):\n  pip install -e {target}")
-    note(f"  kvconn validate {name}\n  pytest {target / 'tests'}")
+    where = target.resolve()  # the commands work from any directory
+    note(f"\nNext (kvconn-sdk must be installed in this environment):\n  {pip_install('-e', str(where))}")
+    note(f"  kvconn validate {name}\n  pytest {where / 'tests'}")
 
 
 def register(app: typer.Typer) -> None:

@@ -45,6 +45,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvconn._install import install_extra
+
 from .codes import OK, RPC_FAIL
 from .config import RealStoreSettings
 
@@ -66,9 +68,10 @@ def import_client() -> Callable[[], Any]:
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
+        install = install_extra("kvconn-mooncake", "store", "plugins/mooncake")
         raise ImportError(
-            f"the real Mooncake store needs its client: pip install 'kvconn-mooncake[store]' "
-            f"(mooncake-transfer-engine-non-cuda; Debian needs libibverbs1 librdmacm1): {exc}"
+            f"the real Mooncake store needs its client: {install} (on Debian also: apt-get install libibverbs1 "
+            f"librdmacm1; on a GPU host mooncake-transfer-engine instead): {exc}"
         ) from exc
     return MooncakeDistributedStore
 

@@ -14,9 +14,11 @@ try:
 except ModuleNotFoundError as exc:
     if exc.name != "kvconn_vllm":
         raise
+    from kvconn._install import install_project
+
     raise ModuleNotFoundError(
-        "kvconn.adapters.vllm is the kvconn-vllm distribution: install it (`pip install kvconn-vllm`, or "
-        "`pip install -e adapters/vllm` in a kvconn checkout) to run kvconn connectors inside vLLM",
+        "kvconn.adapters.vllm is the kvconn-vllm distribution: install it to run kvconn connectors inside vLLM: "
+        + install_project("adapters/vllm"),
         name=__name__,
     ) from None
 

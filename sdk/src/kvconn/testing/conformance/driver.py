@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
+from ..._install import install_project
 from ...block_state import BlockIds, KVConnectorBlockState
 from ...errors import ConnectorLoadError
 from ...host import ConnectorHost
@@ -205,7 +206,8 @@ _DRIVERS: dict[str, DriverFactory] = {}
 #: ``load()`` returns the factory, or raises ``ConnectorLoadError`` when the driver cannot run here.
 DRIVER_ENTRY_POINT_GROUP = "kvconn.conformance_drivers"
 #: Drivers that kvconn's own distributions ship, and which one: named when the driver is missing.
-_SHIPPED_BY = {"vllm": "kvconn-vllm"}
+#: Drivers kvconn's own distributions ship: name -> (distribution, its directory in a kvconn checkout).
+_SHIPPED_BY = {"vllm": ("kvconn-vllm", "adapters/vllm")}
 
 
 def register_driver(name: str, factory: DriverFactory) -> None:
@@ -236,7 +238,7 @@ def get_driver(name: str) -> DriverFactory:
         return _DRIVERS[name]
     except KeyError:
         fix = (
-            f"install {_SHIPPED_BY[name]}, which ships it"
+            f"install {_SHIPPED_BY[name][0]}, which ships it: {install_project(_SHIPPED_BY[name][1])}"
             if name in _SHIPPED_BY
             else "register one with kvconn.testing.conformance.register_driver"
         )
