@@ -153,6 +153,18 @@ def test_a_plugin_printing_at_import_leaves_the_json_intact(run_kvconn: RunKvcon
     assert "noisy plugin says hello" in proc.stderr
 
 
+def test_a_plugin_writing_to_file_descriptor_1_leaves_the_json_intact(
+    run_kvconn: RunKvconn, broken_env: dict[str, str]
+) -> None:
+    # os.write(1) at import and in start_load_kv, and C stdio's printf (buffered until exit) in the hook.
+    args = ("simulate", "--connector", "e2e-fd-writer", "--requests", "2", *ONE_PASS, "--json")
+    proc = run_kvconn(*args, env=broken_env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["runs"][0]["label"] == "e2e-fd-writer"
+    for written in ("raw bytes on fd 1 at import", "raw bytes on fd 1 in start_load_kv", "buffered C stdio"):
+        assert written in proc.stderr
+
+
 def test_failing_hooks_are_summed_up_one_line_each_without_traceback(run_kvconn: RunKvconn) -> None:
     config = json.dumps({"fail_hook": "save_kv_layer"})
     proc = run_kvconn("simulate", "--connector", MEMORY, "--config", config, "--requests", "2", *ONE_PASS)
