@@ -161,20 +161,18 @@ def isolation(config: Config) -> dict[str, Any]:
     """
     work = prompts(2, 48, 5, seed=3)
     hits, exact = {}, {}
-    with Engine("mooncake", config, model="model-a") as writer:
+    writer_options = {"model": "model-a", "tp_size": 2}  # rank 0 of two
+    with Engine("mooncake", config, **writer_options) as writer:
         writer.generate(work, max_tokens=2)
-        for name, options in {
-            "same": {"model": "model-a"},
+        for name, changed in {
+            "same": {},
             "other_model": {"model": "model-b"},
-            "other_tp_rank": {"model": "model-a", "tp_rank": 1},
-            "other_dtype": {"model": "model-a", "dtype": "bfloat16"},
-            "comma_layers": {
-                "model": "model-a",
-                "kv_cache_groups": (KVCacheGroupSpec(("layer.0,layer.1",)),),
-                "head_dim": 16,
-            },
-            "other_shape": {"model": "model-a", "num_kv_heads": 4, "head_dim": 4},
+            "other_tp_rank": {"tp_rank": 1},
+            "other_dtype": {"dtype": "bfloat16"},
+            "comma_layers": {"kv_cache_groups": (KVCacheGroupSpec(("layer.0,layer.1",)),), "head_dim": 16},
+            "other_shape": {"num_kv_heads": 4, "head_dim": 4},
         }.items():
+            options = {**writer_options, **changed}
             with Engine("mooncake", config, **options) as reader:
                 tokens = reader.generate(work, max_tokens=8)
                 hits[name] = reader.stats.prompt_tokens_loaded

@@ -21,6 +21,7 @@ from ..host.wire import (
     encode_model_runner_output,
     encode_scheduler_output,
 )
+from .model import check_dtype
 from .request import Request
 from .scheduler import Scheduler
 from .shape import EngineShape
@@ -42,7 +43,8 @@ class Engine:
         on_error: the hosts' error policy (``"degrade"`` or ``"raise"``).
         stall_steps, hook_budget_s: the hosts' bounds on a stalling or slow
             connector (:class:`~kvconn.ConnectorHost`).
-        model, dtype: engine facts connectors may namespace keys with.
+        model, dtype, tp_rank, tp_size: engine facts connectors may namespace keys with
+            (the engine is rank ``tp_rank`` of ``tp_size``).
         device: where the KV caches live (``"cuda"`` runs connectors against accelerator memory).
         shape: the engine's KV cache and batch limits (default: :class:`EngineShape`'s defaults).
         **scheduler_options: fields of :class:`EngineShape` to change in ``shape``
@@ -61,17 +63,20 @@ class Engine:
         model: str = "kvconn-reference",
         dtype: str = "float16",
         tp_rank: int = 0,
+        tp_size: int = 1,
         device: str = "cpu",
         shape: EngineShape | None = None,
         **scheduler_options: Any,
     ) -> None:
         self.shape = shape = EngineShape.from_options(shape, **scheduler_options)
+        check_dtype(dtype)  # before any connector is loaded for it
         self.context = ConnectorContext(
             model=model,
             dtype=dtype,
             block_size=shape.block_size,
             kv_cache_groups=shape.kv_cache_groups,
             tp_rank=tp_rank,
+            tp_size=tp_size,
             num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_dim,
         )
@@ -112,6 +117,8 @@ class Engine:
         return stats
 
     def add_request(self, prompt: Sequence[int], max_tokens: int = 16, request_id: str | None = None) -> Request:
+        """Queue a request; ``ValueError`` for a prompt of token ids outside the model's vocabulary."""
+        self.worker.model.check_token_ids(prompt, "prompt token ids")
         request = Request(
             request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt,
