@@ -145,9 +145,8 @@ def _host_options(extra: dict[str, Any]) -> tuple[str | list[str], Any, dict[str
             '{"kvconn_connector": "offload"} or {"kvconn_connector": ["offload", "mooncake"]}; '
             f"got kvconn_connector={names!r} (see `kvconn list` for the installed ones)"
         )
-    options = {
-        key: extra[f"kvconn_{key}"] for key in ("on_error", "stall_steps", "hook_budget_s") if f"kvconn_{key}" in extra
-    }
+    keys = ("on_error", "stall_steps", "hook_budget_s", "max_slow_calls")
+    options = {key: extra[f"kvconn_{key}"] for key in keys if f"kvconn_{key}" in extra}
     return names, extra.get("kvconn_config"), options
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..connector import KVConnectorRole
 from ..context import ConnectorContext
-from ..host import DEFAULT_HOOK_BUDGET_S, DEFAULT_STALL_STEPS, ConnectorHost, OnError
+from ..host import DEFAULT_HOOK_BUDGET_S, DEFAULT_MAX_SLOW_CALLS, DEFAULT_STALL_STEPS, ConnectorHost, OnError
 from ..host.wire import (
     decode_model_runner_output,
     decode_scheduler_output,
@@ -41,8 +41,8 @@ class Engine:
         worker_config: the worker side's config where it differs from ``config``
             (a test giving the worker a fresh store namespace, say).
         on_error: the hosts' error policy (``"degrade"`` or ``"raise"``).
-        stall_steps, hook_budget_s: the hosts' bounds on a stalling or slow
-            connector (:class:`~kvconn.ConnectorHost`).
+        stall_steps, hook_budget_s, max_slow_calls: the hosts' bounds on a stalling
+            or slow connector (:class:`~kvconn.ConnectorHost`).
         model, dtype, tp_rank, tp_size: engine facts connectors may namespace keys with
             (the engine is rank ``tp_rank`` of ``tp_size``).
         device: where the KV caches live (``"cuda"`` runs connectors against accelerator memory).
@@ -60,6 +60,7 @@ class Engine:
         on_error: OnError = "degrade",
         stall_steps: int = DEFAULT_STALL_STEPS,
         hook_budget_s: float | None = DEFAULT_HOOK_BUDGET_S,
+        max_slow_calls: int | None = DEFAULT_MAX_SLOW_CALLS,
         model: str = "kvconn-reference",
         dtype: str = "float16",
         tp_rank: int = 0,
@@ -92,6 +93,7 @@ class Engine:
                     on_error=on_error,
                     stall_steps=stall_steps,
                     hook_budget_s=hook_budget_s,
+                    max_slow_calls=max_slow_calls,
                 )
                 for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
             )
