@@ -22,15 +22,17 @@ from hypothesis import strategies as st
 
 from kvconn import (
     ConnectorConfigError,
+    ConnectorContext,
     ConnectorLoadError,
     ConnectorNotFoundError,
+    KVCacheGroupSpec,
     KVConnectorMetadata,
     WireError,
     load_connector,
 )
 from kvconn.host.wire import decode_model_runner_output, decode_scheduler_output, encode_scheduler_output
 from kvconn.outputs import CachedRequestData, SchedulerOutput
-from kvconn.reference import Engine
+from kvconn.reference import Engine, EngineShape
 from kvconn_cli.config_input import read_config
 from kvconn_cli.errors import UsageError
 
@@ -153,6 +155,69 @@ CATALOGUE: dict[str, Case] = {
         lambda: Engine(num_blocks=16).add_request([1] * 300, max_tokens=4),
         ValueError,
         "can never fit the KV cache",
+    ),
+    "engine: an integer KV dtype": Case(
+        lambda: Engine(dtype="int8"),
+        ValueError,
+        "dtype must be one of float16, bfloat16, float32, float64 for the reference engine, got 'int8'",
+    ),
+    "engine: a dtype that does not exist": Case(
+        lambda: Engine(dtype="bogus"), ValueError, "dtype must be one of float16, bfloat16, float32, float64"
+    ),
+    "engine: a sliding window of 0 tokens": Case(
+        lambda: Engine(kv_cache_groups=(KVCacheGroupSpec(("layer.0",), sliding_window=0),)),
+        ValueError,
+        "KVCacheGroupSpec sliding_window must be >= 1 token (or None for full attention), got 0",
+    ),
+    "engine: a negative sliding window": Case(
+        lambda: Engine(kv_cache_groups=[{"layer_names": ["layer.0"], "sliding_window": -5}]),
+        ValueError,
+        "sliding_window must be >= 1 token (or None for full attention), got -5",
+    ),
+    "engine: a KV-cache group with no layers": Case(
+        lambda: Engine(kv_cache_groups=(KVCacheGroupSpec(()),)),
+        ValueError,
+        "KVCacheGroupSpec layer_names must name at least one layer, got none",
+    ),
+    "engine: a layer named twice": Case(
+        lambda: Engine(kv_cache_groups=(KVCacheGroupSpec(("layer.0",)), KVCacheGroupSpec(("layer.0",), 32))),
+        ValueError,
+        "EngineShape kv_cache_groups: layer 'layer.0' is named twice (groups 0 and 1)",
+    ),
+    "engine: a layer named twice in one group": Case(
+        lambda: EngineShape(kv_cache_groups=(KVCacheGroupSpec(("layer.0", "layer.0")),)),
+        ValueError,
+        "layer 'layer.0' is named twice (groups 0 and 0)",
+    ),
+    "engine: a negative token id": Case(
+        lambda: Engine().add_request([5, -1, 7], max_tokens=4),
+        ValueError,
+        "prompt token ids must be integers in [0, 32000) (the reference model's vocabulary), got -1 at position 1",
+    ),
+    "engine: a token id past 2**63": Case(
+        lambda: Engine().add_request([2**70], max_tokens=4),
+        ValueError,
+        f"prompt token ids must be integers in [0, 32000) (the reference model's vocabulary), got {2**70} at position",
+    ),
+    "context: block_size 0 (offload)": Case(
+        lambda: load_connector("offload", role="worker", context=ConnectorContext(block_size=0)),
+        ValueError,
+        "ConnectorContext block_size must be >= 1, got 0",
+    ),
+    "context: block_size 0 (mooncake)": Case(
+        lambda: load_connector("mooncake", role="scheduler", context=ConnectorContext(block_size=0)),
+        ValueError,
+        "ConnectorContext block_size must be >= 1, got 0",
+    ),
+    "context: a tensor-parallel rank outside the group": Case(
+        lambda: ConnectorContext(tp_rank=2, tp_size=2),
+        ValueError,
+        "ConnectorContext tp_rank must be in [0, tp_size=2), got 2",
+    ),
+    "context: a layer named twice": Case(
+        lambda: ConnectorContext(kv_cache_groups=(KVCacheGroupSpec(("a", "b")), KVCacheGroupSpec(("b",)))),
+        ValueError,
+        "ConnectorContext kv_cache_groups: layer 'b' is named twice (groups 0 and 1)",
     ),
     "config: nested too deeply": Case(
         lambda: read_config("[" * 100_000 + "]" * 100_000, None),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -198,7 +199,7 @@ def test_a_hook_over_the_time_budget_is_warned_about_once_and_counted(caplog: py
     path = f"{__name__}:SlowSaves"
     with (
         caplog.at_level(logging.WARNING, logger="kvconn.host"),
-        Engine(path, hook_budget_s=0.005) as engine,
+        Engine(path, hook_budget_s=0.005, max_slow_calls=None) as engine,  # warn and count only
     ):
         engine.generate([workload()[0]], max_tokens=3)
     host = engine.worker_host
@@ -207,6 +208,72 @@ def test_a_hook_over_the_time_budget_is_warned_about_once_and_counted(caplog: py
     warned = [r.getMessage() for r in caplog.records if "hook budget" in r.getMessage()]
     assert len(warned) == 1 and path in warned[0] and "wait_for_save" in warned[0]
     assert not host.slow_calls.keys() - {(path, "wait_for_save")}
+
+
+class Overruns(memory_connector.MemoryConnector):
+    """Every call of its ``hook`` takes 30 ms (a stand-in for one that never returns), counted in ``calls``."""
+
+    hook: ClassVar[str] = "wait_for_save"
+    calls: ClassVar[int] = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        work = getattr(self, self.hook)
+
+        @functools.wraps(work)  # the hook's own arguments: the host passes those its signature names
+        def overrun(*call_args: Any) -> Any:
+            Overruns.calls += 1
+            time.sleep(0.03)
+            return work(*call_args)
+
+        setattr(self, self.hook, overrun)
+
+    def wait_for_save(self) -> None:
+        """Its saves are synchronous: nothing to wait for (but the time it takes)."""
+
+
+@pytest.mark.parametrize("hook", ["start_load_kv", "get_num_new_matched_tokens", "wait_for_save"])
+def test_a_connector_over_the_budget_in_calls_in_a_row_is_degraded_for_the_rest_of_the_run(
+    hook: str, expected: list[list[int]], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(Overruns, "hook", hook)
+    monkeypatch.setattr(Overruns, "calls", 0)
+    path = f"{__name__}:Overruns"
+    with (
+        caplog.at_level(logging.WARNING, logger="kvconn.host"),
+        Engine(path, enable_prefix_caching=False, hook_budget_s=0.01, max_slow_calls=3) as engine,
+    ):
+        outputs = run_sequential(engine) + run_sequential(engine)
+    assert outputs == expected * 2  # degraded: no more loads or saves from it, exact tokens
+    assert Overruns.calls == 3 < engine.stats.steps  # later steps no longer wait on it
+    host = engine.worker_host if hook in ("start_load_kv", "wait_for_save") else engine.scheduler_host
+    assert host is not None and host.error_counts[(path, hook)] == 1 and host.slow_calls[(path, hook)] == 3
+    (line,) = [r.getMessage() for r in caplog.records if "rest of the run" in r.getMessage()]
+    assert path in line and hook in line and "3 calls in a row took longer than the hook budget of 0.01 s" in line
+    assert engine.stats.degraded_events > 0
+    assert_scheduler_empty(engine.scheduler, connectors=False)
+
+
+class SometimesSlow(memory_connector.MemoryConnector):
+    """Every other ``wait_for_save`` takes 30 ms: slow now and then (a store's own deadline), never in a row."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.saves = 0
+
+    def wait_for_save(self) -> None:
+        self.saves += 1
+        if self.saves % 2:
+            time.sleep(0.03)
+
+
+def test_a_connector_slow_now_and_then_is_only_counted() -> None:
+    path = f"{__name__}:SometimesSlow"
+    with Engine(path, enable_prefix_caching=False, hook_budget_s=0.01, max_slow_calls=2) as engine:
+        run_sequential(engine)
+    host = engine.worker_host
+    assert host is not None and host.slow_calls[(path, "wait_for_save")] >= 2 and not host.error_counts
+    assert engine.stats.prompt_tokens_loaded > 0  # it kept loading
 
 
 # --------------------------------------------------------------------------- garbage KV (item 7)

@@ -54,6 +54,24 @@ _BROKEN_MODULES = {
                 super().__init__(*args, **kwargs)
                 print("noisy connector started")
     """,
+    "fd_writer": """
+        import ctypes
+        import os
+
+        from kvconn_dummy import DummyConnector
+
+        os.write(1, b"fd-writer: raw bytes on fd 1 at import\\n")
+        _libc = ctypes.CDLL(None)
+
+
+        class Connector(DummyConnector):
+            \"\"\"Writes to file descriptor 1 below sys.stdout, as a C extension does, at import and in hooks.\"\"\"
+
+            def start_load_kv(self, metadata):
+                os.write(1, b"fd-writer: raw bytes on fd 1 in start_load_kv\\n")
+                _libc.printf(b"fd-writer: buffered C stdio in start_load_kv\\n")
+                super().start_load_kv(metadata)
+    """,
     "leaky": """
         from kvconn_dummy import DummyConnector
 

@@ -153,6 +153,53 @@ def test_a_plugin_printing_at_import_leaves_the_json_intact(run_kvconn: RunKvcon
     assert "noisy plugin says hello" in proc.stderr
 
 
+def test_a_plugin_writing_to_file_descriptor_1_leaves_the_json_intact(
+    run_kvconn: RunKvconn, broken_env: dict[str, str]
+) -> None:
+    # os.write(1) at import and in start_load_kv, and C stdio's printf (buffered until exit) in the hook.
+    args = ("simulate", "--connector", "e2e-fd-writer", "--requests", "2", *ONE_PASS, "--json")
+    proc = run_kvconn(*args, env=broken_env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["runs"][0]["label"] == "e2e-fd-writer"
+    for written in ("raw bytes on fd 1 at import", "raw bytes on fd 1 in start_load_kv", "buffered C stdio"):
+        assert written in proc.stderr
+
+
+def test_faults_of_the_warm_up_round_are_reported_in_the_json_and_the_table(
+    run_kvconn: RunKvconn, tmp_path: Path
+) -> None:
+    # A store that is down while the simulation warms up (round 0, pass 0 names its model ...@0.0), fine after.
+    (tmp_path / "warm_up_faults.py").write_text(
+        textwrap.dedent(
+            """
+            import msgspec
+            from kvconn.testing.memory_connector import MemoryConnector
+
+
+            class DownInTheWarmUp(MemoryConnector):
+                def __init__(self, config=None, **kwargs):
+                    super().__init__(config, **kwargs)
+                    if self.context.model.endswith("@0.0"):
+                        self.config = msgspec.structs.replace(self.config, fail_from_block=0)
+                        self.request_finished = self._injected_failure
+            """
+        )
+    )
+    args = ("simulate", "--connector", "warm_up_faults:DownInTheWarmUp", *SMALL, "--repeats", "2")
+    proc = run_kvconn(*args, "--json", env=env_with_path(tmp_path))
+    assert proc.returncode == 0, proc.stderr  # failed loads are recomputed: exact tokens
+    (run,) = json.loads(proc.stdout)["runs"]
+    assert run["fault_passes"] == 3 and run["failed_load_blocks"] > 0 and run["degraded_events"] > 0
+    (failure,) = run["hook_failures"]
+    assert failure["hook"] == "request_finished" and failure["count"] > 0
+    assert "failed in request_finished" in proc.stderr
+    table = run_kvconn(*args, env=env_with_path(tmp_path))
+    rows = [line for line in table.stdout.splitlines() if line.startswith(("degraded events", "failed load"))]
+    # the last column is the connector's run (the first the baseline's: no connector, no faults)
+    assert [row.split()[-1] for row in rows] == [f"{run['degraded_events']:,}", f"{run['failed_load_blocks']:,}"]
+    assert all("(every pass)" in row for row in rows)
+
+
 def test_failing_hooks_are_summed_up_one_line_each_without_traceback(run_kvconn: RunKvconn) -> None:
     config = json.dumps({"fail_hook": "save_kv_layer"})
     proc = run_kvconn("simulate", "--connector", MEMORY, "--config", config, "--requests", "2", *ONE_PASS)

@@ -97,6 +97,17 @@ def test_validate_all_reports_every_connector(run_kvconn: RunKvconn, broken_env:
     assert reports["e2e-leaky"]["passed"] == 1 and reports["e2e-noisy"]["passed"] == 1
 
 
+def test_a_plugin_writing_to_file_descriptor_1_leaves_the_json_intact(
+    run_kvconn: RunKvconn, broken_env: dict[str, str]
+) -> None:
+    # os.write(1) at import and in start_load_kv, and C stdio's printf (buffered until exit) in the hook.
+    proc = run_kvconn("validate", "e2e-fd-writer", "--json", env=broken_env)
+    assert proc.returncode == 0, proc.stderr
+    assert _reports(proc)["e2e-fd-writer"]["failed"] == 0
+    for written in ("raw bytes on fd 1 at import", "raw bytes on fd 1 in start_load_kv", "buffered C stdio"):
+        assert written in proc.stderr
+
+
 def test_validate_all_of_healthy_plugins(run_kvconn: RunKvconn, make_env: Callable[..., dict[str, str]]) -> None:
     proc = run_kvconn("validate", "--all", "--json", "--check", FIRST_CHECK.id, env=make_env(KVCONN_PLUGINS="dummy"))
     assert proc.returncode == 0, proc.stderr

@@ -8,11 +8,13 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvconn import ConnectorNotFoundError, ConnectorRequest, KVConnector, KVConnectorMetadata
 from kvconn.reference.simulate import SIMULATE_SHAPE, Clock, ConnectorSetup, RunResult, run_workload, simulate
 from kvconn.reference.workloads import Workload, WorkloadRequest, make_workload
+from kvconn.testing.memory_connector import MemoryConfig, MemoryConnector, fresh_namespace
 
 MEMORY = "kvconn.testing.memory_connector:MemoryConnector"
 NO_LOCAL_CACHE = SIMULATE_SHAPE.replace(enable_prefix_caching=False)
@@ -31,6 +33,29 @@ class LyingConnector(KVConnector):
 
     def build_connector_meta(self, scheduler_output: object, block_state: object) -> KVConnectorMetadata:
         return KVConnectorMetadata()
+
+
+#: The model name of the warm-up round's engines (round 0, pass 0): every pass names its own.
+WARM_UP_MODEL = "kvconn-reference@0.0"
+
+
+class DownInTheWarmUpConnector(MemoryConnector):
+    """A store that is down during the warm-up round only: its loads fail and ``request_finished`` raises there."""
+
+    def __init__(self, config: MemoryConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        if self.context.model == WARM_UP_MODEL:
+            self.config = msgspec.structs.replace(self.config, fail_from_block=0, fail_hook="request_finished")
+            self.request_finished = self._injected_failure  # type: ignore[method-assign,assignment]
+
+
+class LyingInTheWarmUpConnector(LyingConnector):
+    """Lies (claims every prefix, writes nothing) during the warm-up round only, and claims nothing later."""
+
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        if self.context.model != WARM_UP_MODEL:
+            return 0, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
 
 def test_a_saving_connector_loads_what_the_baseline_computes_and_matches_its_output() -> None:
@@ -59,6 +84,49 @@ def test_degraded_events_are_counted_in_the_result() -> None:
     run = run_workload(workload, NO_LOCAL_CACHE, setup)
     assert run.stats.degraded_events > 0
     assert run.to_dict()["degraded_events"] == run.stats.degraded_events
+
+
+def test_faults_of_every_round_are_counted_the_warm_up_included() -> None:
+    workload = make_workload("shared-prefix", 6, seed=0)
+
+    def down() -> ConnectorSetup:  # in a store namespace of its own: the runs must not share blocks
+        return ConnectorSetup((f"{__name__}:DownInTheWarmUpConnector",), fresh_namespace("down"))
+
+    warm_up_alone = run_workload(workload, NO_LOCAL_CACHE, down(), model=WARM_UP_MODEL)  # what the warm-up does
+    assert warm_up_alone.stats.failed_load_blocks > 0 and warm_up_alone.hook_failures
+    sim = simulate(workload, [down()], NO_LOCAL_CACHE, repeats=2, min_round_s=0)
+    run = sim.runs[0]
+    assert run.stats.failed_load_blocks == warm_up_alone.stats.failed_load_blocks
+    assert run.stats.degraded_events == warm_up_alone.stats.degraded_events > 0
+    assert run.hook_failures == warm_up_alone.hook_failures
+    assert run.fault_passes == 3  # the warm-up and two timed rounds of one pass
+    assert run.hook_failures[0].hook == "request_finished" and "injected failure" in run.hook_failures[0].first_error
+    doc = sim.to_dict()["runs"][0]
+    assert doc["failed_load_blocks"] == run.stats.failed_load_blocks and doc["fault_passes"] == 3
+    assert doc["hook_failures"][0]["count"] == run.hook_failures[0].count
+    assert sim.verified  # failed loads were recomputed: faults, not wrong tokens
+
+
+def test_fault_counts_add_up_every_pass_of_every_round() -> None:
+    workload = make_workload("shared-prefix", 2, seed=0)
+    failing = ConnectorSetup((MEMORY,), {"fail_hook": "save_kv_layer"})
+    one_pass = run_workload(workload, NO_LOCAL_CACHE, failing)
+    sim = simulate(workload, [failing], NO_LOCAL_CACHE, repeats=2, min_round_s=0)
+    run = sim.runs[0]
+    assert run.stats.degraded_events == 3 * one_pass.stats.degraded_events > 0
+    (failure,) = run.hook_failures
+    assert failure.count == 3 * one_pass.hook_failures[0].count
+    assert run.stats.prompt_tokens_computed == one_pass.stats.prompt_tokens_computed  # a pass's, not summed
+
+
+def test_a_wrong_load_in_the_warm_up_round_is_a_mismatch() -> None:
+    sim = simulate(
+        make_workload("shared-prefix", 6, seed=0),
+        [ConnectorSetup((f"{__name__}:LyingInTheWarmUpConnector",))],
+        NO_LOCAL_CACHE,
+        min_round_s=0,
+    )
+    assert not sim.verified and sim.runs[0].mismatched
 
 
 def test_a_wrong_load_is_reported_as_a_mismatch() -> None:

@@ -436,10 +436,10 @@ def test_the_hosts_bounds_are_set_from_vllms_extra_config() -> None:
 
     scheduler = make_scheduler("dummy")
     scheduler.vllm_config.kv_transfer_config.kv_connector_extra_config.update(
-        {"kvconn_stall_steps": 7, "kvconn_hook_budget_s": 0.5}
+        {"kvconn_stall_steps": 7, "kvconn_hook_budget_s": 0.5, "kvconn_max_slow_calls": 5}
     )
     adapter = KVConnVllmConnector(scheduler.vllm_config, KVConnectorRole.SCHEDULER, scheduler.kv_cache_config)
-    assert (adapter.host.stall_steps, adapter.host.hook_budget_s) == (7, 0.5)
+    assert (adapter.host.stall_steps, adapter.host.hook_budget_s, adapter.host.max_slow_calls) == (7, 0.5, 5)
 
 
 def test_a_synchronous_hit_on_the_whole_prompt_leaves_vllm_a_token_to_compute(test_connectors: str) -> None:

@@ -10,7 +10,9 @@ everything heavy (kvconn, rich, plugins) inside the command, so ``kvconn
 becomes ``kvconn: error: <one line>`` with its exit code, a usage error click
 finds (unknown option, bad value) the same line with exit code 2, and any
 other exception a one-line internal error — the traceback only with
-``--debug`` or ``KVCONN_DEBUG=1``. ``-h`` is ``--help`` everywhere.
+``--debug`` or ``KVCONN_DEBUG=1``. ``-h`` is ``--help`` everywhere. It also
+keeps stdout for the data below Python (:func:`~kvconn_cli.output.reserve_stdout`):
+what plugins write to file descriptor 1 goes to stderr.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import typer
 
 from . import __version__
 from .errors import EXIT_FAILURE, CLIError
-from .output import error
+from .output import error, reserve_stdout
 
 __all__ = ["COMMAND_MODULES", "app", "main"]
 
@@ -74,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        code = typer.main.get_command(app).main(args=args, prog_name="kvconn", standalone_mode=False)
+        with reserve_stdout():
+            code = typer.main.get_command(app).main(args=args, prog_name="kvconn", standalone_mode=False)
     except NoArgsIsHelpError as exc:  # `kvconn` alone: the help, on stderr (it is not the requested output)
         exc.show()
         sys.exit(exc.exit_code)

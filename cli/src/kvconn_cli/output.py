@@ -6,14 +6,24 @@ printed as given: no emoji codes (``nomod:X:`` stays as it is). When stdout is
 not a terminal, tables are plain columns that are never wrapped (like ``pip
 list``), so they can be read by ``grep``, ``awk`` and people alike. rich is
 imported on first use: ``kvconn --help`` and the JSON paths do not pay for it.
+
+stdout is kept for the data below Python too (:func:`reserve_stdout`, around
+every command of the ``kvconn`` executable): file descriptor 1 is pointed at
+stderr, so bytes a plugin writes there (``os.write(1, ...)``, a C extension's
+``printf``) land on stderr, and ``sys.stdout`` writes to a private copy of the
+real stdout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
+import os
 import sys
 import traceback
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -22,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SCHEMA_VERSION",
+    "child_stdout",
     "err_console",
     "error",
     "note",
@@ -29,6 +40,7 @@ __all__ = [
     "print_json",
     "print_table",
     "print_traceback",
+    "reserve_stdout",
     "warn",
 ]
 
@@ -105,3 +117,72 @@ def warn(message: str) -> None:
 def print_traceback(exc: BaseException) -> None:
     """The full traceback of ``exc`` (with its causes) on stderr; for ``--debug``."""
     sys.stderr.write("".join(traceback.format_exception(exc)))
+
+
+@contextlib.contextmanager
+def reserve_stdout() -> Iterator[None]:
+    """Keep the process's stdout for the command's data, at the file-descriptor level.
+
+    While it runs, descriptor 1 is a copy of stderr, and ``sys.stdout`` (when
+    it is the process's stdout, not a test's capture) writes to a private
+    descriptor holding the real stdout; children started with ``stdout=sys.stdout``
+    get the real one. On the way out C stdio's buffers are flushed (a
+    ``printf`` still buffered lands on stderr, not after the data) and
+    descriptor 1 is restored. Python-level ``print`` from plugins is redirected
+    separately, around the calls into them.
+    """
+    original = sys.stdout
+    try:
+        original.flush()
+        writes_fd_1 = original.fileno() == 1
+    except (AttributeError, OSError, ValueError):  # no stdout, or a stream without a descriptor
+        writes_fd_1 = False
+    try:
+        saved = os.dup(1)
+    except OSError:  # descriptor 1 is closed: nothing of ours or theirs reaches a stdout
+        yield
+        return
+    os.dup2(2, 1)
+    data = None
+    if writes_fd_1:
+        data = io.TextIOWrapper(
+            io.FileIO(saved, "w", closefd=False),
+            encoding=original.encoding,
+            errors=original.errors,
+            line_buffering=bool(original.line_buffering),
+        )
+        sys.stdout = data
+    try:
+        yield
+    finally:
+        for stream in (data, original, sys.__stdout__):
+            if stream is not None:
+                stream.flush()  # Python's buffers: the data to the real stdout, anything else to stderr
+        _flush_c_stdio()
+        os.dup2(saved, 1)
+        if data is not None:
+            data.close()  # the wrapper only: the descriptor is closed next
+        os.close(saved)
+        sys.stdout = original
+
+
+def child_stdout() -> int | None:
+    """The ``stdout=`` for a child process whose output is the command's data: the real stdout's descriptor.
+
+    Under :func:`reserve_stdout` descriptor 1 is stderr, so a child must be
+    given this one; ``None`` (inherit) where ``sys.stdout`` has no descriptor.
+    """
+    sys.stdout.flush()
+    try:
+        return sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _flush_c_stdio() -> None:
+    """``fflush(NULL)``: what C code printed into its stdio buffers goes out now, while fd 1 is stderr."""
+    import ctypes
+
+    # No C library to reach (not a POSIX system): then nothing is buffered there either.
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(None).fflush(None)

@@ -161,20 +161,18 @@ def isolation(config: Config) -> dict[str, Any]:
     """
     work = prompts(2, 48, 5, seed=3)
     hits, exact = {}, {}
-    with Engine("mooncake", config, model="model-a") as writer:
+    writer_options = {"model": "model-a", "tp_size": 2}  # rank 0 of two
+    with Engine("mooncake", config, **writer_options) as writer:
         writer.generate(work, max_tokens=2)
-        for name, options in {
-            "same": {"model": "model-a"},
+        for name, changed in {
+            "same": {},
             "other_model": {"model": "model-b"},
-            "other_tp_rank": {"model": "model-a", "tp_rank": 1},
-            "other_dtype": {"model": "model-a", "dtype": "bfloat16"},
-            "comma_layers": {
-                "model": "model-a",
-                "kv_cache_groups": (KVCacheGroupSpec(("layer.0,layer.1",)),),
-                "head_dim": 16,
-            },
-            "other_shape": {"model": "model-a", "num_kv_heads": 4, "head_dim": 4},
+            "other_tp_rank": {"tp_rank": 1},
+            "other_dtype": {"dtype": "bfloat16"},
+            "comma_layers": {"kv_cache_groups": (KVCacheGroupSpec(("layer.0,layer.1",)),), "head_dim": 16},
+            "other_shape": {"num_kv_heads": 4, "head_dim": 4},
         }.items():
+            options = {**writer_options, **changed}
             with Engine("mooncake", config, **options) as reader:
                 tokens = reader.generate(work, max_tokens=8)
                 hits[name] = reader.stats.prompt_tokens_loaded
@@ -338,6 +336,36 @@ def wedged_master(config: Config, workdir: str) -> None:
             print("RESUMED " + json.dumps({"same_tokens": tokens == baseline, "stats": totals(reader)}), flush=True)
 
 
+def late_master(config: Config, workdir: str, horizon_s: float = 20.0) -> None:
+    """An engine started before its master: how soon after the master comes up its first block is saved.
+
+    Protocol with the test: prints ``STARTED`` once the engine runs with the store off, and steps (a fresh
+    prompt each time) until ``workdir/up`` appears (the master is up); then until a block is saved or
+    ``horizon_s`` passes. Prints ``SAVED {json}``: ``first_save_s`` (seconds from seeing ``up`` to the first
+    save; ``None`` past the horizon), ``saved_before_up``, whether every output was exact.
+    """
+    config = {**config, "setup_timeout_s": 60.0, "retry_interval_s": 1.0}
+    up_flag = os.path.join(workdir, "up")
+    outputs: list[list[int]] = []
+    work: list[list[int]] = []
+    with Engine("mooncake", config) as engine:
+        print("STARTED", flush=True)
+        up_at: float | None = None
+        saved_before_up = 0
+        while up_at is None or (not totals(engine)["blocks_saved"] and time.monotonic() - up_at < horizon_s):
+            if up_at is None and os.path.exists(up_flag):
+                up_at, saved_before_up = time.monotonic(), totals(engine)["blocks_saved"]
+            work += prompts(1, 48, 5, seed=1000 + len(work))
+            outputs += engine.generate(work[-1:], max_tokens=2)
+            time.sleep(0.05)  # a step every ~50 ms: the engine is busy, the machine's cores are not
+        saved = totals(engine)["blocks_saved"] > 0
+        print("SAVED " + json.dumps({
+            "first_save_s": round(time.monotonic() - up_at, 2) if saved else None,
+            "saved_before_up": saved_before_up, "same_tokens": outputs == Engine().generate(work, max_tokens=2),
+            "stats": totals(engine),
+        }), flush=True)  # fmt: skip
+
+
 def poisoned(config: Config, secret: str | None = None) -> dict[str, Any]:
     """Another client writes first under this engine's keys (puts are first-writer-wins); nothing it wrote loads.
 
@@ -419,6 +447,7 @@ SCENARIOS: dict[str, Callable[..., Any]] = {
     "conformance": conformance,
     "connect_deadline": connect_deadline,
     "wedged_master": wedged_master,
+    "late_master": late_master,
     "poisoned": poisoned,
 }
 

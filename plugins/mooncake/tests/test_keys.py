@@ -14,18 +14,24 @@ from kvconn_mooncake.integrity import secret_id
 # (",", "/") probe encodings that join fields into one string.
 names = st.sampled_from(["layer.0", "layer.1", "layer.0,layer.1", "a,b", "a", "b", "x/y", ""])
 groups = st.builds(
-    KVCacheGroupSpec, st.lists(names, min_size=1, max_size=3).map(tuple), st.sampled_from([None, 16, 32])
+    KVCacheGroupSpec, st.lists(names, min_size=1, max_size=3, unique=True).map(tuple), st.sampled_from([None, 16, 32])
 )
-contexts = st.builds(
-    ConnectorContext,
-    model=st.sampled_from(["m", "m,n", "n", "m/1"]),
-    dtype=st.sampled_from(["float16", "bfloat16"]),
-    block_size=st.sampled_from([16, 32]),
-    kv_cache_groups=st.lists(groups, min_size=1, max_size=2).map(tuple),
-    kv_layout=st.sampled_from(["NHD", "HND"]),
-    tp_rank=st.sampled_from([0, 1]),
-    tp_size=st.sampled_from([1, 2]),
-    engine_id=st.sampled_from(["e1", "e2"]),
+# A context refuses a layer named in two groups: layouts are drawn with each layer once.
+layouts = st.lists(groups, min_size=1, max_size=2).filter(
+    lambda gs: len({n for g in gs for n in g.layer_names}) == sum(len(g.layer_names) for g in gs)
+)
+contexts = st.sampled_from([(0, 1), (0, 2), (1, 2)]).flatmap(
+    lambda rank_size: st.builds(
+        ConnectorContext,
+        model=st.sampled_from(["m", "m,n", "n", "m/1"]),
+        dtype=st.sampled_from(["float16", "bfloat16"]),
+        block_size=st.sampled_from([16, 32]),
+        kv_cache_groups=layouts.map(tuple),
+        kv_layout=st.sampled_from(["NHD", "HND"]),
+        tp_rank=st.just(rank_size[0]),
+        tp_size=st.just(rank_size[1]),
+        engine_id=st.sampled_from(["e1", "e2"]),
+    )
 )
 secrets = st.sampled_from([None, "s" * 16, "t" * 16])
 DEFAULT = ConnectorContext()

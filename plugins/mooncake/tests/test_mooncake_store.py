@@ -54,9 +54,15 @@ class StandInClient:
 
 
 @contextlib.contextmanager
-def listener(answer: bytes) -> Iterator[str]:
-    """A local TCP server that sends ``answer`` to each connection (nothing when empty); yields ``host:port``."""
-    server = socket.create_server(("127.0.0.1", 0))
+def listener(answer: bytes, server: socket.socket | None = None) -> Iterator[str]:
+    """A local TCP server that sends ``answer`` to each connection (nothing when empty); yields ``host:port``.
+
+    ``server``: a socket bound but not listening yet (connects to it are refused until now).
+    """
+    if server is None:
+        server = socket.create_server(("127.0.0.1", 0))
+    else:
+        server.listen()
     held: list[socket.socket] = []
 
     def serve() -> None:
@@ -122,6 +128,26 @@ def test_an_address_that_is_not_a_master_leaves_the_store_off(answer: bytes, pro
         store = MooncakeStore(dataclasses.replace(_settings(address), setup_timeout_s=0.3), lambda: client)
         assert store.batch_is_exist(["a"]) == [RPC_FAIL] and client.calls == []  # setup was never attempted
         store.close()
+
+
+def test_a_store_started_before_its_master_connects_within_an_interval_of_it_coming_up() -> None:
+    """A refused connect ends at once: the next one is due retry_interval_s later, not after setup_timeout_s.
+
+    The master's port is bound but not listening while the store starts (connects are refused, as with
+    no master yet), then listens and answers. Before the fix the retry waited out the first attempt's
+    setup_timeout_s (60 s here) plus the interval; the 20 s wait below is far from both.
+    """
+    client = StandInClient()
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{port.getsockname()[1]}"
+    store = MooncakeStore(dataclasses.replace(_settings(address), setup_timeout_s=60.0), lambda: client)
+    assert store.batch_is_exist(["a"]) == [RPC_FAIL]  # off: nothing listens yet
+    with listener(MASTER_ANSWER, port):
+        up = time.monotonic()
+        assert _eventually(lambda: store.batch_is_exist(["a"]) == [0])
+        print(f"first answer {time.monotonic() - up:.2f} s after the master came up (retry_interval_s 0.05)")
+    store.close()
 
 
 def test_closing_a_store_ends_its_caller_thread() -> None:

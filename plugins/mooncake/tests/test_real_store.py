@@ -14,6 +14,7 @@ import json
 import pathlib
 import sys
 import tempfile
+import time
 import types
 from typing import Any
 
@@ -173,6 +174,33 @@ def test_wedged_master_degrades_steps_then_recovers(real_store: types.ModuleType
     assert wedged["reported"]["degraded_events"] > 0
     assert resumed["same_tokens"]
     assert resumed["stats"]["prompt_tokens_loaded"] > 0 and resumed["stats"]["blocks_saved"] > 0
+
+
+@pytest.mark.parametrize("master_after_s", [1, 20])
+def test_an_engine_started_before_its_master_saves_soon_after_it_comes_up(
+    real_store: types.ModuleType, master_after_s: int
+) -> None:
+    """The master starts 1 s / 20 s after the engine: reconnects come every retry_interval_s (1 s), so the first
+    save follows the master within a few intervals, not after the first attempt's setup_timeout_s (60 s here).
+
+    The scenario gives up 20 s after the master is up (``first_save_s`` is then ``None``); the seconds to the
+    first save are printed as the figure.
+    """
+    h = real_store
+    with tempfile.TemporaryDirectory() as workdir, h.netns() as ns, h.mooncake_master(ns) as m:
+        m.kill()  # the engine starts with no master on its address
+        args = _args({}, ("late_master", {"workdir": workdir}))
+        with h.spawn_python(ns, script=SCRIPT, args=args, env=m.client_env(), python=sys.executable) as proc:
+            assert proc.wait_for_output("STARTED", 90), proc.wait(1).stderr[-4000:]
+            time.sleep(master_after_s)
+            m.start()
+            pathlib.Path(workdir, "up").touch()
+            result = proc.wait(120)
+    assert result.ok, result.stderr[-4000:]
+    saved = _json_after("SAVED", result.stdout)
+    print(json.dumps({"master_after_s": master_after_s, "first_save_s": saved["first_save_s"]}))
+    assert saved["saved_before_up"] == 0 and saved["same_tokens"]
+    assert saved["first_save_s"] is not None, saved["stats"]  # saved within 20 s of the master coming up
 
 
 def test_values_another_client_wrote_under_our_keys_never_load(real_store: types.ModuleType) -> None:

@@ -41,6 +41,7 @@ EXTRA_CONFIG_KEYS = (
     "kvconn_on_error",
     "kvconn_stall_steps",
     "kvconn_hook_budget_s",
+    "kvconn_max_slow_calls",
 )
 
 _LAZY = {"KVConnVllmConnector", "KVConnVllmMetadata", "KVConnVllmStats", "KVConnVllmWorkerMetadata"}

@@ -64,7 +64,7 @@ def bench(
 ) -> None:
     """Run a benchmark script: it prints a table and its targets (ratios measured side by side in one run)."""
     from ..errors import UsageError
-    from ..output import out_console
+    from ..output import child_stdout, out_console
 
     where = find_benchmarks_dir(directory)
     if name is None:
@@ -81,7 +81,7 @@ def bench(
     argv = [sys.executable, str(script), *(["--quick"] if quick else []), *ctx.args]
     if json_file is not None:
         argv += ["--json", str(json_file)]
-    code = subprocess.run(argv, check=False).returncode
+    code = subprocess.run(argv, check=False, stdout=child_stdout()).returncode
     if code:
         raise typer.Exit(code)
 

@@ -394,7 +394,8 @@ def _render(result: Simulation) -> None:
         ),
         ("connector time / step (median)", lambda r: f"{r.connector_ms_per_step:.2f} ms"),
         ("preemptions", lambda r: str(r.stats.preemptions)),
-        ("degraded events", lambda r: str(r.stats.degraded_events)),
+        ("degraded events (every pass)", lambda r: f"{r.stats.degraded_events:,}"),
+        ("failed load blocks (every pass)", lambda r: f"{r.stats.failed_load_blocks:,}"),
         ("output verified", lambda r: _verdict(r, result.baseline)),
     ]
     for name, cell in rows:
@@ -403,7 +404,8 @@ def _render(result: Simulation) -> None:
     console.print(
         "connector time: wall time inside the ConnectorHost calls of scheduler and worker (SDK dispatch and the "
         "connectors' hook code, including synchronous copies); steps/s: whole engine steps on this machine. "
-        f"Times: {escape(result.timing.describe())}.",
+        "Faults (every pass) are summed over every pass of every round, the warm-up's included; the other "
+        f"counts are one pass's. Times: {escape(result.timing.describe())}.",
         style="dim",
     )
 

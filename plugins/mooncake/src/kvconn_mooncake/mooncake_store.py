@@ -171,10 +171,21 @@ class MooncakeStore:
         )  # fmt: skip
 
     def _connect(self) -> bool:
-        """Probe, then set a client up, all within ``setup_timeout_s``; ``False`` (and logged) if that fails."""
+        """Probe, then set a client up, all within ``setup_timeout_s``; ``False`` (and logged) if that fails.
+
+        The next attempt is due ``retry_interval_s`` after this one *ended*: a
+        refused connect (no master yet) ends at once, so an engine started
+        before its master connects within an interval of the master coming up,
+        not after this attempt's whole ``setup_timeout_s`` deadline.
+        """
+        try:
+            return self._try_connect()
+        finally:
+            self._next_connect = time.monotonic() + self.settings.retry_interval_s
+
+    def _try_connect(self) -> bool:
         s = self.settings
         deadline = time.monotonic() + s.setup_timeout_s
-        self._next_connect = deadline + s.retry_interval_s
         problem = probe_master(*s.master_host_port, s.setup_timeout_s)
         if problem is not None:
             self._off(problem)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .connector_host import (
     DEFAULT_HOOK_BUDGET_S,
+    DEFAULT_MAX_SLOW_CALLS,
     DEFAULT_STALL_STEPS,
     MONITORED_CALLS,
     NO_LOAD,
@@ -27,6 +28,7 @@ from .connector_host import (
 
 __all__ = [
     "DEFAULT_HOOK_BUDGET_S",
+    "DEFAULT_MAX_SLOW_CALLS",
     "DEFAULT_STALL_STEPS",
     "MONITORED_CALLS",
     "NO_LOAD",

@@ -21,9 +21,17 @@ given, so that it can
 * bound what a connector can stall: a request it keeps asking to be asked
   again about, or a free it delays, for more than ``stall_steps`` steps, is
   failed as above, and a hook call longer than ``hook_budget_s`` is warned
-  about once per (connector, hook) and counted. An async load it never
-  reports is not bounded: its worker may still be writing into those blocks,
-  so handing them to another request could put wrong KV in front of it.
+  about once per (connector, hook) and counted. A connector whose calls of
+  one hook overrun the budget ``max_slow_calls`` times in a row is degraded
+  for the rest of the run: the host calls it no more, so later steps do not
+  wait on it (a worker side sits out every step, its loads recompute). One
+  call that blocks cannot be cut short: Python cannot interrupt a running
+  function, and abandoning a worker call that may still write into the KV
+  cache could put wrong KV in front of a request; a connector bounds its own
+  blocking work (kvconn-mooncake puts a deadline on every store call). An
+  async load it never reports is not bounded either: its worker may still be
+  writing into those blocks, so handing them to another request could put
+  wrong KV in front of it.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from ..request import ConnectorRequest
 
 __all__ = [
     "DEFAULT_HOOK_BUDGET_S",
+    "DEFAULT_MAX_SLOW_CALLS",
     "DEFAULT_STALL_STEPS",
     "MONITORED_CALLS",
     "CallOutcome",
@@ -78,6 +87,9 @@ _Impl = tuple[str, Callable[..., Any]]
 DEFAULT_STALL_STEPS = 128
 #: Seconds one hook call may take before the host warns (once per connector and hook) and counts it.
 DEFAULT_HOOK_BUDGET_S = 1.0
+#: Calls of one hook in a row over the budget after which a connector is degraded for the rest of the run:
+#: a single slow call (a page fault storm, a store's own deadline) is only counted.
+DEFAULT_MAX_SLOW_CALLS = 3
 
 
 def _positional(function: Callable[..., Any], argnames: Sequence[str], spec: Sequence[str]) -> Callable[..., Any]:
@@ -241,6 +253,9 @@ class ConnectorHost:
         stall_steps: steps without progress a connector may cause (see the module docstring).
         hook_budget_s: seconds a hook call may take before it is warned about and
             counted in :attr:`slow_calls`; ``None``: no budget.
+        max_slow_calls: calls of one hook in a row over ``hook_budget_s`` after which
+            the connector is degraded for the rest of the run (its hooks are no longer
+            called; counted as a failure of that hook); ``None``: only warn and count.
     """
 
     def __init__(
@@ -252,13 +267,19 @@ class ConnectorHost:
         on_error: OnError = "degrade",
         stall_steps: int = DEFAULT_STALL_STEPS,
         hook_budget_s: float | None = DEFAULT_HOOK_BUDGET_S,
+        max_slow_calls: int | None = DEFAULT_MAX_SLOW_CALLS,
     ) -> None:
         if on_error not in ("degrade", "raise"):
             raise ValueError(f"on_error must be 'degrade' or 'raise', not {on_error!r}")
         if stall_steps < 1:
             raise ValueError(f"stall_steps must be >= 1, got {stall_steps}")
+        if max_slow_calls is not None and max_slow_calls < 1:
+            raise ValueError(
+                f"max_slow_calls must be >= 1 (or None: never degrade a slow connector), got {max_slow_calls}"
+            )
         self.stall_steps = stall_steps
         self.hook_budget_s = math.inf if hook_budget_s is None else hook_budget_s
+        self.max_slow_calls = math.inf if max_slow_calls is None else max_slow_calls
         items = list(connectors.items() if isinstance(connectors, Mapping) else connectors)
         self.role = KVConnectorRole(role)
         self.context = context or ConnectorContext()
@@ -282,6 +303,7 @@ class ConnectorHost:
         self.first_errors: dict[tuple[str, str], str] = {}
         #: hook calls longer than ``hook_budget_s``, per (connector, hook)
         self.slow_calls: Counter[tuple[str, str]] = Counter()
+        self._slow_in_a_row: dict[tuple[str, str], int] = {}  # reset by a call within the budget
         self._step = 0  # update_connector_output calls: the scheduler's step count
         self._asks: dict[tuple[str, str], int] = {}  # (connector, request) -> "ask again" answers in a row
         self._send_steps: dict[str, int] = {}  # delayed free -> the step it began
@@ -294,6 +316,7 @@ class ConnectorHost:
         # worker side: this step's metadata per connector; connectors whose
         # register_kv_caches failed hold no caches and sit out every step
         self._metadata: dict[str, KVConnectorMetadata] = {}
+        #: connectors out for the rest of the run: a failed register_kv_caches, max_slow_calls overruns in a row
         self._disabled: set[str] = set()
         self._plan_layers()
         self._monitors: list[_Monitor] = []
@@ -309,6 +332,7 @@ class ConnectorHost:
         on_error: OnError = "degrade",
         stall_steps: int = DEFAULT_STALL_STEPS,
         hook_budget_s: float | None = DEFAULT_HOOK_BUDGET_S,
+        max_slow_calls: int | None = DEFAULT_MAX_SLOW_CALLS,
     ) -> ConnectorHost:
         """Load connectors by name (or ``"pkg.mod:Class"``) and host them.
 
@@ -330,7 +354,13 @@ class ConnectorHost:
             if role in connector_roles(c)
         ]
         return cls(
-            loaded, role=role, context=ctx, on_error=on_error, stall_steps=stall_steps, hook_budget_s=hook_budget_s
+            loaded,
+            role=role,
+            context=ctx,
+            on_error=on_error,
+            stall_steps=stall_steps,
+            hook_budget_s=hook_budget_s,
+            max_slow_calls=max_slow_calls,
         )
 
     def _register(self, name: str, connector: object) -> None:
@@ -498,7 +528,10 @@ class ConnectorHost:
             self._plan_layers()  # it sits out the rest of the step
 
     def _slow(self, name: str, hook: str, seconds: float) -> None:
-        """Count a hook call over the time budget; warn about the first per (connector, hook)."""
+        """Count a hook call over the time budget; warn about the first per (connector, hook).
+
+        The ``max_slow_calls``-th in a row degrades the connector for the rest of the run.
+        """
         key = (name, hook)
         if not self.slow_calls[key]:
             logger.warning(
@@ -507,6 +540,22 @@ class ConnectorHost:
                 name, seconds, hook, self.hook_budget_s,
             )  # fmt: skip
         self.slow_calls[key] += 1
+        in_a_row = self._slow_in_a_row[key] = self._slow_in_a_row.get(key, 0) + 1
+        if in_a_row >= self.max_slow_calls and name not in self._disabled:
+            self._disabled.add(name)
+            self._fail(
+                name,
+                hook,
+                TimeoutError(
+                    f"{in_a_row} calls in a row took longer than the hook budget of {self.hook_budget_s:g} s "
+                    f"(the last {seconds:.3f} s): degraded for the rest of the run, the engine no longer calls it"
+                ),
+            )
+
+    def _in_budget(self, name: str, hook: str) -> None:
+        """A call within the budget ends a run of slow ones."""
+        if self._slow_in_a_row:
+            self._slow_in_a_row.pop((name, hook), None)
 
     def _each(
         self,
@@ -530,7 +579,7 @@ class ConnectorHost:
         args: tuple[Any, ...] | Callable[[str], tuple[Any, ...]],
         check: Callable[[Any], Any] | None,
     ) -> Iterator[tuple[str, Any]]:
-        skip = self._failed_this_step if self.role is KVConnectorRole.WORKER else ()
+        skip = self._failed_this_step if self.role is KVConnectorRole.WORKER else self._disabled
         # One clock read per call: each call's time runs from the previous read, so it also holds the
         # caller's bookkeeping between two yields (microseconds; the budget is in seconds).
         started = perf_counter()
@@ -547,6 +596,8 @@ class ConnectorHost:
             now = perf_counter()
             if now - started > self.hook_budget_s:
                 self._slow(name, hook, now - started)
+            else:
+                self._in_budget(name, hook)
             started = now
             if result is not _FAILED:
                 yield name, result
@@ -866,6 +917,8 @@ class ConnectorHost:
                 self._fail(name, "start_load_kv", exc)
             if (elapsed := perf_counter() - started) > self.hook_budget_s:
                 self._slow(name, "start_load_kv", elapsed)
+            else:
+                self._in_budget(name, "start_load_kv")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         started = perf_counter()
@@ -876,6 +929,8 @@ class ConnectorHost:
                 self._fail(name, "wait_for_layer_load", exc)
         if (elapsed := perf_counter() - started) > self.hook_budget_s:
             self._slow_layer(self._layer_waits, "wait_for_layer_load", elapsed)
+        elif self._slow_in_a_row:
+            self._layer_in_budget(self._layer_waits, "wait_for_layer_load")
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any) -> None:
         started = perf_counter()
@@ -886,10 +941,16 @@ class ConnectorHost:
                 self._fail(name, "save_kv_layer", exc)
         if (elapsed := perf_counter() - started) > self.hook_budget_s:
             self._slow_layer(self._layer_saves, "save_kv_layer", elapsed)
+        elif self._slow_in_a_row:
+            self._layer_in_budget(self._layer_saves, "save_kv_layer")
 
     def _slow_layer(self, taking_part: Sequence[tuple[Any, ...]], hook: str, seconds: float) -> None:
-        for entry in taking_part:
+        for entry in list(taking_part):  # a connector degraded here leaves the list (its layers are re-planned)
             self._slow(entry[0], hook, seconds)
+
+    def _layer_in_budget(self, taking_part: Sequence[tuple[Any, ...]], hook: str) -> None:
+        for entry in taking_part:
+            self._in_budget(entry[0], hook)
 
     def wait_for_save(self) -> None:
         self._notify("wait_for_save")

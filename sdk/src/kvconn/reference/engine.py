@@ -14,13 +14,14 @@ from typing import Any
 
 from ..connector import KVConnectorRole
 from ..context import ConnectorContext
-from ..host import DEFAULT_HOOK_BUDGET_S, DEFAULT_STALL_STEPS, ConnectorHost, OnError
+from ..host import DEFAULT_HOOK_BUDGET_S, DEFAULT_MAX_SLOW_CALLS, DEFAULT_STALL_STEPS, ConnectorHost, OnError
 from ..host.wire import (
     decode_model_runner_output,
     decode_scheduler_output,
     encode_model_runner_output,
     encode_scheduler_output,
 )
+from .model import check_dtype
 from .request import Request
 from .scheduler import Scheduler
 from .shape import EngineShape
@@ -40,9 +41,10 @@ class Engine:
         worker_config: the worker side's config where it differs from ``config``
             (a test giving the worker a fresh store namespace, say).
         on_error: the hosts' error policy (``"degrade"`` or ``"raise"``).
-        stall_steps, hook_budget_s: the hosts' bounds on a stalling or slow
-            connector (:class:`~kvconn.ConnectorHost`).
-        model, dtype: engine facts connectors may namespace keys with.
+        stall_steps, hook_budget_s, max_slow_calls: the hosts' bounds on a stalling
+            or slow connector (:class:`~kvconn.ConnectorHost`).
+        model, dtype, tp_rank, tp_size: engine facts connectors may namespace keys with
+            (the engine is rank ``tp_rank`` of ``tp_size``).
         device: where the KV caches live (``"cuda"`` runs connectors against accelerator memory).
         shape: the engine's KV cache and batch limits (default: :class:`EngineShape`'s defaults).
         **scheduler_options: fields of :class:`EngineShape` to change in ``shape``
@@ -58,20 +60,24 @@ class Engine:
         on_error: OnError = "degrade",
         stall_steps: int = DEFAULT_STALL_STEPS,
         hook_budget_s: float | None = DEFAULT_HOOK_BUDGET_S,
+        max_slow_calls: int | None = DEFAULT_MAX_SLOW_CALLS,
         model: str = "kvconn-reference",
         dtype: str = "float16",
         tp_rank: int = 0,
+        tp_size: int = 1,
         device: str = "cpu",
         shape: EngineShape | None = None,
         **scheduler_options: Any,
     ) -> None:
         self.shape = shape = EngineShape.from_options(shape, **scheduler_options)
+        check_dtype(dtype)  # before any connector is loaded for it
         self.context = ConnectorContext(
             model=model,
             dtype=dtype,
             block_size=shape.block_size,
             kv_cache_groups=shape.kv_cache_groups,
             tp_rank=tp_rank,
+            tp_size=tp_size,
             num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_dim,
         )
@@ -87,6 +93,7 @@ class Engine:
                     on_error=on_error,
                     stall_steps=stall_steps,
                     hook_budget_s=hook_budget_s,
+                    max_slow_calls=max_slow_calls,
                 )
                 for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
             )
@@ -112,6 +119,8 @@ class Engine:
         return stats
 
     def add_request(self, prompt: Sequence[int], max_tokens: int = 16, request_id: str | None = None) -> Request:
+        """Queue a request; ``ValueError`` for a prompt of token ids outside the model's vocabulary."""
+        self.worker.model.check_token_ids(prompt, "prompt token ids")
         request = Request(
             request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt,

@@ -10,12 +10,28 @@ so a wrong, missing or stale block changes the generated tokens.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ReferenceModel", "prefix_hashes"]
+__all__ = ["DTYPES", "VOCAB_SIZE", "ReferenceModel", "check_dtype", "prefix_hashes"]
 
 _MOD = (1 << 61) - 1
+
+#: The KV dtypes the reference model computes in: floating point, so its KV values (sines) survive the cast.
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+#: Token ids are ``0 <= id < VOCAB_SIZE``, what the model samples from (unless a worker is given another size).
+VOCAB_SIZE = 32_000
+
+
+def check_dtype(dtype: str) -> None:
+    """Refuse a KV dtype the reference model cannot compute in: ``ValueError`` naming ``dtype`` and :data:`DTYPES`.
+
+    An integer dtype would hold its KV values (all in ``(-1, 1)``) as zeros, and
+    the output would be garbage no connector could be blamed for.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} for the reference engine, got {dtype!r}")
 
 
 def prefix_hashes(token_ids: Sequence[int], known: list[int]) -> list[int]:
@@ -36,11 +52,30 @@ class ReferenceModel:
     def __init__(self, *, num_kv_heads: int, head_dim: int, vocab_size: int, dtype: Any, device: Any) -> None:
         import torch
 
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.torch = torch
         self.num_kv_heads, self.head_dim, self.vocab_size = num_kv_heads, head_dim, vocab_size
         self.dtype, self.device = dtype, device
         width = 2 * num_kv_heads * head_dim
         self._freqs = torch.linspace(0.5, 3.0, width, dtype=torch.float32, device=device) / 7919.0
+
+    def check_token_ids(self, token_ids: Sequence[int], what: str) -> None:
+        """Refuse token ids outside the vocabulary, ``0 <= id < vocab_size``: ``ValueError`` naming ``what``.
+
+        A real engine refuses them too; here a negative id or one past 2**63
+        would reach the block hashes and the model as numbers they were never meant for.
+        """
+        for position, token in enumerate(token_ids):
+            try:
+                valid = 0 <= operator.index(token) < self.vocab_size
+            except TypeError:  # not an integer (a float, a string)
+                valid = False
+            if not valid:
+                raise ValueError(
+                    f"{what} must be integers in [0, {self.vocab_size}) (the reference model's vocabulary), "
+                    f"got {token!r} at position {position}"
+                )
 
     def kv_inputs(self, hashes: Sequence[int]) -> Any:
         """The per-position input of :meth:`kv_values` (the same for every layer)."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from ..context import DEFAULT_KV_CACHE_GROUPS, KVCacheGroupSpec
+from ..context import DEFAULT_KV_CACHE_GROUPS, KVCacheGroupSpec, check_kv_cache_groups
 
 __all__ = ["MAX_NUM_BLOCKS", "EngineShape"]
 
@@ -65,8 +65,7 @@ class EngineShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise ValueError(
                 f"EngineShape num_blocks must be <= {MAX_NUM_BLOCKS} in the reference engine, got {self.num_blocks}"
             )
-        if not self.kv_cache_groups:
-            raise ValueError("EngineShape kv_cache_groups must hold at least one group")
+        check_kv_cache_groups(self.kv_cache_groups, "EngineShape")
 
     def replace(self, **options: Any) -> EngineShape:
         """This shape with ``options`` (field names) changed, validated like a new one.

@@ -67,6 +67,7 @@ from .workloads import Workload, reusable_prompt_tokens
 __all__ = [
     "CLOCKS",
     "DEFAULT_MIN_ROUND_S",
+    "FAULT_COUNTERS",
     "HOST_CALLS",
     "SIMULATE_SHAPE",
     "Clock",
@@ -102,6 +103,8 @@ DEFAULT_MIN_ROUND_S = 1.0
 #: running requests and the local prefix cache share, so local prefix hits are evicted and a connector can
 #: serve them again; a few requests at a time.
 SIMULATE_SHAPE = EngineShape(num_blocks=256, max_num_batched_tokens=1024, max_num_seqs=4)
+#: The :class:`EngineStats` counters of faults: a simulation's result sums them over every pass it ran.
+FAULT_COUNTERS = ("degraded_events", "failed_load_blocks")
 #: The shape fields a simulation reports (its JSON ``engine`` object).
 _REPORTED_FIELDS = ("block_size", "num_blocks", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs")
 
@@ -176,9 +179,11 @@ class RunResult:
     """One run of the workload: counters, timings, per-step samples and outputs.
 
     From :func:`run_workload`: one pass. From :func:`simulate`: counters,
-    samples and outputs are one pass's of the median round (by ``clock``);
-    ``wall_s``, ``cpu_s`` and ``connector_s`` are that round's means per pass;
-    ``rounds`` holds every timed round.
+    samples and outputs are one pass's of the median round (by ``clock``),
+    except the faults (:data:`FAULT_COUNTERS` and ``hook_failures``), which
+    are summed over every pass of every round, the warm-up's included
+    (``fault_passes``); ``wall_s``, ``cpu_s`` and ``connector_s`` are the
+    median round's means per pass; ``rounds`` holds every timed round.
     """
 
     label: str
@@ -198,6 +203,9 @@ class RunResult:
     clock: Clock = "wall"
     #: every timed round, in order (empty: this result is one pass, its own only round)
     rounds: list[TimedRound] = field(default_factory=list)
+    #: the passes ``hook_failures`` and the stats' :data:`FAULT_COUNTERS` add up: every pass of every round
+    #: (the untimed warm-up's included) from :func:`simulate`, 1 from :func:`run_workload`
+    fault_passes: int = 1
 
     @property
     def steps(self) -> int:
@@ -279,6 +287,7 @@ class RunResult:
             "output_verified": self.verified,
             "mismatched_requests": self.mismatched,
             "hook_failures": [asdict(f) for f in self.hook_failures],
+            "fault_passes": self.fault_passes,
         }
         if samples:
             doc["samples"] = [asdict(s) for s in self.samples]
@@ -487,7 +496,8 @@ def simulate(
     timed rounds in which every run repeats the workload until it has spent
     ``min_round_s`` by ``clock`` (at least one pass; ``0``: exactly one); see
     the module docstring. A setup is verified only if every pass of every
-    timed round produced the baseline's tokens. Connectors that cannot be
+    round, the warm-up's included, produced the baseline's tokens, and its
+    faults are counted over all of them. Connectors that cannot be
     loaded raise the SDK's errors (:class:`~kvconn.ConnectorNotFoundError`,
     ...) before anything runs long.
     """
@@ -500,19 +510,19 @@ def simulate(
     for setup in setups:
         _preflight(setup)
     order: list[ConnectorSetup | None] = [None, *setups]
-    _round(workload, shape, order, 0, clock, 0.0, on_progress, 1 + repeats)  # the warm-up, not kept
+    warm_up = _round(workload, shape, order, 0, clock, 0.0, on_progress, 1 + repeats)  # untimed, faults kept
     with _gc_frozen():
         timed = [
             _round(workload, shape, order, r, clock, min_round_s, on_progress, 1 + repeats)
             for r in range(1, 1 + repeats)
         ]
     rounds = [list(run_rounds) for run_rounds in zip(*timed, strict=True)]  # per run: every timed round's passes
-    baseline, *runs = (_merged(run_rounds, clock) for run_rounds in rounds)
-    for run, run_rounds in zip(runs, rounds[1:], strict=True):
+    baseline, *runs = (_merged(run_rounds, clock, warm) for run_rounds, warm in zip(rounds, warm_up, strict=True))
+    for run, run_rounds, warm in zip(runs, rounds[1:], warm_up[1:], strict=True):
         run.mismatched = sorted(
             {
                 i
-                for passes in run_rounds
+                for passes in (warm, *run_rounds)
                 for result in passes
                 for i, (a, b) in enumerate(zip(result.outputs, baseline.outputs, strict=True))
                 if a != b
@@ -600,11 +610,13 @@ def _round_progress(on_progress: ProgressCallback | None, round_: int, rounds: i
     return progress
 
 
-def _merged(rounds: list[list[RunResult]], clock: Clock) -> RunResult:
+def _merged(rounds: list[list[RunResult]], clock: Clock, warm_up: list[RunResult]) -> RunResult:
     """One run's timed rounds as one result: a pass of the median round (by ``clock``), every round's totals.
 
     The result's times are the median round's means per pass, so per-step
-    figures (``connector_ms_per_step``) average over its passes.
+    figures (``connector_ms_per_step``) average over its passes. Its faults
+    (:data:`FAULT_COUNTERS`, ``hook_failures``) are those of every pass, the
+    ``warm_up`` round's included: a store that failed only there was not clean.
     """
     timed = [
         TimedRound(
@@ -619,11 +631,28 @@ def _merged(rounds: list[list[RunResult]], clock: Clock) -> RunResult:
     rates = [t.steps_per_s(clock) for t in timed]
     median = rates.index(statistics.median_low(rates))
     chosen = timed[median]
+    every_pass = [*warm_up, *(p for passes in rounds for p in passes)]
+    shown = rounds[median][0]
+    faults = {name: sum(getattr(p.stats, name) for p in every_pass) for name in FAULT_COUNTERS}
     return replace(
-        rounds[median][0],
+        shown,
+        stats=replace(shown.stats, **faults),
+        hook_failures=_summed_failures(every_pass),
+        fault_passes=len(every_pass),
         wall_s=chosen.wall_s / chosen.passes,
         cpu_s=chosen.cpu_s / chosen.passes,
         connector_s=chosen.connector_s / chosen.passes,
         clock=clock,
         rounds=timed,
     )
+
+
+def _summed_failures(passes: Sequence[RunResult]) -> list[HookFailure]:
+    """Every pass's hook failures, per (connector, hook): counts summed, the first error of the first pass."""
+    summed: dict[tuple[str, str], HookFailure] = {}
+    for result in passes:
+        for failure in result.hook_failures:
+            key = failure.connector, failure.hook
+            seen = summed.get(key)
+            summed[key] = failure if seen is None else replace(seen, count=seen.count + failure.count)
+    return [summed[key] for key in sorted(summed)]

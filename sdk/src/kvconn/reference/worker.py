@@ -23,7 +23,7 @@ from typing import Any
 from ..context import ConnectorContext
 from ..host import ConnectorHost
 from ..outputs import ModelRunnerOutput, SchedulerOutput
-from .model import ReferenceModel, prefix_hashes
+from .model import VOCAB_SIZE, ReferenceModel, check_dtype, prefix_hashes
 
 __all__ = ["ReferenceWorker"]
 
@@ -52,7 +52,7 @@ class ReferenceWorker:
         host: ConnectorHost | None = None,
         num_kv_heads: int = 2,
         head_dim: int = 8,
-        vocab_size: int = 32_000,
+        vocab_size: int = VOCAB_SIZE,
         device: str = "cpu",
         torch_threads: int | None = 1,
     ) -> None:
@@ -63,6 +63,7 @@ class ReferenceWorker:
         self.context = context
         self.host = host
         self.block_size = context.block_size
+        check_dtype(context.dtype)
         dtype = getattr(torch, context.dtype)
         self.model = ReferenceModel(
             num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab_size, dtype=dtype, device=device

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..hashing import hash_blocks
+from .model import VOCAB_SIZE
 
 __all__ = [
     "WORKLOADS",
@@ -35,8 +36,6 @@ __all__ = [
     "reusable_prompt_tokens",
     "shared_prefix",
 ]
-
-VOCAB_SIZE = 32_000
 
 
 @dataclass(frozen=True)
