@@ -25,7 +25,7 @@ def test_step_record_offers_every_scheduled_request_and_counts_resolves() -> Non
 
 def test_first_load_fails_and_the_engine_recomputes_it() -> None:
     driver = ReferenceDriver(
-        DriverSpec(STORE, {"store": "driver-test"}, EngineShape(enable_prefix_caching=False)), fail_first_load=True
+        DriverSpec(STORE, {"store": "driver-test"}, EngineShape(enable_prefix_caching=False)), fail_loads="first"
     )
     prompt = list(range(10_000, 10_040))
     driver.add_request("a", prompt, 2)

@@ -274,6 +274,17 @@ def make_model_runner_output(
     )
 
 
+def _with_kvconn_config(vllm_config: Any, config: Any) -> Any:
+    """A shallow copy of ``vllm_config`` whose kvconn connector gets ``config`` (a worker configured apart)."""
+    import copy
+
+    transfer = copy.copy(vllm_config.kv_transfer_config)
+    transfer.kv_connector_extra_config = {**transfer.kv_connector_extra_config, "kvconn_config": config}
+    copied = copy.copy(vllm_config)
+    copied.kv_transfer_config = transfer
+    return copied
+
+
 def fake_kv_caches(num_blocks: int, block_size: int = 16, layers: Iterable[str] = LAYERS) -> dict[str, Any]:
     """Per-layer tensors shaped as vLLM 0.33 registers them: ``[blocks, heads, block_size, 2 * head]``."""
     import torch
@@ -294,7 +305,7 @@ class VllmLoop:
     its whole prefix and a load can be checked against a save.
     """
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, *, worker_config: Any = None) -> None:
         from types import SimpleNamespace
 
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -305,7 +316,10 @@ class VllmLoop:
         self.scheduler = scheduler
         self.block_size = scheduler.block_size
         num_blocks = scheduler.kv_cache_config.num_blocks
-        self.worker = KVConnVllmConnector(scheduler.vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
+        config = scheduler.vllm_config
+        if worker_config is not None:
+            config = _with_kvconn_config(config, worker_config)
+        self.worker = KVConnVllmConnector(config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
         #: per KV-cache group, the names of its layers
         self.group_layers = [tuple(g.layer_names) for g in scheduler.kv_cache_config.kv_cache_groups]
         self.kv_caches = fake_kv_caches(num_blocks, self.block_size, [n for g in self.group_layers for n in g])
@@ -358,10 +372,12 @@ class VllmLoop:
         self._step_writes = self._writes(output)  # from the scheduler's live requests, before the step advances them
         kv_output = self.last_kv_output = self.run_worker(sent)
         self.outputs.append(output)
-        runner_output = make_model_runner_output(
-            output, self.scheduler, eos_req_ids=eos_req_ids, kv_connector_output=kv_output
-        )
+        runner_output = self.runner_output(output, eos_req_ids, kv_output)
         return output, self.scheduler.update_from_output(output, runner_output)
+
+    def runner_output(self, output: Any, eos_req_ids: Iterable[str], kv_output: Any) -> Any:
+        """The model runner's answer to the step (:func:`make_model_runner_output`: every sampled token is 0)."""
+        return make_model_runner_output(output, self.scheduler, eos_req_ids=eos_req_ids, kv_connector_output=kv_output)
 
     def run_worker(self, output: Any) -> Any:
         """The worker side of one step, driven by vLLM's own model-runner code, not by an order written here.

@@ -10,24 +10,22 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ...block_state import BlockIds
-from ...context import NULL_BLOCK_ID
-from ...host import CallOutcome, LoadPlan
+from ...host import CallOutcome, ConnectorHost, LoadPlan
 from ...host.wire import encode_metadata
 from ...outputs import KVConnectorOutput
 from ...reference.engine import Engine
 from ...reference.request import Request
 from ...reference.stats import EngineStats
 from ..utils import assert_scheduler_empty
+from .convergence import ConvergenceWatch
 from .driver import DriverSpec, HandedTable, StepRecord, freeze, mutated_tables, observe_block_state, tracked_by_role
+from .failures import FailureMode, LoadFailures
 
 __all__ = ["ReferenceDriver"]
 
-#: What an injected failed load leaves in a block: far outside the model's KV range.
-_GARBAGE = 3.0
 #: What a freed block holds at once under ``scrub_freed`` (another value: the two are told apart).
 _FREED = -5.0
 #: Why the engine waits for a request in each ``get_finished`` report, for the message when it does not.
@@ -37,26 +35,18 @@ _AWAITED = {
 }
 
 
-@dataclass
-class _Victim:
-    """The one load the driver makes fail: its last block, on the step it lands."""
-
-    req_id: str
-    step: int
-    is_async: bool
-    block_ids: list[tuple[int, int]]  # (group, block id)
-    done: bool = False
-
-
 class ReferenceDriver:
     """A :class:`~.driver.SchedulerDriver` over the reference :class:`~kvconn.reference.Engine`.
 
     It steps the engine as it is and observes the connector through monitors
     on the engine's hosts (:meth:`~kvconn.ConnectorHost.add_monitor`).
     Beyond the protocol it exposes what engine-level checks need: the tokens
-    each request generated and the engine's stats. With ``fail_first_load``
-    the first load the connector performs lands garbage in its last block and
-    is reported failed to the engine, which must recompute it. With
+    each request generated and the engine's stats. With ``fail_loads`` (a
+    :class:`~.failures.LoadFailures` mode) loads land garbage and are reported
+    failed to the engine, which must recover: ``"first"``, the connector's
+    first load, in its last block; ``"persistent"``, every load of its first
+    loaded block's content. A :class:`~.convergence.ConvergenceWatch` stops a
+    connector that would keep a request from ever finishing. With
     ``scrub_freed`` (prefix caching off) every block is overwritten the moment
     it is freed, as a busy GPU cache reuses it: a save that still reads a
     freed block, or a load that skips a block, leaves garbage behind.
@@ -74,13 +64,13 @@ class ReferenceDriver:
         self,
         spec: DriverSpec,
         *,
-        fail_first_load: bool = False,
+        fail_loads: FailureMode | None = None,
         scrub_freed: bool = False,
         worker_config: Mapping[str, Any] | None = None,
     ) -> None:
         if scrub_freed and spec.shape.enable_prefix_caching:
             raise ValueError("scrub_freed needs enable_prefix_caching=False: freed blocks stay prefix-cache hits")
-        self.spec = spec
+        self.spec, self.shape = spec, spec.shape
         self.block_size = spec.shape.block_size
         self.num_blocks = spec.shape.num_blocks
         self.name = spec.connector
@@ -91,21 +81,29 @@ class ReferenceDriver:
         self.requests: dict[str, Request] = {}
         self._finished_calls: Counter[str] = Counter()
         self._withhold: frozenset[str] = frozenset()
-        self._step = 0
-        self._fail_first_load = fail_first_load
-        self._victim: _Victim | None = None
         self._handed: list[HandedTable] = []
         self._awaiting: dict[str, set[str]] = {kind: set() for kind in _AWAITED}
         self._reported: dict[str, set[str]] = {kind: set() for kind in _AWAITED}
         self._record: dict[str, Any] = {}  # this step's observations
-        self._monitor()
+        scheduler_host, worker_host = self._monitor()
+        self.failures: LoadFailures | None = None
+        if fail_loads is not None:
+            self.failures = LoadFailures(
+                self.name,
+                fail_loads,
+                block_size=self.block_size,
+                kv_caches=self.worker.kv_caches,
+                group_of_layer=self.engine.context.group_of_layer(),
+            )
+            self.failures.attach(scheduler_host, worker_host)
+        ConvergenceWatch(self.name, self.block_size, "reference engine").attach(scheduler_host)
         if scrub_freed:
             self.scheduler.kv_cache_manager.pool.on_free = self._scrub
 
     # ------------------------------------------------------------ observation
 
-    def _monitor(self) -> None:
-        """Observe the connector at both hosts' boundary (the reference engine always has both)."""
+    def _monitor(self) -> tuple[ConnectorHost, ConnectorHost]:
+        """Observe the connector at both hosts' boundary (the reference engine always has both); returns them."""
         scheduler, worker = self.engine.scheduler_host, self.engine.worker_host
         assert scheduler is not None and worker is not None
         scheduler.add_monitor(
@@ -113,9 +111,8 @@ class ReferenceDriver:
             self._after_scheduler_call,
             calls=("build_connector_meta", "request_finished", "update_state_after_alloc", "update_connector_output"),
         )
-        worker.add_monitor(
-            after=self._after_worker_call, calls=("bind_connector_metadata", "wait_for_layer_load", "get_finished")
-        )
+        worker.add_monitor(after=self._after_worker_call, calls=("bind_connector_metadata", "get_finished"))
+        return scheduler, worker
 
     def _before_scheduler_call(self, call: str, args: tuple[Any, ...]) -> None:
         if call == "build_connector_meta":
@@ -166,10 +163,6 @@ class ReferenceDriver:
         self._record["loaded"][request.request_id] = plan.num_tokens
         if plan.load_async:
             self._awaiting["finished_recving"].add(request.request_id)
-        if self._fail_first_load and self._victim is None:
-            last = (request.num_computed_tokens + plan.num_tokens) // self.block_size - 1
-            blocks = [(g, t[last]) for g, t in enumerate(block_ids) if t[last] != NULL_BLOCK_ID]
-            self._victim = _Victim(request.request_id, self._step, plan.load_async, blocks)
 
     def _after_worker_call(self, call: str, args: tuple[Any, ...], outcome: CallOutcome) -> None:
         if outcome.exception is not None:
@@ -177,21 +170,7 @@ class ReferenceDriver:
         if call == "bind_connector_metadata":  # the metadata as the worker decoded it
             self._record["decoded"] = (args[0] or {}).get(self.name)
             return
-        victim = self._victim
-        if call == "wait_for_layer_load":
-            if victim is not None and not victim.is_async and victim.step == self._step:
-                self._corrupt(victim, [args[0]])
-            return
-        out = outcome.result.get(self.name)  # get_finished
-        self._record["connector_output"] = out
-        if victim is None or victim.done or out is None:
-            return
-        if victim.is_async and victim.req_id in out.finished_recving:
-            self._corrupt(victim, list(self.engine.context.group_of_layer()))
-        elif victim.is_async or victim.step != self._step:
-            return
-        out.invalid_block_ids |= {b for _, b in victim.block_ids}
-        victim.done = True
+        self._record["connector_output"] = outcome.result.get(self.name)  # get_finished
 
     def _hand(self, tables: list[tuple[str, BlockIds]]) -> None:
         """Remember tables handed to the connector, with a snapshot, to see if it changes them."""
@@ -218,17 +197,10 @@ class ReferenceDriver:
         for kv in self.worker.kv_caches.values():
             kv[block_ids] = _FREED
 
-    def _corrupt(self, victim: _Victim, layers: Sequence[str]) -> None:
-        groups = self.engine.context.group_of_layer()
-        for layer in layers:
-            for group, block_id in victim.block_ids:
-                if groups[layer] == group:
-                    self.worker.kv_caches[layer][block_id].fill_(_GARBAGE)
-
     @property
     def injected_failure(self) -> bool:
-        """Whether the driver made a load fail (``fail_first_load``)."""
-        return self._victim is not None and self._victim.done
+        """Whether the driver made a load fail (``fail_loads``)."""
+        return self.failures is not None and self.failures.failed > 0
 
     # ---------------------------------------------------------------- protocol
 
@@ -243,7 +215,6 @@ class ReferenceDriver:
         record = self._record = {"resolved": [], "loaded": {}, "unexpected": [], "connector_output": None}
         preemptions = {r: req.num_preemptions for r, req in self.requests.items()}
         self.engine.step()
-        self._step += 1
         # every table handed so far: a connector may keep one and change it steps later
         mutated = mutated_tables(self._handed)
         if mutated:
