@@ -16,11 +16,12 @@ persistent folder, ``$XDG_CACHE_HOME/kvconn/vllm`` by default, and sets
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import pickle
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,8 @@ from . import CONNECTOR_CLASS, SHORT_NAME
 
 __all__ = [
     "EOS_TOKEN_ID",
+    "RUNNERS",
+    "RUNNER_VARIABLE",
     "VLLM_TEST_SHAPE",
     "VllmLoop",
     "fake_kv_caches",
@@ -38,10 +41,14 @@ __all__ = [
     "make_model_runner_output",
     "make_request",
     "make_scheduler",
+    "model_runner",
     "prepare_environment",
     "vllm_import_error",
 ]
 
+#: vLLM 0.33's model runners, and the value of :data:`RUNNER_VARIABLE` that picks each.
+RUNNERS = {"v1": "0", "v2": "1"}
+RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
 EOS_TOKEN_ID = 50256  # OPT's end-of-sequence token: sampling it ends a request
 NUM_KV_HEADS, HEAD_SIZE = 2, 32
 LAYERS = ("model.decoder.layers.0.self_attn.attn", "model.decoder.layers.1.self_attn.attn")
@@ -139,6 +146,7 @@ def make_scheduler(
     kv_load_failure_policy: str = "recompute",
     workdir: str | os.PathLike[str] | None = None,
     shape: EngineShape | None = None,
+    runner: str | None = None,
     **shape_options: Any,
 ) -> Any:
     """vLLM's ``Scheduler`` with kvconn ``connector`` (``None``: none) on its scheduler side (``scheduler.connector``).
@@ -150,7 +158,59 @@ def make_scheduler(
     model's. With several groups vLLM's hybrid KV cache manager runs: vLLM
     turns it off on CPU platforms only because its GPU kernels need it, so it
     is switched back on here, where only the scheduler runs.
+
+    ``runner`` (``"v1"``, ``"v2"``; ``None``: what vLLM picks, or
+    ``VLLM_USE_V2_MODEL_RUNNER``) is the model runner whose scheduler output
+    vLLM builds (``Scheduler.use_v2_model_runner``): under V2 a request
+    resumed after preemption comes back in ``scheduled_new_reqs`` with its
+    whole table, under V1 in ``resumed_req_ids``. :class:`VllmLoop` drives the
+    worker as that runner does. Chosen through vLLM's own switch, the
+    environment variable, while the config and scheduler are built.
     """
+    with model_runner(runner):
+        return _make_scheduler(
+            connector,
+            config,
+            on_error=on_error,
+            short_name=short_name,
+            kv_load_failure_policy=kv_load_failure_policy,
+            workdir=workdir,
+            shape=shape,
+            **shape_options,
+        )
+
+
+@contextlib.contextmanager
+def model_runner(runner: str | None) -> Iterator[None]:
+    """Make vLLM configs built inside pick ``runner`` (see :data:`RUNNERS`; ``None``: leave the choice to vLLM)."""
+    if runner is None:
+        yield
+        return
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {list(RUNNERS)} (vLLM's model runners), not {runner!r}")
+    previous = os.environ.get(RUNNER_VARIABLE)
+    os.environ[RUNNER_VARIABLE] = RUNNERS[runner]
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(RUNNER_VARIABLE, None)
+        else:
+            os.environ[RUNNER_VARIABLE] = previous
+
+
+def _make_scheduler(
+    connector: str | Sequence[str] | None,
+    config: Any = None,
+    *,
+    on_error: str = "raise",
+    short_name: bool = False,
+    kv_load_failure_policy: str = "recompute",
+    workdir: str | os.PathLike[str] | None = None,
+    shape: EngineShape | None = None,
+    **shape_options: Any,
+) -> Any:
+    """:func:`make_scheduler` with the model runner already chosen."""
     shape = EngineShape.from_options(shape or VLLM_TEST_SHAPE, **shape_options)
     if (shape.num_kv_heads, shape.head_dim) != (NUM_KV_HEADS, HEAD_SIZE):
         raise ValueError(
@@ -329,7 +389,16 @@ class VllmLoop:
         layers.update({name: SimpleNamespace(kv_cache=kv) for name, kv in self.kv_caches.items()})
         self._attention = maybe_transfer_kv_layer(self._layer_forward)
         self._step_writes: list[list[tuple[int, int, float]]] = []
-        self.worker.register_kv_caches(self.kv_caches)
+        #: the model runner whose worker code drives the connector: the one the scheduler builds outputs for
+        self.runner = "v2" if scheduler.use_v2_model_runner else "v1"
+        self._active: Any = None  # V2's ActiveKVConnector
+        if self.runner == "v2":  # V2's runner registers the caches through its ActiveKVConnector
+            from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+
+            with self._agent():
+                self._active = ActiveKVConnector(config, self.kv_caches)
+        else:  # V1's (initialize_kv_cache) registers them with the transfer group itself
+            self.worker.register_kv_caches(self.kv_caches)
         self.outputs: list[Any] = []
         self.last_kv_output: Any = None
 
@@ -379,10 +448,30 @@ class VllmLoop:
         """The model runner's answer to the step (:func:`make_model_runner_output`: every sampled token is 0)."""
         return make_model_runner_output(output, self.scheduler, eos_req_ids=eos_req_ids, kv_connector_output=kv_output)
 
+    @contextlib.contextmanager
+    def _agent(self) -> Iterator[None]:
+        """The worker-side adapter as vLLM's KV-transfer group (what its model-runner code reads)."""
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        previous, kv_transfer_state._KV_CONNECTOR_AGENT = kv_transfer_state._KV_CONNECTOR_AGENT, self.worker
+        try:
+            yield
+        finally:
+            kv_transfer_state._KV_CONNECTOR_AGENT = previous
+
     def run_worker(self, output: Any) -> Any:
         """The worker side of one step, driven by vLLM's own model-runner code, not by an order written here.
 
-        vLLM's ``KVConnectorModelRunnerMixin`` binds the metadata and calls
+        Under V2 (:attr:`runner`), vLLM's ``ActiveKVConnector`` (what
+        ``GPUModelRunner`` calls): ``pre_forward`` inside the forward context
+        (binds the metadata; starts loads now only for sync loads),
+        the layers, ``finish_forward``, ``post_forward`` (starts the other
+        loads, ``wait_for_save``, transfer results, invalid blocks, worker
+        metadata), or ``no_forward`` on a step without tokens. The runner's
+        ``InputBatch`` (CUDA tensors) is not built: ``pre_forward`` gets none,
+        so ``start_load_kv`` gets no per-request keyword arguments (kvconn's
+        adapter reads none). Under V1, vLLM's ``KVConnectorModelRunnerMixin``
+        binds the metadata and calls
         ``start_load_kv`` (before the forward only when the step has sync
         loads, else after it), ``wait_for_save``, ``get_transfer_results`` and
         the rest; each layer runs through vLLM's ``maybe_transfer_kv_layer``
@@ -390,16 +479,23 @@ class VllmLoop:
         its attention layers do. A step with no scheduled tokens takes vLLM's
         no-forward path.
         """
-        from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.forward_context import set_forward_context
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin as Runner
 
         config = self.scheduler.vllm_config
-        previous, kv_transfer_state._KV_CONNECTOR_AGENT = kv_transfer_state._KV_CONNECTOR_AGENT, self.worker
-        try:
+        attn_metadata = dict.fromkeys(self.kv_caches, output)  # any non-None per-layer metadata
+        with self._agent():
+            if self._active is not None:
+                if not output.total_num_scheduled_tokens:
+                    return self._active.no_forward(output).kv_connector_output
+                with set_forward_context(attn_metadata, config, slot_mapping={}):
+                    self._active.pre_forward(output)
+                    for layer in self.kv_caches:
+                        self._attention(layer)
+                self._active.finish_forward()
+                return self._active.post_forward(output.finished_req_ids)
             if not output.total_num_scheduled_tokens:
                 return Runner.kv_connector_no_forward(output, config).kv_connector_output
-            attn_metadata = dict.fromkeys(self.kv_caches, output)  # any non-None per-layer metadata
             with (
                 set_forward_context(attn_metadata, config, slot_mapping={}),
                 Runner.maybe_get_kv_connector_output(output) as kv_output,
@@ -407,8 +503,6 @@ class VllmLoop:
                 for layer in self.kv_caches:
                     self._attention(layer)
             return kv_output
-        finally:
-            kv_transfer_state._KV_CONNECTOR_AGENT = previous
 
     def run(self, *, max_steps: int = 1000, inspect: Callable[[Any], None] | None = None) -> None:
         """Step until the scheduler has nothing left (requests or held blocks)."""
