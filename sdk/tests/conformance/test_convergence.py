@@ -8,7 +8,7 @@ import pytest
 from kvconn.reference import EngineShape
 from kvconn.testing.conformance import DriverSpec, ReferenceDriver, run_conformance
 from kvconn.testing.conformance.catalog import get_check
-from kvconn.testing.conformance.convergence import LIVELOCK_FIX, REPEATS, NotConverging
+from kvconn.testing.conformance.convergence import LIVELOCK_FIX, LOAD_FIX, LOAD_STEPS, REPEATS, NotConverging
 from kvconn.testing.memory_connector import fresh_namespace
 
 LIVELOCK = "kvconn_conformance_fixtures.livelock:"
@@ -68,3 +68,14 @@ def test_validate_fails_the_livelocking_connector_and_passes_its_correct_version
         (result,) = (r for r in report.results if r.id == "KV046")
         assert "in data run 'persistent-failure', request 'b' never finishes" in result.message
         assert result.message.endswith(f"; fix: {get_check('KV046').fix}")
+
+
+def test_a_load_never_reported_finished_stops_the_run_within_a_bound() -> None:
+    report = run_conformance(LIVELOCK + "NeverFinishesLoads", select="KV040")
+    (result,) = report.results
+    assert result.status == "failed"
+    assert (
+        f"request 'b' never finishes: its async load of 4 block(s) has not been reported in finished_recving "
+        f"for {LOAD_STEPS} steps" in result.message
+    )
+    assert result.message.endswith(f"; fix: {LOAD_FIX}")

@@ -167,9 +167,10 @@ class MemoryConnector(KVConnector):
         same bad block then would loop for ever.
         """
         invalid, done = connector_output.invalid_block_ids, connector_output.finished_recving
+        failed = connector_output.failed  # the worker side raised: every load in flight failed
         for req_id, hashes in list(self.loads_in_flight.items()):
-            self.failed_hashes.update(h for b, h in hashes.items() if b in invalid)
-            if req_id in done or connector_output.failed:
+            self.failed_hashes.update(h for b, h in hashes.items() if failed or b in invalid)
+            if failed or req_id in done:
                 del self.loads_in_flight[req_id]
 
     def request_finished(self, request: ConnectorRequest) -> bool:
