@@ -30,9 +30,8 @@ from typing import Any
 from kvconn.host import CallOutcome, LoadPlan
 from kvconn.reference.model import ReferenceModel, prefix_hashes
 from kvconn.reference.stats import EngineStats
-from kvconn.testing.conformance.convergence import ConvergenceWatch
 from kvconn.testing.conformance.driver import DriverSpec, StepRecord
-from kvconn.testing.conformance.failures import FailureMode, LoadFailures
+from kvconn.testing.conformance.failures import FailureMode, watch_data_run
 
 from .driver import VllmDriver
 from .harness import EOS_TOKEN_ID, HEAD_SIZE, NUM_KV_HEADS, VllmLoop, make_request
@@ -161,19 +160,16 @@ class VllmDataDriver(VllmDriver):
         self.stats = EngineStats()
         self._requests: dict[str, Any] = {}
         self._loaded: dict[str, int] = {}
-        scheduler_host, worker_host = self.adapter.host, self.loop.worker.host
-        scheduler_host.add_monitor(after=self._count, calls=("update_state_after_alloc", "update_connector_output"))
-        self.failures: LoadFailures | None = None
-        if fail_loads is not None:
-            self.failures = LoadFailures(
-                self.name,
-                fail_loads,
-                block_size=self.block_size,
-                kv_caches=self.loop.kv_caches,
-                group_of_layer=self.loop.worker.context.group_of_layer(),
-            )
-            self.failures.attach(scheduler_host, worker_host)
-        ConvergenceWatch(self.name, self.block_size, f"vLLM {vllm.__version__} scheduler").attach(scheduler_host)
+        self.adapter.host.add_monitor(after=self._count, calls=("update_state_after_alloc", "update_connector_output"))
+        self.failures = watch_data_run(
+            self.name,
+            fail_loads,
+            engine=f"vLLM {vllm.__version__} scheduler",
+            block_size=self.block_size,
+            hosts=(self.adapter.host, self.loop.worker.host),
+            kv_caches=self.loop.kv_caches,
+            group_of_layer=self.loop.worker.context.group_of_layer(),
+        )
 
     def _loop(self, scheduler: Any) -> ModelLoop:
         return ModelLoop(scheduler, scrub_freed=self._scrub_freed, worker_config=self._worker_config)

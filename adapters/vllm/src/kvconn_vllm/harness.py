@@ -167,50 +167,6 @@ def make_scheduler(
     worker as that runner does. Chosen through vLLM's own switch, the
     environment variable, while the config and scheduler are built.
     """
-    with model_runner(runner):
-        return _make_scheduler(
-            connector,
-            config,
-            on_error=on_error,
-            short_name=short_name,
-            kv_load_failure_policy=kv_load_failure_policy,
-            workdir=workdir,
-            shape=shape,
-            **shape_options,
-        )
-
-
-@contextlib.contextmanager
-def model_runner(runner: str | None) -> Iterator[None]:
-    """Make vLLM configs built inside pick ``runner`` (see :data:`RUNNERS`; ``None``: leave the choice to vLLM)."""
-    if runner is None:
-        yield
-        return
-    if runner not in RUNNERS:
-        raise ValueError(f"runner must be one of {list(RUNNERS)} (vLLM's model runners), not {runner!r}")
-    previous = os.environ.get(RUNNER_VARIABLE)
-    os.environ[RUNNER_VARIABLE] = RUNNERS[runner]
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(RUNNER_VARIABLE, None)
-        else:
-            os.environ[RUNNER_VARIABLE] = previous
-
-
-def _make_scheduler(
-    connector: str | Sequence[str] | None,
-    config: Any = None,
-    *,
-    on_error: str = "raise",
-    short_name: bool = False,
-    kv_load_failure_policy: str = "recompute",
-    workdir: str | os.PathLike[str] | None = None,
-    shape: EngineShape | None = None,
-    **shape_options: Any,
-) -> Any:
-    """:func:`make_scheduler` with the model runner already chosen."""
     shape = EngineShape.from_options(shape or VLLM_TEST_SHAPE, **shape_options)
     if (shape.num_kv_heads, shape.head_dim) != (NUM_KV_HEADS, HEAD_SIZE):
         raise ValueError(
@@ -232,27 +188,28 @@ def _make_scheduler(
         seed=42,
         max_model_len=max_model_len,
     )
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(
-            # vLLM refuses more running requests than tokens per step; every running request takes at
-            # least one token a step, so the reference engine never runs more either.
-            max_num_seqs=min(shape.max_num_seqs, shape.max_num_batched_tokens),
-            max_num_batched_tokens=shape.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=model_config.is_encoder_decoder,
-        ),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=shape.enable_prefix_caching),
-        kv_transfer_config=None
-        if connector is None
-        else KVTransferConfig(
-            kv_role="kv_both",
-            kv_load_failure_policy=kv_load_failure_policy,
-            **kvconn_transfer_config(connector, config, on_error=on_error, short_name=short_name),
-        ),
-        device_config=DeviceConfig("cpu"),
-    )
+    with model_runner(runner):  # VllmConfig reads its use_v2_model_runner while it is built
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            scheduler_config=SchedulerConfig(
+                # vLLM refuses more running requests than tokens per step; every running request takes at
+                # least one token a step, so the reference engine never runs more either.
+                max_num_seqs=min(shape.max_num_seqs, shape.max_num_batched_tokens),
+                max_num_batched_tokens=shape.max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=model_config.is_encoder_decoder,
+            ),
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=shape.enable_prefix_caching),
+            kv_transfer_config=None
+            if connector is None
+            else KVTransferConfig(
+                kv_role="kv_both",
+                kv_load_failure_policy=kv_load_failure_policy,
+                **kvconn_transfer_config(connector, config, on_error=on_error, short_name=short_name),
+            ),
+            device_config=DeviceConfig("cpu"),
+        )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     if len(shape.kv_cache_groups) > 1:
         vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
@@ -262,13 +219,33 @@ def _make_scheduler(
         kv_cache_groups=[_vllm_group(group, block_size) for group in shape.kv_cache_groups],
     )
     _init_hashing()
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=block_size,
-        log_stats=True,
-    )
+    with model_runner(runner):  # and the scheduler keeps the runner it reads now (use_v2_model_runner)
+        return Scheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=block_size,
+            log_stats=True,
+        )
+
+
+@contextlib.contextmanager
+def model_runner(runner: str | None) -> Iterator[None]:
+    """Make vLLM configs built inside pick ``runner`` (see :data:`RUNNERS`; ``None``: leave the choice to vLLM)."""
+    if runner is None:
+        yield
+        return
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {list(RUNNERS)} (vLLM's model runners), not {runner!r}")
+    previous = os.environ.get(RUNNER_VARIABLE)
+    os.environ[RUNNER_VARIABLE] = RUNNERS[runner]
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(RUNNER_VARIABLE, None)
+        else:
+            os.environ[RUNNER_VARIABLE] = previous
 
 
 def _vllm_group(group: KVCacheGroupSpec, block_size: int) -> Any:

@@ -29,8 +29,9 @@ from typing import Any, Literal
 from ...context import NULL_BLOCK_ID
 from ...host import CallOutcome, ConnectorHost, LoadPlan
 from ...outputs import KVConnectorOutput
+from .convergence import ConvergenceWatch
 
-__all__ = ["GARBAGE", "FailureMode", "LoadFailures"]
+__all__ = ["GARBAGE", "FailureMode", "LoadFailures", "watch_data_run"]
 
 #: What an injected failed load leaves in a block: far outside the model's KV range.
 GARBAGE = 3.0
@@ -131,3 +132,27 @@ class LoadFailures:
             for group, block_id in victim.block_ids:
                 if self.group_of_layer[layer] == group:
                     self.kv_caches[layer][block_id].fill_(GARBAGE)
+
+
+def watch_data_run(
+    name: str,
+    fail_loads: FailureMode | None,
+    *,
+    engine: str,
+    block_size: int,
+    hosts: tuple[ConnectorHost, ConnectorHost],
+    kv_caches: Mapping[str, Any],
+    group_of_layer: Mapping[str, int],
+) -> LoadFailures | None:
+    """What a data driver adds at its ``(scheduler, worker)`` hosts: the failures asked for, and a convergence watch.
+
+    Returns the injector (``None`` without ``fail_loads``); ``engine`` names the engine in the watch's messages.
+    """
+    failures = None
+    if fail_loads is not None:
+        failures = LoadFailures(
+            name, fail_loads, block_size=block_size, kv_caches=kv_caches, group_of_layer=group_of_layer
+        )
+        failures.attach(*hosts)
+    ConvergenceWatch(name, block_size, engine).attach(hosts[0])
+    return failures

@@ -20,9 +20,8 @@ from ...reference.engine import Engine
 from ...reference.request import Request
 from ...reference.stats import EngineStats
 from ..utils import assert_scheduler_empty
-from .convergence import ConvergenceWatch
 from .driver import DriverSpec, HandedTable, StepRecord, freeze, mutated_tables, observe_block_state, tracked_by_role
-from .failures import FailureMode, LoadFailures
+from .failures import FailureMode, watch_data_run
 
 __all__ = ["ReferenceDriver"]
 
@@ -85,18 +84,15 @@ class ReferenceDriver:
         self._awaiting: dict[str, set[str]] = {kind: set() for kind in _AWAITED}
         self._reported: dict[str, set[str]] = {kind: set() for kind in _AWAITED}
         self._record: dict[str, Any] = {}  # this step's observations
-        scheduler_host, worker_host = self._monitor()
-        self.failures: LoadFailures | None = None
-        if fail_loads is not None:
-            self.failures = LoadFailures(
-                self.name,
-                fail_loads,
-                block_size=self.block_size,
-                kv_caches=self.worker.kv_caches,
-                group_of_layer=self.engine.context.group_of_layer(),
-            )
-            self.failures.attach(scheduler_host, worker_host)
-        ConvergenceWatch(self.name, self.block_size, "reference engine").attach(scheduler_host)
+        self.failures = watch_data_run(
+            self.name,
+            fail_loads,
+            engine="reference engine",
+            block_size=self.block_size,
+            hosts=self._monitor(),
+            kv_caches=self.worker.kv_caches,
+            group_of_layer=self.engine.context.group_of_layer(),
+        )
         if scrub_freed:
             self.scheduler.kv_cache_manager.pool.on_free = self._scrub
 
