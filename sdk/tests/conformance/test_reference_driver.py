@@ -38,3 +38,10 @@ def test_first_load_fails_and_the_engine_recomputes_it() -> None:
     assert driver.stats.failed_load_blocks == 1
     assert driver.generated("a") == driver.generated("b")
     driver.close()
+
+
+def test_fail_first_load_is_still_the_first_mode() -> None:
+    spec = DriverSpec(STORE, {"store": "driver-test-old"}, EngineShape(enable_prefix_caching=False))
+    driver = ReferenceDriver(spec, fail_first_load=True)
+    assert driver.failures is not None and driver.failures.mode == "first"
+    driver.close()

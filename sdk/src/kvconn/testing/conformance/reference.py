@@ -50,6 +50,7 @@ class ReferenceDriver:
     it is freed, as a busy GPU cache reuses it: a save that still reads a
     freed block, or a load that skips a block, leaves garbage behind.
 
+    ``fail_first_load=True`` (the older spelling) is ``fail_loads="first"``.
     ``worker_config`` (default: the spec's) configures the worker side alone:
     a fresh store namespace there makes every block the scheduler side finds
     go missing on load.
@@ -66,7 +67,10 @@ class ReferenceDriver:
         fail_loads: FailureMode | None = None,
         scrub_freed: bool = False,
         worker_config: Mapping[str, Any] | None = None,
+        fail_first_load: bool = False,
     ) -> None:
+        if fail_first_load:  # the name before fail_loads, kept working
+            fail_loads = "first"
         if scrub_freed and spec.shape.enable_prefix_caching:
             raise ValueError("scrub_freed needs enable_prefix_caching=False: freed blocks stay prefix-cache hits")
         self.spec, self.shape = spec, spec.shape
