@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvconn_vllm.harness import prepare_environment, vllm_import_error
+from kvconn_vllm.harness import RUNNER_VARIABLE, RUNNERS, prepare_environment, vllm_import_error
 
 prepare_environment()  # before anything imports vLLM: offline, persistent VLLM_CACHE_ROOT
 VLLM_ERROR = vllm_import_error()
@@ -47,3 +47,14 @@ def old_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     import vllm.v1.core.sched.scheduler as vllm_scheduler
 
     monkeypatch.setattr(vllm_scheduler, "KVConnectorBlockState", lambda **kwargs: None)
+
+
+@pytest.fixture(params=sorted(RUNNERS))
+def runner(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each of vLLM 0.33's model runners in turn, chosen as vLLM chooses it (``VLLM_USE_V2_MODEL_RUNNER``).
+
+    The scheduler builds its output for that runner, and ``VllmLoop`` drives the worker as it
+    does: V1 through ``KVConnectorModelRunnerMixin``, V2 through ``ActiveKVConnector``.
+    """
+    monkeypatch.setenv(RUNNER_VARIABLE, RUNNERS[request.param])
+    return str(request.param)

@@ -63,6 +63,7 @@ def test_missing_connector_name_is_a_clear_error() -> None:
         make_scheduler([])
 
 
+@pytest.mark.usefixtures("runner")
 def test_block_fill_step_reaches_plugin_with_live_table() -> None:
     scheduler = make_scheduler("dummy")
     scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=4))
@@ -89,6 +90,7 @@ def test_metadata_survives_pickling_as_vllm_sends_it() -> None:
     assert dummy_meta(back).block_ids_by_req["r0"] == full
 
 
+@pytest.mark.usefixtures("runner")
 def test_worker_side_dummy_gets_its_metadata_every_step() -> None:
     scheduler = make_scheduler("dummy")
     scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=3))
@@ -103,6 +105,7 @@ def test_worker_side_dummy_gets_its_metadata_every_step() -> None:
     assert saves == set(harness.LAYERS)
 
 
+@pytest.mark.usefixtures("runner")
 def test_workers_decode_only_metadata_a_hook_reads_and_send_no_report_without_news(
     test_connectors: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -132,6 +135,7 @@ def test_workers_decode_only_metadata_a_hook_reads_and_send_no_report_without_ne
     assert reports == [None] * len(loop.outputs) and scheduler.connector.host.degraded_events == 0
 
 
+@pytest.mark.usefixtures("runner")
 def test_metadata_that_keeps_the_read_only_views_arrives_as_the_lists_vllm_scheduled(test_connectors: str) -> None:
     """Views kept as they are in metadata encode like the lists the reference engine hands out."""
     from kvconn_test_connectors import FieldsMetadata
@@ -152,6 +156,7 @@ def test_metadata_that_keeps_the_read_only_views_arrives_as_the_lists_vllm_sched
     assert any(output.scheduled_cached_reqs.req_ids for output in loop.outputs)
 
 
+@pytest.mark.usefixtures("runner")
 def test_a_free_a_worker_never_reports_is_released_even_when_no_step_runs_a_forward(test_connectors: str) -> None:
     """The host's stall bound needs a report every step while it waits, though workers skip empty reports."""
     scheduler = make_scheduler(f"{test_connectors}:HandoffConnector", {"send_steps": 10**6}, on_error="degrade")
@@ -163,6 +168,7 @@ def test_a_free_a_worker_never_reports_is_released_even_when_no_step_runs_a_forw
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == scheduler.kv_cache_config.num_blocks - 1
 
 
+@pytest.mark.usefixtures("runner")
 def test_finish_and_abort_reach_the_plugin() -> None:
     from vllm.v1.request import RequestStatus
 
@@ -181,6 +187,7 @@ def test_finish_and_abort_reach_the_plugin() -> None:
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 127
 
 
+@pytest.mark.usefixtures("runner")
 def test_delayed_free_waits_for_the_workers_report(test_connectors: str) -> None:
     scheduler = make_scheduler(f"{test_connectors}:HandoffConnector", {"send_steps": 2})
     loop = VllmLoop(scheduler)
@@ -194,6 +201,7 @@ def test_delayed_free_waits_for_the_workers_report(test_connectors: str) -> None
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 127
 
 
+@pytest.mark.usefixtures("runner")
 def test_two_connectors_free_only_when_both_are_done(test_connectors: str) -> None:
     fast, slow = f"{test_connectors}:HandoffConnector", f"{test_connectors}:SlowHandoffConnector"
     scheduler = make_scheduler([fast, slow], {fast: {"send_steps": 1}, slow: {"send_steps": 3}})
@@ -211,6 +219,7 @@ def test_two_connectors_free_only_when_both_are_done(test_connectors: str) -> No
     assert reports[fast].index({"r0"}) < reports[slow].index({"r0"})
 
 
+@pytest.mark.usefixtures("runner")
 def test_failed_sync_load_is_recomputed_not_used(test_connectors: str) -> None:
     name = f"{test_connectors}:HandoffConnector"
     scheduler = make_scheduler(name, {"delay_free": False, "hit_tokens": 32, "fail_load": True}, on_error="degrade")
@@ -229,6 +238,7 @@ def test_failed_sync_load_is_recomputed_not_used(test_connectors: str) -> None:
     assert "hit0" not in scheduler.requests
 
 
+@pytest.mark.usefixtures("runner")
 @pytest.mark.usefixtures("old_vllm")
 def test_fallback_tracks_live_tables_through_block_fill_and_preemption(test_connectors: str) -> None:
     # 11 usable blocks; requests growing to 5 blocks each: someone is preempted and resumed.
@@ -290,6 +300,7 @@ def reuse_a_prefix_through(plugin: str, **options: Any) -> Any:
     return tables
 
 
+@pytest.mark.usefixtures("runner")
 @pytest.mark.parametrize("plugin", ["offload", "mooncake"])
 def test_second_request_loads_the_shared_prefix_from_the_plugin(plugin: str) -> None:
     (table,) = reuse_a_prefix_through(plugin)
@@ -358,6 +369,7 @@ def test_kvconn_validate_engine_vllm_runs_the_checks_through_vllm() -> None:
     assert "load_error" not in report
 
 
+@pytest.mark.usefixtures("runner")
 def test_a_scheduler_only_connector_sends_workers_nothing(
     test_connectors: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -376,6 +388,7 @@ def test_a_scheduler_only_connector_sends_workers_nothing(
     assert not adapter_warnings  # no worker complains about metadata it cannot decode
 
 
+@pytest.mark.usefixtures("runner")
 def test_vllm_stats_hold_the_counters_and_no_private_gauges() -> None:
     """vLLM sums KV-connector stats over workers and steps: a gauge there would be multiplied."""
     scheduler = make_scheduler("offload", num_blocks=64)

@@ -25,7 +25,7 @@ def test_step_record_offers_every_scheduled_request_and_counts_resolves() -> Non
 
 def test_first_load_fails_and_the_engine_recomputes_it() -> None:
     driver = ReferenceDriver(
-        DriverSpec(STORE, {"store": "driver-test"}, EngineShape(enable_prefix_caching=False)), fail_first_load=True
+        DriverSpec(STORE, {"store": "driver-test"}, EngineShape(enable_prefix_caching=False)), fail_loads="first"
     )
     prompt = list(range(10_000, 10_040))
     driver.add_request("a", prompt, 2)
@@ -37,4 +37,11 @@ def test_first_load_fails_and_the_engine_recomputes_it() -> None:
     assert driver.injected_failure
     assert driver.stats.failed_load_blocks == 1
     assert driver.generated("a") == driver.generated("b")
+    driver.close()
+
+
+def test_fail_first_load_is_still_the_first_mode() -> None:
+    spec = DriverSpec(STORE, {"store": "driver-test-old"}, EngineShape(enable_prefix_caching=False))
+    driver = ReferenceDriver(spec, fail_first_load=True)
+    assert driver.failures is not None and driver.failures.mode == "first"
     driver.close()

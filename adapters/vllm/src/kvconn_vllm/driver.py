@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvconn._install import checkout_path
 from kvconn.block_state import BlockIds
@@ -33,6 +33,10 @@ from kvconn.testing.conformance.driver import (
 )
 
 from .reports import decode_report
+
+if TYPE_CHECKING:
+    from .data_driver import VllmDataDriver
+    from .harness import VllmLoop
 
 __all__ = ["VllmDriver", "load_driver"]
 
@@ -59,16 +63,16 @@ class VllmDriver:
     """A :class:`~kvconn.testing.conformance.SchedulerDriver` over vLLM's scheduler."""
 
     def __init__(self, spec: DriverSpec) -> None:
-        from .harness import VLLM_TEST_SHAPE, VllmLoop, make_scheduler
+        from .harness import VLLM_TEST_SHAPE, make_scheduler
 
         self.block_size, self.num_blocks = spec.shape.block_size, spec.shape.num_blocks
         self.name = spec.connector
         # the scenario's shape, on the tiny model's KV shape; max_model_len: the tiny model's positions
-        shape = spec.shape.replace(
+        self.shape = spec.shape.replace(
             max_model_len=2048, num_kv_heads=VLLM_TEST_SHAPE.num_kv_heads, head_dim=VLLM_TEST_SHAPE.head_dim
         )
-        self.scheduler = make_scheduler(spec.connector, spec.config, shape=shape)
-        self.loop = VllmLoop(self.scheduler)
+        self.scheduler = make_scheduler(spec.connector, spec.config, shape=self.shape)
+        self.loop = self._loop(self.scheduler)
         self.adapter = self.scheduler.connector
         self.metadata_type = self.adapter.host.metadata_types[self.name]
         self._finished_calls: Counter[str] = Counter()
@@ -76,6 +80,19 @@ class VllmDriver:
         self._built: tuple[SchedulerOutput, KVConnectorMetadata | None, frozenset[str], list[str]] | None = None
         self._resolved: list[str] = []
         self._observe()
+
+    def _loop(self, scheduler: Any) -> VllmLoop:
+        """The loop that runs the worker side of each step (a data driver's has a model)."""
+        from .harness import VllmLoop
+
+        return VllmLoop(scheduler)
+
+    @staticmethod
+    def data_driver(spec: DriverSpec, **options: Any) -> VllmDataDriver:
+        """The data checks' driver: :class:`~.data_driver.VllmDataDriver` (``options``: its keywords)."""
+        from .data_driver import VllmDataDriver
+
+        return VllmDataDriver(spec, **options)
 
     def _observe(self) -> None:
         """Monitor the scheduler-side host, where the reference driver observes too."""

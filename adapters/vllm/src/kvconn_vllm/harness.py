@@ -16,11 +16,12 @@ persistent folder, ``$XDG_CACHE_HOME/kvconn/vllm`` by default, and sets
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import pickle
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,8 @@ from . import CONNECTOR_CLASS, SHORT_NAME
 
 __all__ = [
     "EOS_TOKEN_ID",
+    "RUNNERS",
+    "RUNNER_VARIABLE",
     "VLLM_TEST_SHAPE",
     "VllmLoop",
     "fake_kv_caches",
@@ -38,10 +41,14 @@ __all__ = [
     "make_model_runner_output",
     "make_request",
     "make_scheduler",
+    "model_runner",
     "prepare_environment",
     "vllm_import_error",
 ]
 
+#: vLLM 0.33's model runners, and the value of :data:`RUNNER_VARIABLE` that picks each.
+RUNNERS = {"v1": "0", "v2": "1"}
+RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
 EOS_TOKEN_ID = 50256  # OPT's end-of-sequence token: sampling it ends a request
 NUM_KV_HEADS, HEAD_SIZE = 2, 32
 LAYERS = ("model.decoder.layers.0.self_attn.attn", "model.decoder.layers.1.self_attn.attn")
@@ -139,6 +146,7 @@ def make_scheduler(
     kv_load_failure_policy: str = "recompute",
     workdir: str | os.PathLike[str] | None = None,
     shape: EngineShape | None = None,
+    runner: str | None = None,
     **shape_options: Any,
 ) -> Any:
     """vLLM's ``Scheduler`` with kvconn ``connector`` (``None``: none) on its scheduler side (``scheduler.connector``).
@@ -150,6 +158,14 @@ def make_scheduler(
     model's. With several groups vLLM's hybrid KV cache manager runs: vLLM
     turns it off on CPU platforms only because its GPU kernels need it, so it
     is switched back on here, where only the scheduler runs.
+
+    ``runner`` (``"v1"``, ``"v2"``; ``None``: what vLLM picks, or
+    ``VLLM_USE_V2_MODEL_RUNNER``) is the model runner whose scheduler output
+    vLLM builds (``Scheduler.use_v2_model_runner``): under V2 a request
+    resumed after preemption comes back in ``scheduled_new_reqs`` with its
+    whole table, under V1 in ``resumed_req_ids``. :class:`VllmLoop` drives the
+    worker as that runner does. Chosen through vLLM's own switch, the
+    environment variable, while the config and scheduler are built.
     """
     shape = EngineShape.from_options(shape or VLLM_TEST_SHAPE, **shape_options)
     if (shape.num_kv_heads, shape.head_dim) != (NUM_KV_HEADS, HEAD_SIZE):
@@ -172,27 +188,28 @@ def make_scheduler(
         seed=42,
         max_model_len=max_model_len,
     )
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(
-            # vLLM refuses more running requests than tokens per step; every running request takes at
-            # least one token a step, so the reference engine never runs more either.
-            max_num_seqs=min(shape.max_num_seqs, shape.max_num_batched_tokens),
-            max_num_batched_tokens=shape.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=model_config.is_encoder_decoder,
-        ),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=shape.enable_prefix_caching),
-        kv_transfer_config=None
-        if connector is None
-        else KVTransferConfig(
-            kv_role="kv_both",
-            kv_load_failure_policy=kv_load_failure_policy,
-            **kvconn_transfer_config(connector, config, on_error=on_error, short_name=short_name),
-        ),
-        device_config=DeviceConfig("cpu"),
-    )
+    with model_runner(runner):  # VllmConfig reads its use_v2_model_runner while it is built
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            scheduler_config=SchedulerConfig(
+                # vLLM refuses more running requests than tokens per step; every running request takes at
+                # least one token a step, so the reference engine never runs more either.
+                max_num_seqs=min(shape.max_num_seqs, shape.max_num_batched_tokens),
+                max_num_batched_tokens=shape.max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=model_config.is_encoder_decoder,
+            ),
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=shape.enable_prefix_caching),
+            kv_transfer_config=None
+            if connector is None
+            else KVTransferConfig(
+                kv_role="kv_both",
+                kv_load_failure_policy=kv_load_failure_policy,
+                **kvconn_transfer_config(connector, config, on_error=on_error, short_name=short_name),
+            ),
+            device_config=DeviceConfig("cpu"),
+        )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     if len(shape.kv_cache_groups) > 1:
         vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
@@ -202,13 +219,33 @@ def make_scheduler(
         kv_cache_groups=[_vllm_group(group, block_size) for group in shape.kv_cache_groups],
     )
     _init_hashing()
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=block_size,
-        log_stats=True,
-    )
+    with model_runner(runner):  # and the scheduler keeps the runner it reads now (use_v2_model_runner)
+        return Scheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=block_size,
+            log_stats=True,
+        )
+
+
+@contextlib.contextmanager
+def model_runner(runner: str | None) -> Iterator[None]:
+    """Make vLLM configs built inside pick ``runner`` (see :data:`RUNNERS`; ``None``: leave the choice to vLLM)."""
+    if runner is None:
+        yield
+        return
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {list(RUNNERS)} (vLLM's model runners), not {runner!r}")
+    previous = os.environ.get(RUNNER_VARIABLE)
+    os.environ[RUNNER_VARIABLE] = RUNNERS[runner]
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(RUNNER_VARIABLE, None)
+        else:
+            os.environ[RUNNER_VARIABLE] = previous
 
 
 def _vllm_group(group: KVCacheGroupSpec, block_size: int) -> Any:
@@ -274,6 +311,17 @@ def make_model_runner_output(
     )
 
 
+def _with_kvconn_config(vllm_config: Any, config: Any) -> Any:
+    """A shallow copy of ``vllm_config`` whose kvconn connector gets ``config`` (a worker configured apart)."""
+    import copy
+
+    transfer = copy.copy(vllm_config.kv_transfer_config)
+    transfer.kv_connector_extra_config = {**transfer.kv_connector_extra_config, "kvconn_config": config}
+    copied = copy.copy(vllm_config)
+    copied.kv_transfer_config = transfer
+    return copied
+
+
 def fake_kv_caches(num_blocks: int, block_size: int = 16, layers: Iterable[str] = LAYERS) -> dict[str, Any]:
     """Per-layer tensors shaped as vLLM 0.33 registers them: ``[blocks, heads, block_size, 2 * head]``."""
     import torch
@@ -294,7 +342,7 @@ class VllmLoop:
     its whole prefix and a load can be checked against a save.
     """
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, *, worker_config: Any = None) -> None:
         from types import SimpleNamespace
 
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -305,7 +353,10 @@ class VllmLoop:
         self.scheduler = scheduler
         self.block_size = scheduler.block_size
         num_blocks = scheduler.kv_cache_config.num_blocks
-        self.worker = KVConnVllmConnector(scheduler.vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
+        config = scheduler.vllm_config
+        if worker_config is not None:
+            config = _with_kvconn_config(config, worker_config)
+        self.worker = KVConnVllmConnector(config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
         #: per KV-cache group, the names of its layers
         self.group_layers = [tuple(g.layer_names) for g in scheduler.kv_cache_config.kv_cache_groups]
         self.kv_caches = fake_kv_caches(num_blocks, self.block_size, [n for g in self.group_layers for n in g])
@@ -315,7 +366,16 @@ class VllmLoop:
         layers.update({name: SimpleNamespace(kv_cache=kv) for name, kv in self.kv_caches.items()})
         self._attention = maybe_transfer_kv_layer(self._layer_forward)
         self._step_writes: list[list[tuple[int, int, float]]] = []
-        self.worker.register_kv_caches(self.kv_caches)
+        #: the model runner whose worker code drives the connector: the one the scheduler builds outputs for
+        self.runner = "v2" if scheduler.use_v2_model_runner else "v1"
+        self._active: Any = None  # V2's ActiveKVConnector
+        if self.runner == "v2":  # V2's runner registers the caches through its ActiveKVConnector
+            from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+
+            with self._agent():
+                self._active = ActiveKVConnector(config, self.kv_caches)
+        else:  # V1's (initialize_kv_cache) registers them with the transfer group itself
+            self.worker.register_kv_caches(self.kv_caches)
         self.outputs: list[Any] = []
         self.last_kv_output: Any = None
 
@@ -358,15 +418,37 @@ class VllmLoop:
         self._step_writes = self._writes(output)  # from the scheduler's live requests, before the step advances them
         kv_output = self.last_kv_output = self.run_worker(sent)
         self.outputs.append(output)
-        runner_output = make_model_runner_output(
-            output, self.scheduler, eos_req_ids=eos_req_ids, kv_connector_output=kv_output
-        )
+        runner_output = self.runner_output(output, eos_req_ids, kv_output)
         return output, self.scheduler.update_from_output(output, runner_output)
+
+    def runner_output(self, output: Any, eos_req_ids: Iterable[str], kv_output: Any) -> Any:
+        """The model runner's answer to the step (:func:`make_model_runner_output`: every sampled token is 0)."""
+        return make_model_runner_output(output, self.scheduler, eos_req_ids=eos_req_ids, kv_connector_output=kv_output)
+
+    @contextlib.contextmanager
+    def _agent(self) -> Iterator[None]:
+        """The worker-side adapter as vLLM's KV-transfer group (what its model-runner code reads)."""
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        previous, kv_transfer_state._KV_CONNECTOR_AGENT = kv_transfer_state._KV_CONNECTOR_AGENT, self.worker
+        try:
+            yield
+        finally:
+            kv_transfer_state._KV_CONNECTOR_AGENT = previous
 
     def run_worker(self, output: Any) -> Any:
         """The worker side of one step, driven by vLLM's own model-runner code, not by an order written here.
 
-        vLLM's ``KVConnectorModelRunnerMixin`` binds the metadata and calls
+        Under V2 (:attr:`runner`), vLLM's ``ActiveKVConnector`` (what
+        ``GPUModelRunner`` calls): ``pre_forward`` inside the forward context
+        (binds the metadata; starts loads now only for sync loads),
+        the layers, ``finish_forward``, ``post_forward`` (starts the other
+        loads, ``wait_for_save``, transfer results, invalid blocks, worker
+        metadata), or ``no_forward`` on a step without tokens. The runner's
+        ``InputBatch`` (CUDA tensors) is not built: ``pre_forward`` gets none,
+        so ``start_load_kv`` gets no per-request keyword arguments (kvconn's
+        adapter reads none). Under V1, vLLM's ``KVConnectorModelRunnerMixin``
+        binds the metadata and calls
         ``start_load_kv`` (before the forward only when the step has sync
         loads, else after it), ``wait_for_save``, ``get_transfer_results`` and
         the rest; each layer runs through vLLM's ``maybe_transfer_kv_layer``
@@ -374,16 +456,23 @@ class VllmLoop:
         its attention layers do. A step with no scheduled tokens takes vLLM's
         no-forward path.
         """
-        from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.forward_context import set_forward_context
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin as Runner
 
         config = self.scheduler.vllm_config
-        previous, kv_transfer_state._KV_CONNECTOR_AGENT = kv_transfer_state._KV_CONNECTOR_AGENT, self.worker
-        try:
+        attn_metadata = dict.fromkeys(self.kv_caches, output)  # any non-None per-layer metadata
+        with self._agent():
+            if self._active is not None:
+                if not output.total_num_scheduled_tokens:
+                    return self._active.no_forward(output).kv_connector_output
+                with set_forward_context(attn_metadata, config, slot_mapping={}):
+                    self._active.pre_forward(output)
+                    for layer in self.kv_caches:
+                        self._attention(layer)
+                self._active.finish_forward()
+                return self._active.post_forward(output.finished_req_ids)
             if not output.total_num_scheduled_tokens:
                 return Runner.kv_connector_no_forward(output, config).kv_connector_output
-            attn_metadata = dict.fromkeys(self.kv_caches, output)  # any non-None per-layer metadata
             with (
                 set_forward_context(attn_metadata, config, slot_mapping={}),
                 Runner.maybe_get_kv_connector_output(output) as kv_output,
@@ -391,8 +480,6 @@ class VllmLoop:
                 for layer in self.kv_caches:
                     self._attention(layer)
             return kv_output
-        finally:
-            kv_transfer_state._KV_CONNECTOR_AGENT = previous
 
     def run(self, *, max_steps: int = 1000, inspect: Callable[[Any], None] | None = None) -> None:
         """Step until the scheduler has nothing left (requests or held blocks)."""

@@ -370,7 +370,19 @@ class Scheduler:
         self.stats.steps += 1
 
     def _recover_invalid_blocks(self, invalid: set[int]) -> set[str]:
-        """Roll requests back to their first failed block; returns those whose step is void."""
+        """Roll requests back to their first failed block; returns those whose step is void.
+
+        Follows vLLM 0.33's recompute policy (``kv_load_failure_policy="recompute"``):
+        ``Scheduler._handle_invalid_blocks`` and ``_update_requests_with_invalid_blocks``
+        truncate a running request's computed tokens to its first invalid block and
+        skip its step's output, and cut an async load (``WAITING_FOR_REMOTE_KVS``)
+        at that block; when that load is reported, ``_update_waiting_for_remote_kv``
+        keeps the valid prefix, or, with none, frees the blocks so that the request
+        is scheduled afresh and the connector asked again (:meth:`_remote_load_done`).
+        Unlike vLLM, blocks after the first failed one leave the prefix cache at once
+        (vLLM's recompute policy leaves them cached), and several KV-cache groups are
+        handled (vLLM 0.33 raises on invalid blocks with more than one group).
+        """
         self.stats.failed_load_blocks += len(invalid)
         discarded: set[str] = set()
         for request in self.requests.values():
@@ -401,8 +413,14 @@ class Scheduler:
         self._count_loaded(request, request.num_computed_tokens, request.num_external_tokens)
         request.num_computed_tokens += request.num_external_tokens
         request.num_external_tokens = 0
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.WAITING
+        if not request.num_computed_tokens:
+            # A failed load left no valid prefix: as vLLM 0.33's Scheduler._update_waiting_for_remote_kv, free
+            # the blocks; the request is scheduled afresh and the connector is asked again.
+            logger.info("request %s: its async load failed from the first block; asking again", req_id)
+            self.kv_cache_manager.free(request)
+            return
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
 
     def _count_loaded(self, request: Request, start: int, num_tokens: int) -> None:
         """Count the prompt positions among ``num_tokens`` loaded from ``start``."""

@@ -6,7 +6,9 @@ suite's deliberately broken connectors change one thing in.
 
 Scheduler side: saves every full block on the step that fills it, reading the
 live table from the block state; reports prefix hits (the blocks whose every
-layer is in the store); loads sync or async (``load_async``). Worker side:
+layer is in the store, with async loads up to the first whose async load
+failed before: a corrupt value stays in the store, and an engine asks again
+after a failed async load); loads sync or async (``load_async``). Worker side:
 copies blocks to and from :data:`STORE`, a dict shared by every instance in
 the process, keyed by a namespace of the engine's model, dtype, block size
 and KV-cache groups (and ``store``), the layer and the block hash; a block
@@ -32,6 +34,7 @@ from .. import (
     KVConnector,
     KVConnectorBlockState,
     KVConnectorMetadata,
+    KVConnectorOutput,
     SchedulerOutput,
     filled_blocks,
     iter_block_ids,
@@ -90,6 +93,9 @@ class MemoryConnector(KVConnector):
         self.requests: dict[str, ConnectorRequest] = {}
         self.saved_upto: dict[str, int] = {}  # blocks of each request already saved or loaded
         self.pending_loads: list[Transfer] = []
+        #: async loads in flight, per request: block id -> block hash; hashes whose async load failed
+        self.loads_in_flight: dict[str, dict[int, bytes]] = {}
+        self.failed_hashes: set[bytes] = set()
         self.kv_caches: dict[str, Any] = {}
         self.failed: set[int] = set()
         self.loading: set[str] = set()  # worker side: async loads done this step
@@ -108,7 +114,7 @@ class MemoryConnector(KVConnector):
         bs = self.context.block_size
         hits = 0
         for block_hash in request.block_hashes[num_computed_tokens // bs :]:
-            if not self._saved(block_hash):
+            if block_hash in self.failed_hashes or not self._saved(block_hash):
                 break
             hits += 1
         return hits * bs, self.config.load_async
@@ -121,7 +127,10 @@ class MemoryConnector(KVConnector):
         last = first + num_external_tokens // bs
         self.requests[request.request_id] = request
         self.saved_upto[request.request_id] = last
-        self.pending_loads += self.transfers(request, block_ids, range(first, last))
+        loads = self.transfers(request, block_ids, range(first, last))
+        self.pending_loads += loads
+        if loads and self.config.load_async:
+            self.loads_in_flight[request.request_id] = {t.block_id: t.block_hash for t in loads}
 
     def transfers(self, request: ConnectorRequest, block_ids: BlockIds, blocks: range) -> list[Transfer]:
         ids = iter_block_ids(block_ids, blocks.start, blocks.stop)
@@ -151,6 +160,20 @@ class MemoryConnector(KVConnector):
     def blocks_to_save(self, request: ConnectorRequest, filled: FilledBlocks) -> int:
         """How many of the request's first blocks are full, and hashed, once this step's tokens are computed."""
         return min(filled.end, len(request.block_hashes))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Remember the blocks whose async load failed (never claimed again); forget the loads that ended.
+
+        A failed sync load costs the request a recompute; a failed async load
+        with no valid prefix sends it back to be asked again, and claiming the
+        same bad block then would loop for ever.
+        """
+        invalid, done = connector_output.invalid_block_ids, connector_output.finished_recving
+        failed = connector_output.failed  # the worker side raised: every load in flight failed
+        for req_id, hashes in list(self.loads_in_flight.items()):
+            self.failed_hashes.update(h for b, h in hashes.items() if failed or b in invalid)
+            if failed or req_id in done:
+                del self.loads_in_flight[req_id]
 
     def request_finished(self, request: ConnectorRequest) -> bool:
         self.requests.pop(request.request_id, None)

@@ -48,8 +48,11 @@ in the ``kvconn.conformance_drivers`` entry-point group, and is then used with
 ``run_conformance(..., driver="vllm")``. A new driver records ``offered``
 and ``resolved`` with :func:`~.driver.observe_block_state` and answers
 ``num_tracked_requests`` with :func:`~.driver.tracked_by_role`.
-The data checks (KV040-KV045) need a model and always use the reference
-engine, with every freed block overwritten at once.
+The data checks (KV040-KV046) need a worker side and a model: they run on
+the factory's ``data_driver`` (a :class:`~.driver.DataDriver`; the reference
+engine for a factory without one), with every freed block overwritten.
+Injected load failures (:mod:`.failures`) and a bound on connectors that keep
+a request from finishing (:mod:`.convergence`) work at the hosts, in any engine.
 
 Each scenario and data run builds new connector instances; a
 ``config_factory`` (``run_conformance(..., config_factory=f)``, or an

@@ -21,10 +21,12 @@ from ...host import ConnectorHost
 from ...metadata import KVConnectorMetadata
 from ...outputs import KVConnectorOutput, SchedulerOutput
 from ...reference.shape import EngineShape
+from ...reference.stats import EngineStats
 
 __all__ = [
     "ScenarioUnsupported",
     "DRIVER_ENTRY_POINT_GROUP",
+    "DataDriver",
     "DriverFactory",
     "DriverSpec",
     "SchedulerDriver",
@@ -134,6 +136,34 @@ class SchedulerDriver(Protocol):
 
 
 DriverFactory = Callable[[DriverSpec], SchedulerDriver]
+
+
+class DataDriver(SchedulerDriver, Protocol):
+    """What the data checks (KV040-KV046) run on: an engine with the connector's worker side and a model.
+
+    Built as ``factory.data_driver(spec, fail_loads=None, scrub_freed=False,
+    worker_config=None)`` by a driver factory that has one (the reference
+    driver's is :class:`~.reference.ReferenceDriver` itself): ``fail_loads``
+    injects failed loads (:mod:`.failures`), ``scrub_freed`` overwrites every
+    block once it is freed, ``worker_config`` configures the worker side
+    alone. Its model writes the reference model's KV and samples from the KV
+    it reads, so its tokens are those of the reference engine with the same
+    ``shape``.
+    """
+
+    #: the engine shape the model runs with (its KV shape decides the tokens)
+    shape: EngineShape
+
+    def generated(self, req_id: str) -> list[int]:
+        """The tokens ``req_id`` generated so far."""
+
+    @property
+    def stats(self) -> EngineStats:
+        """At least ``prompt_tokens_loaded`` and ``failed_load_blocks``."""
+
+    @property
+    def injected_failure(self) -> bool:
+        """Whether a load was made to fail."""
 
 
 def observe_block_state(

@@ -15,7 +15,7 @@ from typing import Any
 
 from ...block_state import BlockIds
 from ...context import NULL_BLOCK_ID
-from ...host import CallOutcome, LoadPlan
+from ...host import CallOutcome, ConnectorHost, LoadPlan
 from ...host.wire import encode_metadata
 from ...outputs import KVConnectorOutput
 from ...reference.engine import Engine
@@ -24,7 +24,8 @@ from ...reference.stats import EngineStats
 from ..utils import assert_scheduler_empty
 from .diagnose import Awaited
 from .driver import DriverSpec, HandedTable, StepRecord, freeze, mutated_tables, observe_block_state, tracked_by_role
-from .kv_audit import FAILED_LOAD_GARBAGE, LoadedBlock, audit_load, freed_value
+from .failures import FailureMode, watch_data_run
+from .kv_audit import LoadedBlock, audit_load, freed_value
 from .worker_process import WorkerProcess
 
 __all__ = ["ReferenceDriver"]
@@ -48,30 +49,23 @@ class _Load:
     blocks: range
 
 
-@dataclass
-class _Victim:
-    """The one load the driver makes fail: its last block, on the step it lands."""
-
-    req_id: str
-    step: int
-    is_async: bool
-    block_ids: list[tuple[int, int]]  # (group, block id)
-    done: bool = False
-
-
 class ReferenceDriver:
     """A :class:`~.driver.SchedulerDriver` over the reference :class:`~kvconn.reference.Engine`.
 
     It steps the engine as it is and observes the connector through monitors
     on the engine's hosts (:meth:`~kvconn.ConnectorHost.add_monitor`).
     Beyond the protocol it exposes what engine-level checks need: the tokens
-    each request generated and the engine's stats. With ``fail_first_load``
-    the first load the connector performs lands garbage in its last block and
-    is reported failed to the engine, which must recompute it. With
+    each request generated and the engine's stats. With ``fail_loads`` (a
+    :class:`~.failures.LoadFailures` mode) loads land garbage and are reported
+    failed to the engine, which must recover: ``"first"``, the connector's
+    first load, in its last block; ``"persistent"``, every load of its first
+    loaded block's content. A :class:`~.convergence.ConvergenceWatch` stops a
+    connector that would keep a request from ever finishing. With
     ``scrub_freed`` (prefix caching off) every block is overwritten the moment
     it is freed, as a busy GPU cache reuses it: a save that still reads a
     freed block, or a load that skips a block, leaves garbage behind.
 
+    ``fail_first_load=True`` (the older spelling) is ``fail_loads="first"``.
     ``worker_config`` (default: the spec's) configures the worker side alone:
     a fresh store namespace there makes every block the scheduler side finds
     go missing on load. With ``worker_process`` the worker runs in a spawned
@@ -89,14 +83,17 @@ class ReferenceDriver:
         self,
         spec: DriverSpec,
         *,
-        fail_first_load: bool = False,
+        fail_loads: FailureMode | None = None,
         scrub_freed: bool = False,
         worker_config: Mapping[str, Any] | None = None,
         worker_process: bool = False,
+        fail_first_load: bool = False,
     ) -> None:
+        if fail_first_load:  # the name before fail_loads, kept working
+            fail_loads = "first"
         if scrub_freed and spec.shape.enable_prefix_caching:
             raise ValueError("scrub_freed needs enable_prefix_caching=False: freed blocks stay prefix-cache hits")
-        self.spec = spec
+        self.spec, self.shape = spec, spec.shape
         self.block_size = spec.shape.block_size
         self.num_blocks = spec.shape.num_blocks
         self.name = spec.connector
@@ -114,8 +111,6 @@ class ReferenceDriver:
         self._finished_calls: Counter[str] = Counter()
         self._withhold: frozenset[str] = frozenset()
         self._step = 0
-        self._fail_first_load = fail_first_load
-        self._victim: _Victim | None = None
         self._handed: list[HandedTable] = []
         #: per report kind, the requests the engine waits for: the step and the answer that started the wait
         self._awaiting: dict[str, dict[str, tuple[int, str]]] = {kind: {} for kind in _AWAITED}
@@ -127,14 +122,22 @@ class ReferenceDriver:
         #: the steps at which each block was freed (scrub_freed)
         self.freed_at: dict[int, list[int]] = {}
         self._audit = scrub_freed
-        self._monitor()
+        self.failures = watch_data_run(
+            self.name,
+            fail_loads,
+            engine="reference engine",
+            block_size=self.block_size,
+            hosts=self._monitor(),
+            kv_caches=self.worker.kv_caches,
+            group_of_layer=self.engine.context.group_of_layer(),
+        )
         if scrub_freed:
             self.scheduler.kv_cache_manager.pool.on_free = self._scrub
 
     # ------------------------------------------------------------ observation
 
-    def _monitor(self) -> None:
-        """Observe the connector at both hosts' boundary (the reference engine always has both)."""
+    def _monitor(self) -> tuple[ConnectorHost, ConnectorHost]:
+        """Observe the connector at both hosts' boundary (the reference engine always has both); returns them."""
         scheduler, worker = self.engine.scheduler_host, self.engine.worker_host
         assert scheduler is not None and worker is not None
         scheduler.add_monitor(
@@ -142,9 +145,8 @@ class ReferenceDriver:
             self._after_scheduler_call,
             calls=("build_connector_meta", "request_finished", "update_state_after_alloc", "update_connector_output"),
         )
-        worker.add_monitor(
-            after=self._after_worker_call, calls=("bind_connector_metadata", "wait_for_layer_load", "get_finished")
-        )
+        worker.add_monitor(after=self._after_worker_call, calls=("bind_connector_metadata", "get_finished"))
+        return scheduler, worker
 
     def _before_scheduler_call(self, call: str, args: tuple[Any, ...]) -> None:
         if call == "build_connector_meta":
@@ -203,10 +205,6 @@ class ReferenceDriver:
         if plan.load_async:
             answer = f"get_num_new_matched_tokens returned ({plan.num_tokens}, True) for it (an async load)"
             self._awaiting["finished_recving"][request.request_id] = (self._step, answer)
-        if self._fail_first_load and self._victim is None:
-            last = (request.num_computed_tokens + plan.num_tokens) // self.block_size - 1
-            blocks = [(g, t[last]) for g, t in enumerate(block_ids) if t[last] != NULL_BLOCK_ID]
-            self._victim = _Victim(request.request_id, self._step, plan.load_async, blocks)
 
     def _after_worker_call(self, call: str, args: tuple[Any, ...], outcome: CallOutcome) -> None:
         if outcome.exception is not None:
@@ -214,21 +212,7 @@ class ReferenceDriver:
         if call == "bind_connector_metadata":  # the metadata as the worker decoded it
             self._record["decoded"] = (args[0] or {}).get(self.name)
             return
-        victim = self._victim
-        if call == "wait_for_layer_load":
-            if victim is not None and not victim.is_async and victim.step == self._step:
-                self._corrupt(victim, [args[0]])
-            return
-        out = outcome.result.get(self.name)  # get_finished
-        self._record["connector_output"] = out
-        if victim is None or victim.done or out is None:
-            return
-        if victim.is_async and victim.req_id in out.finished_recving:
-            self._corrupt(victim, list(self.engine.context.group_of_layer()))
-        elif victim.is_async or victim.step != self._step:
-            return
-        out.invalid_block_ids |= {b for _, b in victim.block_ids}
-        victim.done = True
+        self._record["connector_output"] = outcome.result.get(self.name)  # get_finished
 
     def _hand(self, tables: list[tuple[str, BlockIds]]) -> None:
         """Remember tables handed to the connector, with a snapshot, to see if it changes them."""
@@ -264,8 +248,8 @@ class ReferenceDriver:
         """Audit the loads that landed this step: sync ones started now, async ones reported finished now."""
         received = out.finished_recving if out is not None else set()
         skip = set(out.invalid_block_ids) if out is not None else set()
-        if self._victim is not None:
-            skip |= {b for _, b in self._victim.block_ids}
+        if self.failures is not None:  # the blocks it made fail this step hold its garbage, reported failed
+            skip |= self.failures.failed_blocks
         landed = [
             load for load in self._loads if (load.req_id in received if load.is_async else load.step == self._step)
         ]
@@ -283,13 +267,6 @@ class ReferenceDriver:
                 blocks=load.blocks,
                 skip=skip,
             )
-
-    def _corrupt(self, victim: _Victim, layers: Sequence[str]) -> None:
-        groups = self.engine.context.group_of_layer()
-        for layer in layers:
-            for group, block_id in victim.block_ids:
-                if groups[layer] == group:
-                    self.worker.kv_caches[layer][block_id].fill_(FAILED_LOAD_GARBAGE)
 
     def awaited(self) -> list[Awaited]:
         """The reports the engine still waits for, oldest first (see :func:`~.diagnose.stall`)."""
@@ -330,8 +307,8 @@ class ReferenceDriver:
 
     @property
     def injected_failure(self) -> bool:
-        """Whether the driver made a load fail (``fail_first_load``)."""
-        return self._victim is not None and self._victim.done
+        """Whether the driver made a load fail (``fail_loads``)."""
+        return self.failures is not None and self.failures.failed > 0
 
     # ---------------------------------------------------------------- protocol
 

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from . import data, lifecycle, loading, tables, wire
+from . import data, lifecycle, loading, recovery, tables, wire
 
-__all__ = ["data", "lifecycle", "loading", "tables", "wire"]
+__all__ = ["data", "lifecycle", "loading", "recovery", "tables", "wire"]

@@ -1,7 +1,9 @@
-"""KV040-KV044: what a saving and loading connector does to the generated tokens.
+"""KV040-KV046: what a saving and loading connector does to the generated tokens.
 
-These run on the reference engine whatever the driver (they need the
-worker side and a model): first requests compute and save prefixes, later
+These need the worker side and a model: they run on the driver's data
+driver (its factory's ``data_driver``, e.g. vLLM's real scheduler and
+model-runner code on a model with the reference model's property), or on
+the reference engine for a driver without one. First requests compute and save prefixes, later
 requests sharing them (their local blocks gone: prefix caching is off) must
 load them through the connector, and every token must equal a run without
 the connector. The reference model's next token depends on the KV it reads,
@@ -19,7 +21,8 @@ from typing import Any, NamedTuple
 from ....reference import Engine, EngineShape
 from ..catalog import IMPORTED, check
 from ..diagnose import Diagnosis, capture_warnings, diagnose_error, explain_wrong_kv, stall, store_trouble
-from ..driver import DriverSpec, StepRecord
+from ..driver import DataDriver, DriverSpec, StepRecord
+from ..failures import FailureMode
 from ..reference import ReferenceDriver
 from ..results import ScenarioBroken, Violation
 from ..scenarios import MAX_STEPS, TWO_GROUPS, prompt
@@ -86,6 +89,17 @@ FAILED_LOAD = DataRun(
         (Req("b1", Follow("a", 4, 5), 4),),
     ),
     14,
+)
+#: Every load of ``a``'s first block fails, as a corrupt value that stays in the store: ``b``, then ``b1``, share it.
+PERSISTENT_FAILURE = DataRun(
+    "persistent-failure",
+    {},
+    (
+        (Req("a", prompt(70, 42), 3),),
+        (Req("b", Follow("a", 4, 5), 4),),
+        (Req("b1", Follow("a", 4, 5), 4),),
+    ),
+    42,
 )
 MID_BLOCK_CHUNKS = DataRun(
     "mid-block-chunks",
@@ -167,14 +181,21 @@ def _play(case: DataRun, run: _Run, generated: Callable[[str], list[int]], block
     return {req_id: generated(req_id) for req_id in prompts}
 
 
-_EXPECTED: dict[str, dict[str, list[int]]] = {}
+_EXPECTED: dict[tuple[str, EngineShape], dict[str, list[int]]] = {}
 
 
-def _expected(case: DataRun) -> dict[str, list[int]]:
-    """The tokens without a connector: one run per case and process (the model is deterministic)."""
-    if case.name not in _EXPECTED:
-        _EXPECTED[case.name] = _baseline(case)
-    return _EXPECTED[case.name]
+def _expected(case: DataRun, shape: EngineShape) -> dict[str, list[int]]:
+    """The tokens without a connector, on the reference engine with the data driver's ``shape``.
+
+    One run per case, shape and process: the model is deterministic, and its
+    tokens depend only on the prompts and the KV shape, never on the engine
+    that schedules them (a data driver's model has the reference model's KV
+    and sampling), so every engine is held to the same tokens.
+    """
+    key = (case.name, shape)
+    if key not in _EXPECTED:
+        _EXPECTED[key] = _baseline(case, shape)
+    return _EXPECTED[key]
 
 
 def _shape(case: DataRun) -> EngineShape:
@@ -182,8 +203,8 @@ def _shape(case: DataRun) -> EngineShape:
     return EngineShape.from_options(**{"enable_prefix_caching": False, **case.options})
 
 
-def _baseline(case: DataRun) -> dict[str, list[int]]:
-    engine = Engine(None, shape=_shape(case))
+def _baseline(case: DataRun, shape: EngineShape) -> dict[str, list[int]]:
+    engine = Engine(None, shape=shape)
     requests: dict[str, Any] = {}
 
     def add(req_id: str, tokens: Sequence[int], max_tokens: int) -> None:
@@ -198,7 +219,7 @@ class DataResult:
     """What a data run showed: the tokens, the engine's stats, every step's record."""
 
     tokens: dict[str, list[int]]
-    driver: ReferenceDriver
+    driver: DataDriver
     records: list[StepRecord]
     #: what was logged at WARNING or above while it ran (a connector's own store errors, say)
     warnings: list[str] = field(default_factory=list)
@@ -208,21 +229,27 @@ def data_run(
     session: Session,
     case: DataRun,
     *,
-    fail_first_load: bool = False,
+    fail_loads: FailureMode | None = None,
     lose_blocks: bool = False,
     worker_process: bool = False,
 ) -> DataResult:
-    """``case`` through the reference engine with the connector, once per session; raises :class:`ScenarioBroken`.
+    """``case`` through the data driver with the connector, once per session; raises :class:`ScenarioBroken`.
 
     ``lose_blocks`` and ``worker_process``: see :func:`_with_connector`.
     """
     result = session.memo(
         f"data:{case.name}:{worker_process}",
-        lambda: _with_connector(session, case, fail_first_load, lose_blocks, worker_process),
+        lambda: _with_connector(session, case, fail_loads, lose_blocks, worker_process),
     )
     if isinstance(result, Diagnosis):
         raise ScenarioBroken(result.observed, result.fix)
     return result
+
+
+def data_driver(session: Session) -> Callable[..., DataDriver]:
+    """The session's driver's data driver (``factory.data_driver``), or the reference engine's."""
+    found: Callable[..., DataDriver] = getattr(session.factory, "data_driver", ReferenceDriver)
+    return found
 
 
 def data_runs(session: Session) -> list[tuple[DataRun, DataResult]]:
@@ -233,11 +260,13 @@ def data_runs(session: Session) -> list[tuple[DataRun, DataResult]]:
     """
     if not {"saves", "loads"} <= session.capabilities:
         return []
-    cases = [(case, False) for case in (*ROUND_TRIPS, MID_BLOCK_CHUNKS, PREEMPTED_SAVES, FILL_STEP_ENDS)]
+    cases: list[tuple[DataRun, FailureMode | None]] = [
+        (case, None) for case in (*ROUND_TRIPS, MID_BLOCK_CHUNKS, PREEMPTED_SAVES, FILL_STEP_ENDS)
+    ]
     runs = []
-    for case, fail_first_load in [*cases, (FAILED_LOAD, True)]:
+    for case, fail_loads in [*cases, (FAILED_LOAD, "first"), (PERSISTENT_FAILURE, "persistent")]:
         try:
-            runs.append((case, data_run(session, case, fail_first_load=fail_first_load)))
+            runs.append((case, data_run(session, case, fail_loads=fail_loads)))
         except ScenarioBroken:
             continue
     return runs
@@ -260,15 +289,20 @@ def all_runs(session: Session) -> list[Run]:
 
 
 def _with_connector(
-    session: Session, case: DataRun, fail_first_load: bool, lose_blocks: bool = False, worker_process: bool = False
+    session: Session,
+    case: DataRun,
+    fail_loads: FailureMode | None,
+    lose_blocks: bool = False,
+    worker_process: bool = False,
 ) -> DataResult | Diagnosis:
     """Play ``case``; with ``lose_blocks`` the phases after the first run on an engine whose worker side has
     a fresh (empty) store while its scheduler side still sees the first phase's; with ``worker_process`` too,
     that worker side runs in a process of its own (same config), where a store in process memory is empty."""
     spec = DriverSpec(session.connector, session.config_for(case.name), _shape(case))
-    drivers = [ReferenceDriver(spec, fail_first_load=fail_first_load, scrub_freed=True)]
+    factory = data_driver(session)
+    drivers = [factory(spec, fail_loads=fail_loads, scrub_freed=True)]
     if lose_blocks and worker_process:
-        try:
+        try:  # the other process runs the reference worker, whatever the first phase's engine
             drivers.append(ReferenceDriver(spec, worker_process=True))
         except RuntimeError as exc:  # the worker side did not start there
             drivers[0].close()
@@ -279,10 +313,10 @@ def _with_connector(
             )
     elif lose_blocks:
         emptied = session.config_for(f"{case.name}-emptied")
-        drivers.append(ReferenceDriver(spec, scrub_freed=True, worker_config=emptied))
-    phase, owner, records = [0], dict[str, ReferenceDriver](), list[StepRecord]()
+        drivers.append(factory(spec, scrub_freed=True, worker_config=emptied))
+    phase, owner, records = [0], dict[str, DataDriver](), list[StepRecord]()
 
-    def current() -> ReferenceDriver:
+    def current() -> DataDriver:
         return drivers[min(phase[0], len(drivers) - 1)]
 
     def add(req_id: str, tokens: Sequence[int], max_tokens: int) -> None:
@@ -304,6 +338,8 @@ def _with_connector(
         try:
             tokens = _play(case, run, lambda r: owner[r].generated(r), spec.shape.block_size)
             return DataResult(tokens, drivers[-1], records, warnings.messages)
+        except ScenarioBroken as exc:  # the run stopped: the connector would keep the engine from finishing
+            return Diagnosis(f"in data run {case.name!r}, {exc}", exc.fix)
         except Exception as exc:
             return diagnose_error(exc, current(), f"data run {case.name!r}, step {len(records)}", case.name)
     finally:
@@ -313,7 +349,7 @@ def _with_connector(
 
 
 def _compare(case: DataRun, result: DataResult, when: str = "") -> None:
-    want = _expected(case)
+    want = _expected(case, result.driver.shape)
     for req_id, tokens in want.items():
         if result.tokens[req_id] != tokens:
             seen = (
@@ -327,6 +363,8 @@ def _compare(case: DataRun, result: DataResult, when: str = "") -> None:
 def _why_wrong(result: DataResult) -> Diagnosis | None:
     """What the run's loads landed that the model did not compute, and why (see :func:`~.diagnose.explain_wrong_kv`)."""
     driver = result.driver
+    if not isinstance(driver, ReferenceDriver):  # only the reference driver audits each landed block
+        return None
     groups = [spec.layer_names for spec in driver.engine.context.kv_cache_groups]
     hashes = {r: request.block_hashes for r, request in driver.requests.items()}
     return explain_wrong_kv(driver.wrong_loads, groups, result.records, hashes, driver.freed_at)
@@ -400,7 +438,7 @@ def load_failure(session: Session) -> None:
     Without a factory, or when a fresh scheduler side claims no hit (its
     store is not shared between instances), that part does not apply.
     """
-    result = data_run(session, FAILED_LOAD, fail_first_load=True)
+    result = data_run(session, FAILED_LOAD, fail_loads="first")
     if not result.driver.injected_failure:
         raise Violation(
             f"in the {FAILED_LOAD.name!r} run the connector loaded nothing, so no load could be made to fail"
@@ -433,9 +471,10 @@ def _worker_elsewhere(session: Session) -> None:
     hit ever).
     """
     result = data_run(session, LOST_BLOCKS, lose_blocks=True, worker_process=True)
+    assert isinstance(result.driver, ReferenceDriver)  # the other process runs the reference worker
     claimed = sum(n for record in result.records for r, n in record.loaded.items() if r == "b")
     there = "its worker side in another process (as vLLM's multiprocess engine runs it)"
-    if result.tokens != _expected(LOST_BLOCKS) and not result.driver.stats.failed_load_blocks:
+    if result.tokens != _expected(LOST_BLOCKS, result.driver.shape) and not result.driver.stats.failed_load_blocks:
         raise Violation(
             f"in the {LOST_BLOCKS.name!r} data run with {there}, the connector claimed {claimed} tokens for 'b', the "
             "worker side did not have them, it reported no block failed to load, and 'b' ran on wrong KV"
@@ -460,7 +499,7 @@ def _lost_blocks(session: Session) -> None:
     "fresh" namespace still reaches the blocks lets every load succeed.
     """
     result = data_run(session, LOST_BLOCKS, lose_blocks=True)
-    if result.tokens != _expected(LOST_BLOCKS) and not result.driver.stats.failed_load_blocks:
+    if result.tokens != _expected(LOST_BLOCKS, result.driver.shape) and not result.driver.stats.failed_load_blocks:
         claimed = sum(n for record in result.records for r, n in record.loaded.items() if r == "b")
         raise Violation(
             f"in the {LOST_BLOCKS.name!r} data run the connector claimed {claimed} tokens for 'b', its worker's "

@@ -1,0 +1,211 @@
+"""The data checks (KV040-KV046) through vLLM: its real scheduler, its model-runner code, a model that reads KV.
+
+:class:`VllmDataDriver` is the ``vllm`` driver's ``data_driver``: vLLM's v1
+``Scheduler`` (``kv_load_failure_policy="recompute"``) with the connector
+behind :class:`~.connector.KVConnVllmConnector`, and a worker-side adapter
+driven through vLLM's own ``KVConnectorModelRunnerMixin`` and
+``maybe_transfer_kv_layer`` (:class:`~.harness.VllmLoop`) on real torch KV
+caches in vLLM's layout. Its model (:class:`ModelLoop`) is the reference
+model on those tensors: each computed token writes KV that depends on its
+whole prefix, and each sampled token is a function of the KV read back
+through the live block table, so its tokens are the reference engine's for
+the same KV shape, and a wrong, stale or missing load changes them.
+
+Everything that recovers from a failed load is vLLM's (invalid blocks,
+``_update_waiting_for_remote_kv`` re-asking the connector); the driver only
+injects failures (:class:`~kvconn.testing.conformance.failures.LoadFailures`,
+at the hosts) and stops a connector that would never converge
+(:class:`~kvconn.testing.conformance.convergence.ConvergenceWatch`). Freed
+blocks are overwritten between vLLM's calls (a block whose reference count
+is 0 after ``schedule()`` and after ``update_from_output``), as a busy GPU
+cache reuses them: vLLM's block pool has no free callback, and it is not
+patched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from kvconn.host import CallOutcome, LoadPlan
+from kvconn.reference.model import ReferenceModel, prefix_hashes
+from kvconn.reference.stats import EngineStats
+from kvconn.testing.conformance.driver import DriverSpec, StepRecord
+from kvconn.testing.conformance.failures import FailureMode, watch_data_run
+
+from .driver import VllmDriver
+from .harness import EOS_TOKEN_ID, HEAD_SIZE, NUM_KV_HEADS, VllmLoop, make_request
+
+__all__ = ["FREED", "ModelLoop", "VllmDataDriver"]
+
+#: What a freed block holds once scrubbed: outside the model's KV range, unlike anything it writes.
+FREED = -5.0
+#: The reference worker's vocabulary: the sampled tokens are the reference engine's.
+VOCAB_SIZE = 32_000
+
+
+class ModelLoop(VllmLoop):
+    """:class:`~.harness.VllmLoop` whose model is the reference model (see the module docstring)."""
+
+    def __init__(self, scheduler: Any, *, scrub_freed: bool = False, worker_config: Any = None) -> None:
+        import torch
+
+        super().__init__(scheduler, worker_config=worker_config)
+        if VOCAB_SIZE > EOS_TOKEN_ID:  # sampling vLLM's EOS would end a request the reference engine continues
+            raise AssertionError("the model's vocabulary must not reach vLLM's EOS token")
+        self.model = ReferenceModel(
+            num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_SIZE, vocab_size=VOCAB_SIZE, dtype=torch.float16, device="cpu"
+        )
+        groups = scheduler.kv_cache_config.kv_cache_groups
+        self._windows = [getattr(g.kv_cache_spec, "sliding_window", None) for g in groups]
+        self._layer_index = {name: i for i, name in enumerate(self.kv_caches)}  # group order, as the reference's
+        self._bits = {name: kv.view(torch.int16) for name, kv in self.kv_caches.items()}
+        self._scrub_freed = scrub_freed
+        self._hashes: dict[str, list[int]] = {}
+        self._inputs: Any = None  # this step's KV inputs, and per group where they go
+        self._targets: list[tuple[Any, Any]] = []
+        self._sampling: list[tuple[str, list[list[int]], int]] = []  # (request, its tables, last position)
+        self._reads: dict[str, list[int]] = {}
+
+    def _writes(self, output: Any) -> list[list[tuple[int, int, float]]]:
+        """Plan the step from the scheduler's live requests and tables, before the step advances them."""
+        torch = self.model.torch
+        self.scrub()
+        for req_id in output.finished_req_ids:
+            self._hashes.pop(req_id, None)
+        hashes: list[int] = []
+        targets: list[tuple[list[int], list[int]]] = [([], []) for _ in self.group_layers]
+        self._sampling, self._reads = [], {}
+        bs = self.block_size
+        for req_id, n in output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            tables = [list(t) for t in self.scheduler.kv_cache_manager.get_block_ids(req_id)]
+            start, end = request.num_computed_tokens - n, request.num_computed_tokens
+            hashes += prefix_hashes(request.all_token_ids, self._hashes.setdefault(req_id, []))[start:end]
+            for table, (blocks, offsets) in zip(tables, targets, strict=True):
+                blocks += [table[p // bs] for p in range(start, end)]
+                offsets += [p % bs for p in range(start, end)]
+            if end == request.num_tokens:
+                self._sampling.append((req_id, tables, end - 1))
+                self._reads[req_id] = []
+        self._inputs = self.model.kv_inputs(hashes) if hashes else None
+        self._targets = [(torch.tensor(b), torch.tensor(o)) for b, o in targets]
+        return []
+
+    def _layer_forward(self, layer_name: str) -> None:
+        """One layer: write the step's KV (``[block, head, offset, K|V]``), then read each sampling request's."""
+        group, kv = self._group_of[layer_name], self.kv_caches[layer_name]
+        index = self._layer_index[layer_name]
+        if self._inputs is not None:
+            values = self.model.kv_values(self._inputs, index)  # [n, 2, heads, head_dim]
+            blocks, offsets = self._targets[group]
+            kv[blocks, :, offsets] = values.permute(0, 2, 1, 3).reshape(len(values), NUM_KV_HEADS, 2 * HEAD_SIZE)
+        window, bs, torch = self._windows[group], self.block_size, self.model.torch
+        for req_id, tables, last in self._sampling:
+            first = 0 if window is None else max(0, last - window + 1)
+            ids = torch.tensor(tables[group][first // bs : last // bs + 1])
+            per_slot = self._bits[layer_name][ids].sum(dim=(1, 3), dtype=torch.int64).view(-1)
+            lo = first % bs
+            self._reads[req_id].append(int(per_slot[lo : lo + last - first + 1].sum()))
+
+    def runner_output(self, output: Any, eos_req_ids: Iterable[str], kv_output: Any) -> Any:
+        """The tokens the model sampled, for the requests that finished their prompt or decode this step."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = [[self.model.next_token(self._reads[r])] if r in self._reads else [] for r in req_ids]
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv_output,
+        )
+
+    def step(self, *, eos_req_ids: Iterable[str] = (), inspect: Any = None) -> tuple[Any, Any]:
+        result = super().step(eos_req_ids=eos_req_ids, inspect=inspect)
+        self.scrub()  # blocks update_from_output freed (finished requests)
+        return result
+
+    def scrub(self) -> None:
+        """Overwrite every block vLLM's pool holds free (reference count 0; the null block is left alone)."""
+        if not self._scrub_freed:
+            return
+        pool = self.scheduler.kv_cache_manager.block_pool
+        free = [b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0]
+        if free:
+            for kv in self.kv_caches.values():
+                kv[free] = FREED
+
+
+class VllmDataDriver(VllmDriver):
+    """vLLM's scheduler and model-runner code with a model: the data checks' driver (see the module docstring).
+
+    Keywords as :class:`~kvconn.testing.conformance.ReferenceDriver`'s:
+    ``fail_loads`` (a :class:`~kvconn.testing.conformance.failures.LoadFailures`
+    mode), ``scrub_freed``, ``worker_config`` (the worker side's own config).
+    """
+
+    def __init__(
+        self,
+        spec: DriverSpec,
+        *,
+        fail_loads: FailureMode | None = None,
+        scrub_freed: bool = False,
+        worker_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        import vllm
+
+        self._scrub_freed, self._worker_config = scrub_freed, worker_config
+        super().__init__(spec)
+        self.stats = EngineStats()
+        self._requests: dict[str, Any] = {}
+        self._loaded: dict[str, int] = {}
+        self.adapter.host.add_monitor(after=self._count, calls=("update_state_after_alloc", "update_connector_output"))
+        self.failures = watch_data_run(
+            self.name,
+            fail_loads,
+            engine=f"vLLM {vllm.__version__} scheduler",
+            block_size=self.block_size,
+            hosts=(self.adapter.host, self.loop.worker.host),
+            kv_caches=self.loop.kv_caches,
+            group_of_layer=self.loop.worker.context.group_of_layer(),
+        )
+
+    def _loop(self, scheduler: Any) -> ModelLoop:
+        return ModelLoop(scheduler, scrub_freed=self._scrub_freed, worker_config=self._worker_config)
+
+    def _count(self, call: str, args: tuple[Any, ...], outcome: CallOutcome) -> None:
+        """The stats the data checks read: prompt tokens the connector set out to load, blocks it failed."""
+        if outcome.exception is not None:
+            return
+        if call == "update_state_after_alloc":
+            request, _, plan = args
+            if outcome.result and plan.num_tokens:
+                self._committed(request, plan)
+        elif (out := args[0].get(self.name)) is not None:
+            self.stats.failed_load_blocks += len(out.invalid_block_ids)
+
+    def _committed(self, request: Any, plan: LoadPlan) -> None:
+        tokens = plan.num_tokens or 0
+        self._loaded[request.request_id] = tokens
+        start = request.num_computed_tokens
+        self.stats.prompt_tokens_loaded += max(0, min(start + tokens, len(request.prompt_token_ids)) - start)
+
+    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> None:
+        request = self._requests[req_id] = make_request(req_id, prompt, max_tokens, self.block_size)
+        self.scheduler.add_request(request)
+
+    def step(self, *, withhold: Iterable[str] = ()) -> StepRecord:
+        self._loaded = {}
+        record = super().step(withhold=frozenset(withhold))
+        record.loaded = self._loaded
+        return record
+
+    def generated(self, req_id: str) -> list[int]:
+        """The tokens ``req_id`` generated so far."""
+        return list(self._requests[req_id].output_token_ids)
+
+    @property
+    def injected_failure(self) -> bool:
+        """Whether a load was made to fail (``fail_loads``)."""
+        return self.failures is not None and self.failures.failed > 0

@@ -1,0 +1,37 @@
+"""KV046: a load that fails every time ends, recomputed, instead of looping for ever.
+
+The one-off failure of KV041 lets a connector forget what failed. A corrupt
+value that stays in the store does not: every load of that block fails. An
+engine that asks the connector again after a failed async load (vLLM 0.33's
+``Scheduler._update_waiting_for_remote_kv``, and the reference scheduler,
+which follows it) then livelocks on a connector that claims the block again.
+"""
+
+from __future__ import annotations
+
+from ..catalog import check
+from ..convergence import LIVELOCK_FIX
+from ..results import Violation
+from ..session import Session
+from .data import PERSISTENT_FAILURE, UNTIDY_DATA_CHECK, _compare, data_run
+
+
+@check("KV046", "persistent-load-failure", fix=LIVELOCK_FIX, **UNTIDY_DATA_CHECK)
+def persistent_load_failure(session: Session) -> None:
+    """A block whose every load fails is recomputed, every request finishes, and the tokens are exact.
+
+    ``a`` saves; then ``b`` and later ``b1`` share its first four blocks, and
+    every load of the first of them lands garbage and is reported failed
+    (``invalid_block_ids``), whichever request loads it. Catches connectors
+    that keep claiming a block whose load failed: with async loads the engine
+    re-asks them, they claim it again, and the request never finishes (the run
+    stops after a few repeats, naming the request and the answer); with sync
+    loads they fail every request sharing the block, which must still get
+    exact tokens.
+    """
+    result = data_run(session, PERSISTENT_FAILURE, fail_loads="persistent")
+    if not result.driver.injected_failure:
+        raise Violation(
+            f"in the {PERSISTENT_FAILURE.name!r} run the connector loaded nothing, so no load could be made to fail"
+        )
+    _compare(PERSISTENT_FAILURE, result, " (every load of its first shared block failed)")

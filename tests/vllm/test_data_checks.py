@@ -1,0 +1,105 @@
+"""The data checks (KV040-KV046) through vLLM's real scheduler and model-runner code, on a model that reads KV.
+
+vLLM's own recovery runs: invalid blocks under ``kv_load_failure_policy="recompute"``, and
+``Scheduler._update_waiting_for_remote_kv`` asking the connector again after an async load
+that failed with no valid prefix, which livelocks a connector that claims the block again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvconn.reference import EngineShape
+from kvconn.testing.conformance import ConfigFactory, DriverSpec, run_conformance
+
+FIXTURES = Path(__file__).parents[2] / "sdk" / "tests" / "conformance" / "fixtures"
+LIVELOCK = "kvconn_conformance_fixtures.livelock:"
+
+
+@pytest.fixture
+def fixtures(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    yield
+
+
+@pytest.mark.usefixtures("runner")
+def test_the_data_driver_runs_vllms_scheduler_and_gets_the_reference_engines_tokens() -> None:
+    from kvconn.reference import Engine
+    from kvconn_vllm.data_driver import VllmDataDriver
+
+    prompt = list(range(10_000, 10_040))
+    spec = DriverSpec("offload", None, EngineShape(enable_prefix_caching=False))
+    driver = VllmDataDriver(spec, scrub_freed=True)
+    for req_id in ("a", "b"):
+        driver.add_request(req_id, prompt, 6)
+        while driver.has_work():
+            driver.step()
+    assert type(driver.scheduler).__module__ == "vllm.v1.core.sched.scheduler"
+    assert driver.stats.prompt_tokens_loaded == 32  # b loaded a's two full blocks through offload
+    with Engine(None, shape=driver.shape) as engine:
+        expected = engine.generate([prompt], max_tokens=6)[0]
+    assert driver.generated("a") == driver.generated("b") == expected
+    assert len(set(expected)) > 1  # the tokens follow the KV, not a constant
+    driver.close()
+
+
+@pytest.mark.usefixtures("fixtures")
+def test_a_load_into_the_wrong_layer_changes_the_tokens_under_vllm() -> None:
+    report = run_conformance("kvconn_conformance_fixtures.broken:WrongLayerLoad", driver="vllm", select="KV040")
+    (result,) = report.results
+    assert result.status == "failed" and "it ran on wrong KV" in result.message, result
+
+
+@pytest.mark.usefixtures("fixtures")
+@pytest.mark.parametrize(("connector", "failed"), [("ClaimsFailedBlocks", {"KV046"}), ("RemembersFailedLoads", set())])
+def test_the_livelocking_store_fails_under_vllm_and_its_correct_version_passes(
+    connector: str, failed: set[str]
+) -> None:
+    report = run_conformance(LIVELOCK + connector, driver="vllm", select="KV04[0-6]")
+    assert report.load_error is None
+    assert {r.id for r in report.results if r.status == "failed"} == failed, report.results
+    if failed:
+        (result,) = (r for r in report.results if r.id == "KV046")
+        assert "request 'b' never finishes" in result.message and "answering (64, True)" in result.message
+        assert "vLLM 0.33.0 scheduler asks the connector again" in result.message
+        assert "fix: stop claiming a block whose load failed" in result.message
+
+
+def _embedded_store(run: str) -> dict[str, str]:
+    """Mooncake's embedded store lives as long as the process: a fresh one per run (KV041 then loses blocks too)."""
+    return {"embedded_store": f"{run}-{uuid.uuid4().hex}"}
+
+
+@pytest.mark.usefixtures("runner")
+@pytest.mark.parametrize(("connector", "factory"), [("offload", None), ("mooncake", _embedded_store)])
+def test_shipped_connectors_pass_the_data_checks_under_vllm(connector: str, factory: ConfigFactory | None) -> None:
+    report = run_conformance(connector, driver="vllm", select="KV04*", config_factory=factory)
+    assert report.load_error is None
+    assert report.failed == 0 and report.passed == 7, report.results
+
+
+def test_kvconn_validate_engine_vllm_fails_the_livelocking_store() -> None:
+    kvconn = shutil.which("kvconn", path=str(Path(sys.executable).parent))
+    assert kvconn is not None, "kvconn-cli is not installed in the vLLM venv"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FIXTURES), os.environ.get("PYTHONPATH", "")])}
+    name = LIVELOCK + "ClaimsFailedBlocks"
+    result = subprocess.run(
+        [kvconn, "validate", name, "--engine", "vllm", "--check", "KV04[06]", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    (report,) = json.loads(result.stdout)["connectors"]
+    failed = {r["id"]: r["message"] for r in report["checks"] if r["status"] == "failed"}
+    assert set(failed) == {"KV046"} and "never finishes" in failed["KV046"]
