@@ -109,6 +109,8 @@ class Engine:
         # Decode every connector's metadata, even one with no worker side (its workers ignore it).
         self._metadata_types = self.scheduler_host.metadata_types if self.scheduler_host else {}
         self._ids = itertools.count()
+        # the model's vocabulary decides which prompts are valid, whichever worker (or process) steps them
+        self._check_token_ids = self.worker.model.check_token_ids
 
     @property
     def stats(self) -> EngineStats:
@@ -120,7 +122,7 @@ class Engine:
 
     def add_request(self, prompt: Sequence[int], max_tokens: int = 16, request_id: str | None = None) -> Request:
         """Queue a request; ``ValueError`` for a prompt of token ids outside the model's vocabulary."""
-        self.worker.model.check_token_ids(prompt, "prompt token ids")
+        self._check_token_ids(prompt, "prompt token ids")
         request = Request(
             request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt,
