@@ -10,8 +10,9 @@ import pytest
 
 from kvconn import CachedRequestData, KVCacheGroupSpec, SaveCursor, SchedulerOutput, loadable_hit
 from kvconn.reference import Engine
-from kvconn.store import HEADER_BYTES, Integrity
+from kvconn.store import HEADER_BYTES, BlockStore, Integrity
 from kvconn.testing import memory_store
+from kvconn.testing.store_conformance import StoreConformance
 
 STORE = f"{memory_store.__name__}:MemoryStoreConnector"
 SWA_GROUPS = (KVCacheGroupSpec(("layer.0",)), KVCacheGroupSpec(("layer.1",), sliding_window=32))
@@ -131,3 +132,12 @@ def test_the_save_cursor_drops_back_to_recomputed_blocks() -> None:
     assert list(cursor.due(out, 16)) == [("r", 2, 5)]
     cursor.advance("r", 5)
     assert cursor.upto("r") == 5
+
+
+class TestMemoryStore(StoreConformance):
+    def make_store(self) -> BlockStore:
+        return memory_store.MemoryStore(f"conformance-{id(self)}")
+
+    def make_unreachable(self, store: BlockStore) -> None:
+        assert isinstance(store, memory_store.MemoryStore)
+        memory_store.faults(store.name).down = True

@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from redis_server import RedisServer
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.stop()
