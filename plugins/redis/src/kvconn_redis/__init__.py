@@ -34,7 +34,7 @@ class RedisStore:
             pipe.exists(key)
         return [bool(n) for n in pipe.execute()] if keys else []
 
-    def put(self, keys: Sequence[bytes], values: Sequence[bytes]) -> list[bool]:
+    def put(self, keys: Sequence[bytes], values: Sequence[bytes | memoryview]) -> list[bool]:
         if not keys:
             return []
         pipe = self.client.pipeline(transaction=False)
@@ -52,7 +52,7 @@ class RedisStore:
         for value, buffer in zip(answers, buffers, strict=True):
             if value is not None:
                 n = min(len(value), len(buffer))
-                buffer[:n] = value[:n]
+                buffer[:n] = memoryview(value)[:n]
             lengths.append(None if value is None else len(value))
         return lengths
 

@@ -33,8 +33,10 @@ class BlockStore(Protocol):
         """Per key, whether a value is stored under it now."""
         ...
 
-    def put(self, keys: Sequence[bytes], values: Sequence[bytes]) -> Sequence[bool]:
+    def put(self, keys: Sequence[bytes], values: Sequence[bytes | memoryview]) -> Sequence[bool]:
         """Store ``values[i]`` under ``keys[i]`` unless the key holds a value already (write-once).
+
+        A value may be a view of the caller's memory, valid only during the call: copy what you keep.
 
         Per key: ``True`` when the key holds a value afterwards (this one or
         the earlier one), ``False`` when the store refused it (full, too large).

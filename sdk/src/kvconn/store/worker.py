@@ -19,11 +19,12 @@ recomputes them), a failed save is skipped; both are counted and logged once.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
 import torch
 
 from ..context import NULL_BLOCK_ID, ConnectorContext
@@ -38,30 +39,52 @@ __all__ = ["StoreWorker"]
 
 
 class _Layout:
-    """One KV-cache group's tensors, and how a block of it is laid out in a value."""
+    """One KV-cache group's tensors, and how a block of it is laid out in a value.
+
+    Host tensors whose blocks are contiguous are moved with one copy per byte
+    (``numpy.take`` into the value's columns, a fancy-indexed store back);
+    others (a device, a strided layout) through torch, with one more.
+    """
 
     def __init__(self, names: Sequence[str], tensors: Sequence[Any]) -> None:
         self.tensors = list(tensors)
         self.num_blocks = min(t.shape[0] for t in tensors)
         self.sizes = [t[0].numel() * t.element_size() for t in tensors]
         self.value_bytes = sum(self.sizes)
-        self.digest = layout_digest(
-            [(n, tuple(t.shape[1:]), str(t.dtype)) for n, t in zip(names, tensors, strict=True)]
-        )
+        layers = [(name, tuple(t.shape[1:]), str(t.dtype)) for name, t in zip(names, tensors, strict=True)]
+        self.digest = layout_digest(layers)
+        #: per layer, its blocks as rows of bytes (a view of the tensor), where that takes no copy
+        self._rows = [
+            t.view(t.shape[0], -1).view(torch.uint8).numpy() if t.device.type == "cpu" and t.is_contiguous() else None
+            for t in tensors
+        ]
 
-    def gather(self, block_ids: list[int]) -> Any:
-        """The payloads of ``block_ids``, one row of uint8 each, in host memory."""
-        ids = torch.tensor(block_ids, device=self.tensors[0].device)
-        parts = [t.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8) for t in self.tensors]
-        return torch.cat(parts, dim=1).cpu().numpy()
-
-    def scatter(self, block_ids: list[int], payloads: Any) -> None:
-        """Copy verified payload rows (a uint8 tensor, one row per block) into ``block_ids``."""
-        offset = 0
-        for t, size in zip(self.tensors, self.sizes, strict=True):
-            src = payloads[:, offset : offset + size].contiguous().view(t.dtype).view(len(block_ids), *t.shape[1:])
-            t.index_copy_(0, torch.tensor(block_ids, device=t.device), src.to(t.device))
+    def _columns(self, rows: Any) -> Iterator[tuple[Any, Any, Any]]:
+        """Per layer: its tensor, its byte rows (or ``None``), and its columns of the values ``rows``."""
+        offset = HEADER_BYTES
+        for t, layer_rows, size in zip(self.tensors, self._rows, self.sizes, strict=True):
+            yield t, layer_rows, rows[:, offset : offset + size]
             offset += size
+
+    def gather(self, block_ids: list[int], rows: Any) -> None:
+        """Copy the blocks' bytes into ``rows`` (uint8 numpy, one row per block, payload from ``HEADER_BYTES``)."""
+        ids = numpy.asarray(block_ids)
+        for t, layer_rows, columns in self._columns(rows):
+            if layer_rows is not None:
+                numpy.take(layer_rows, ids, axis=0, out=columns, mode="clip")  # ids are in range: no clipping
+            else:
+                blocks = t.index_select(0, torch.from_numpy(ids).to(t.device)).view(len(block_ids), -1)
+                torch.from_numpy(columns).copy_(blocks.view(torch.uint8).cpu())
+
+    def scatter(self, block_ids: list[int], rows: Any) -> None:
+        """Copy verified payload rows (uint8 numpy, one row per block, from ``HEADER_BYTES``) into ``block_ids``."""
+        ids = numpy.asarray(block_ids)
+        for t, layer_rows, columns in self._columns(rows):
+            if layer_rows is not None:
+                layer_rows[ids] = columns
+            else:
+                src = torch.from_numpy(columns).view(t.dtype).view(len(block_ids), *t.shape[1:])
+                t.index_copy_(0, torch.from_numpy(ids).to(t.device), src.to(t.device))
 
 
 @dataclass
@@ -194,9 +217,10 @@ class StoreWorker(StoreSide):
             for reason, ids in failed.items():
                 self._fail(ids, f"load_failed_{reason}", _why(reason))
             if ok:
-                rows = torch.frombuffer(group.staging, dtype=torch.uint8).view(len(group.keys), group.stride)
-                payloads = rows[torch.tensor([slot for slot, _ in ok])][:, HEADER_BYTES:]
-                group.layout.scatter([block for _, block in ok], payloads)
+                rows = numpy.frombuffer(group.staging, dtype=numpy.uint8).reshape(len(group.keys), group.stride)
+                if len(ok) < len(group.targets) or len(group.keys) < len(ok):
+                    rows = rows[[slot for slot, _ in ok]]  # only the verified values, one row per block
+                group.layout.scatter([block for _, block in ok], rows)
                 landed += len(ok)
                 moved += len(ok) * group.layout.value_bytes
         self.stats.count("blocks_loaded", landed)
@@ -219,19 +243,24 @@ class StoreWorker(StoreSide):
             return
         blocks, bad = self._addressable(metadata.saves)
         self.stats.degraded("save_failed_unaddressable", len(bad), "saves named blocks this worker lacks")
-        keys: list[bytes] = []
-        values: list[bytes] = []
         by_group: dict[int, dict[bytes, int]] = {}
         for b in blocks:
             by_group.setdefault(b.group, {}).setdefault(b.block_hash, b.block_id)  # a prefix computed twice: once
+        keys: list[bytes] = []
+        values: list[memoryview] = []
         for g, ids in by_group.items():
             layout = self._layouts[g]
-            rows = layout.gather(list(ids.values()))
-            for block_hash, row in zip(ids, rows, strict=True):
+            stride = HEADER_BYTES + layout.value_bytes
+            # A new buffer each step: a put that missed its deadline may still be reading the last one.
+            staging = bytearray(len(ids) * stride)
+            layout.gather(list(ids.values()), numpy.frombuffer(staging, dtype=numpy.uint8).reshape(len(ids), stride))
+            view = memoryview(staging)
+            for i, block_hash in enumerate(ids):
                 key = self.keys.key(g, block_hash)
-                payload = row.data
+                value = view[i * stride : (i + 1) * stride]
+                value[:HEADER_BYTES] = self.integrity.seal(key, layout.digest, value[HEADER_BYTES:])
                 keys.append(key)
-                values.append(self.integrity.seal(key, layout.digest, payload) + payload)
+                values.append(value)
         try:
             stored = list(self.guard.call("put", lambda store: store.put(keys, values)))
         except StoreUnavailable:

@@ -66,7 +66,7 @@ class MemoryStore:
         with _LOCK:
             return [key in self._values for key in keys]
 
-    def put(self, keys: Sequence[bytes], values: Sequence[bytes]) -> list[bool]:
+    def put(self, keys: Sequence[bytes], values: Sequence[bytes | memoryview]) -> list[bool]:
         self._enter()
         with _LOCK:
             for key, value in zip(keys, values, strict=True):
