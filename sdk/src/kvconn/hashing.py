@@ -21,6 +21,7 @@ __all__ = ["ROOT_HASH", "context_namespace", "hash_block", "hash_blocks", "names
 ROOT_HASH = hashlib.sha256(b"kvconn-root").digest()
 
 _encode = msgspec.msgpack.Encoder().encode
+_encode_sorted = msgspec.msgpack.Encoder(order="deterministic").encode
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: tuple[object, ...] = ()) -> bytes:
@@ -71,4 +72,5 @@ def context_namespace(context: ConnectorContext, *parts: object) -> str:
     """
     fields = msgspec.structs.asdict(context)
     del fields["engine_id"]  # names one engine instance: engines alike share blocks
-    return namespace_key(*sorted(fields.items()), *parts)
+    # One msgpack document, not joined strings: ("a,b",) and ("a", "b") never encode alike.
+    return namespace_key(_encode_sorted(fields).hex(), *parts)
