@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Sequence
+from typing import Annotated
 
+import msgspec
 import redis
 
 from kvconn.store import BlockStore, StoreConfig, StoreConnector
@@ -16,10 +18,12 @@ __all__ = ["RedisConfig", "RedisConnector", "RedisStore", "fresh_namespace"]
 class RedisConfig(StoreConfig, kw_only=True):
     """Options of the ``redis`` connector (and every :class:`~kvconn.store.StoreConfig` option)."""
 
-    #: the server, "redis://host:port/db" (Valkey speaks the same protocol)
-    url: str = "redis://127.0.0.1:6379/0"
-    #: a call that waits longer on the socket raises (the connector's deadline is ``timeout_s``)
-    socket_timeout_s: float = 1.0
+    url: Annotated[str, msgspec.Meta(description="the server, 'redis://host:port/db' (Valkey too)")] = (
+        "redis://127.0.0.1:6379/0"
+    )
+    socket_timeout_s: Annotated[
+        float, msgspec.Meta(description="a call waiting longer on the socket raises (the store is then off)", gt=0)
+    ] = 1.0
 
 
 class RedisStore:

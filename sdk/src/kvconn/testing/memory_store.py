@@ -16,6 +16,9 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Annotated
+
+import msgspec
 
 from ..store import BlockStore, StoreConfig, StoreConnector
 
@@ -104,8 +107,9 @@ def clear() -> None:
 
 
 class MemoryStoreConfig(StoreConfig, kw_only=True):
-    #: the name of the memory store (stores of one name share values and faults)
-    store: str = "default"
+    store: Annotated[str, msgspec.Meta(description="the memory store's name (stores of one name share values)")] = (
+        "default"
+    )
 
 
 class MemoryStoreConnector(StoreConnector):
