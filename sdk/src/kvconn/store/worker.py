@@ -87,6 +87,33 @@ class _Layout:
                 t.index_copy_(0, torch.from_numpy(ids).to(t.device), src.to(t.device))
 
 
+class _Buffers:
+    """Staging memory reused from step to step: fresh memory costs a page fault a page, more than the copy.
+
+    A buffer comes back only once no store call can touch it any more: never
+    after a call that missed its deadline (it may still read or write it).
+    """
+
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self._free: list[bytearray] = []
+
+    def take(self, size: int) -> bytearray:
+        for i, buffer in enumerate(self._free):
+            if len(buffer) >= size:
+                return self._free.pop(i)
+        return bytearray(size)
+
+    def give(self, buffers: Sequence[bytearray]) -> None:
+        self._free = sorted([*self._free, *buffers], key=len)[-self.KEEP :]
+
+
+def _rows(buffer: bytearray, n: int, stride: int) -> Any:
+    """The first ``n`` rows of ``stride`` bytes of ``buffer``, as a uint8 numpy array (no copy)."""
+    return numpy.frombuffer(buffer, dtype=numpy.uint8, count=n * stride).reshape(n, stride)
+
+
 @dataclass
 class _GroupLoad:
     """A step's loads of one group: distinct keys in staging, and the blocks each lands in."""
@@ -123,6 +150,7 @@ class StoreWorker(StoreSide):
         self._pending: list[_Load] = []
         self._errors: set[int] = set()
         self._recving: set[str] = set()
+        self._buffers = _Buffers()
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         layouts = []
@@ -155,7 +183,7 @@ class StoreWorker(StoreSide):
             try:
                 self.guard.call("get", lambda store: self._fetch(store, load))
             except StoreUnavailable:
-                self._abandon(load)
+                self._abandon(load, late=True)
                 return
             self._land(load)
             return
@@ -178,7 +206,7 @@ class StoreWorker(StoreSide):
                 group.keys.append(self.keys.key(b.group, b.block_hash))
             group.targets.append((slot, b.block_id))
         for group in groups.values():
-            group.staging = bytearray(len(group.keys) * group.stride)
+            group.staging = self._buffers.take(len(group.keys) * group.stride)
         return list(groups.values())
 
     def _fetch(self, store: BlockStore, load: _Load) -> None:
@@ -217,7 +245,7 @@ class StoreWorker(StoreSide):
             for reason, ids in failed.items():
                 self._fail(ids, f"load_failed_{reason}", _why(reason))
             if ok:
-                rows = numpy.frombuffer(group.staging, dtype=numpy.uint8).reshape(len(group.keys), group.stride)
+                rows = _rows(group.staging, len(group.keys), group.stride)
                 if len(ok) < len(group.targets) or len(group.keys) < len(ok):
                     rows = rows[[slot for slot, _ in ok]]  # only the verified values, one row per block
                 group.layout.scatter([block for _, block in ok], rows)
@@ -225,8 +253,12 @@ class StoreWorker(StoreSide):
                 moved += len(ok) * group.layout.value_bytes
         self.stats.count("blocks_loaded", landed)
         self.stats.count("bytes_loaded", moved)
+        self._buffers.give([group.staging for group in load.groups])
 
-    def _abandon(self, load: _Load) -> None:
+    def _abandon(self, load: _Load, *, late: bool = False) -> None:
+        """Fail every block of ``load``; its staging is reused unless a ``late`` store call may still write it."""
+        if not late:
+            self._buffers.give([group.staging for group in load.groups])
         ids = [block for group in load.groups for _, block in group.targets]
         self._fail(ids, "load_failed_store_off", "loads failed (the store is off, late or raised); recomputed")
 
@@ -248,12 +280,12 @@ class StoreWorker(StoreSide):
             by_group.setdefault(b.group, {}).setdefault(b.block_hash, b.block_id)  # a prefix computed twice: once
         keys: list[bytes] = []
         values: list[memoryview] = []
+        buffers: list[bytearray] = []
         for g, ids in by_group.items():
             layout = self._layouts[g]
             stride = HEADER_BYTES + layout.value_bytes
-            # A new buffer each step: a put that missed its deadline may still be reading the last one.
-            staging = bytearray(len(ids) * stride)
-            layout.gather(list(ids.values()), numpy.frombuffer(staging, dtype=numpy.uint8).reshape(len(ids), stride))
+            buffers.append(staging := self._buffers.take(len(ids) * stride))
+            layout.gather(list(ids.values()), _rows(staging, len(ids), stride))
             view = memoryview(staging)
             for i, block_hash in enumerate(ids):
                 key = self.keys.key(g, block_hash)
@@ -263,9 +295,10 @@ class StoreWorker(StoreSide):
                 values.append(value)
         try:
             stored = list(self.guard.call("put", lambda store: store.put(keys, values)))
-        except StoreUnavailable:
+        except StoreUnavailable:  # the buffers are dropped: a late put may still be reading them
             self.stats.degraded("save_failed_store_off", len(keys), "saves failed (the store is off, late or raised)")
             return
+        self._buffers.give(buffers)
         saved = [len(v) - HEADER_BYTES for v, ok in zip(values, stored, strict=True) if ok]
         self.stats.count("blocks_saved", len(saved))
         self.stats.count("bytes_saved", sum(saved))
@@ -289,7 +322,7 @@ class StoreWorker(StoreSide):
                     self._land(load)
             elif time.monotonic() - load.started > self.config.timeout_s:
                 self.guard.trip(f"a get did not answer within {self.config.timeout_s:g} s")
-                self._abandon(load)
+                self._abandon(load, late=True)
             else:
                 still.append(load)
                 continue
