@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from kvconn import CachedRequestData, KVCacheGroupSpec, SaveCursor, SchedulerOutput, loadable_hit
 from kvconn.reference import Engine
 from kvconn.store import HEADER_BYTES, BlockStore, Integrity
-from kvconn.testing import memory_store
+from kvconn.testing import memory_store, run_conformance
 from kvconn.testing.store_conformance import StoreConformance
 
 STORE = f"{memory_store.__name__}:MemoryStoreConnector"
@@ -141,3 +142,16 @@ class TestMemoryStore(StoreConformance):
     def make_unreachable(self, store: BlockStore) -> None:
         assert isinstance(store, memory_store.MemoryStore)
         memory_store.faults(store.name).down = True
+
+
+def test_the_store_in_the_authoring_guide_passes_every_conformance_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/authoring.md's section 0 alone gives a connector that passes kvconn validate."""
+    guide = (Path(__file__).parents[2] / "docs" / "authoring.md").read_text(encoding="utf-8")
+    section = guide[guide.index("## 0. The first way") :]
+    code = section[section.index("```python\n") + len("```python\n") :]
+    (tmp_path / "guide_store.py").write_text(code[: code.index("```")], encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    report = run_conformance("guide_store:DictConnector")
+    assert report.load_error is None and report.failed == 0 and report.passed > 20, report
