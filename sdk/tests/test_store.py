@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -155,3 +156,22 @@ def test_the_store_in_the_authoring_guide_passes_every_conformance_check(
     monkeypatch.syspath_prepend(str(tmp_path))
     report = run_conformance("guide_store:DictConnector")
     assert report.load_error is None and report.failed == 0 and report.passed > 20, report
+
+
+def test_a_store_that_comes_back_is_used_again(baseline: list[list[int]]) -> None:
+    """Down: no hits, no saves, exact outputs; back: a background probe turns it on, and saves and hits resume."""
+    memory_store.faults().down = True
+    with Engine(STORE, FAST, num_blocks=128, enable_prefix_caching=False) as engine:
+        first, again = prompts(2)
+        assert engine.generate([first], max_tokens=12)[0] == baseline[0]
+        assert engine.stats.blocks_saved == 0 and engine.stats.degraded_events > 0
+        memory_store.faults().down = False
+        assert engine.worker_host is not None and engine.scheduler_host is not None
+        sides = [host.connectors[STORE].side for host in (engine.scheduler_host, engine.worker_host)]  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 60  # the probe runs every max_backoff_s at most (0.1 s)
+        while not all(side.guard.available for side in sides) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(side.guard.available for side in sides), "the probe never turned the store on again"
+        assert engine.generate([first], max_tokens=12)[0] == baseline[0]  # saved now
+        assert engine.generate([again], max_tokens=12)[0] == baseline[1]
+        assert engine.stats.prompt_tokens_loaded > 0

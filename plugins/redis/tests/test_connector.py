@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -95,14 +97,26 @@ def test_corrupt_or_foreign_values_never_load(server: RedisServer, expected: lis
 def test_kvconn_validate_redis(server: RedisServer) -> None:
     kvconn = [sys.executable, "-m", "kvconn_cli", "validate", "redis"]
     factory = ["--config-factory", "kvconn_redis:fresh_namespace"]
-    proc = subprocess.run(
-        [*kvconn, *factory], env={**_env(), "KVCONN_REDIS_URL": server.url}, capture_output=True, text=True, timeout=900
-    )
+    env = {**os.environ, "KVCONN_REDIS_URL": server.url}
+    proc = subprocess.run([*kvconn, *factory], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "redis: ok" in proc.stdout
 
 
-def _env() -> dict[str, str]:
-    import os
-
-    return dict(os.environ)
+def test_a_server_down_at_start_is_used_once_it_is_up(expected: list[list[int]]) -> None:
+    server = RedisServer()
+    first, again = prompts()[:2]
+    with Engine("redis", {"url": server.url, **FAST}, num_blocks=128, enable_prefix_caching=False) as engine:
+        assert engine.generate([first], max_tokens=8)[0] == expected[0]
+        server.start()
+        try:
+            hosts = [h for h in (engine.scheduler_host, engine.worker_host) if h is not None]
+            sides = [host.connectors["redis"].side for host in hosts]  # type: ignore[attr-defined]
+            deadline = time.monotonic() + 60  # probes back off to max_backoff_s (0.2 s)
+            while not all(side.guard.available for side in sides) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert engine.generate([first], max_tokens=8)[0] == expected[0]
+            assert engine.generate([again], max_tokens=8)[0] == expected[1]
+            assert engine.stats.prompt_tokens_loaded > 0, "the store never came back into use"
+        finally:
+            server.stop()
