@@ -145,6 +145,7 @@ def redis_server() -> Any:
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    module.require_redis_server()
     server = module.RedisServer().start()
     yield server
     server.stop()

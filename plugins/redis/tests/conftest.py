@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from redis_server import RedisServer
+from redis_server import RedisServer, require_redis_server
 
 
 @pytest.fixture
@@ -16,3 +16,9 @@ def server() -> Iterator[RedisServer]:
     server = RedisServer().start()
     yield server
     server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _redis_installed() -> None:
+    """Every test here runs a real redis-server."""
+    require_redis_server()

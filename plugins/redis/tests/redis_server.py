@@ -11,7 +11,18 @@ import time
 
 import redis
 
-__all__ = ["RedisServer", "free_port"]
+__all__ = ["RedisServer", "free_port", "require_redis_server"]
+
+
+def require_redis_server() -> None:
+    """Skip the calling test when redis-server is not installed (fail under ``CI=true``: make install installs it)."""
+    if shutil.which("redis-server") is None:
+        import pytest
+
+        reason = "redis-server is not installed: make install (scripts/install-system-deps.sh) installs it"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
 
 
 def free_port() -> int:
