@@ -32,11 +32,11 @@ $(STAMP): pyproject.toml $(EXISTING) scripts/install-system-deps.sh
 		-e 'plugins/mooncake[store]' -e 'cli[plot]'
 	touch $(STAMP)
 
-# The main job on embedded defaults: list the connectors, validate them all, and
-# show what offload and Mooncake (embedded store) buy on a shared-prefix workload.
+# The main job on embedded defaults: list the connectors, validate them all (redis against a throw-away
+# redis-server), and show what offload and Mooncake (embedded store) buy on a shared-prefix workload.
 demo: install
 	$(VENV)/bin/kvconn list
-	$(VENV)/bin/kvconn validate --all
+	scripts/with-redis-server.sh $(VENV)/bin/kvconn validate --all
 	$(VENV)/bin/kvconn simulate --workload shared-prefix --connector offload --connector mooncake
 
 lint: install

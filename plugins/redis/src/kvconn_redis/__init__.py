@@ -12,14 +12,17 @@ import redis
 
 from kvconn.store import BlockStore, StoreConfig, StoreConnector
 
-__all__ = ["RedisConfig", "RedisConnector", "RedisStore", "fresh_namespace"]
+__all__ = ["DEFAULT_URL", "RedisConfig", "RedisConnector", "RedisStore", "fresh_namespace"]
+
+#: The server when neither the config nor ``KVCONN_REDIS_URL`` names one (Valkey speaks the same protocol).
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
 
 class RedisConfig(StoreConfig, kw_only=True):
     """Options of the ``redis`` connector (and every :class:`~kvconn.store.StoreConfig` option)."""
 
-    url: Annotated[str, msgspec.Meta(description="the server, 'redis://host:port/db' (Valkey too)")] = (
-        "redis://127.0.0.1:6379/0"
+    url: Annotated[str, msgspec.Meta(description="the server, 'redis://host:port/db' (env KVCONN_REDIS_URL)")] = (
+        msgspec.field(default_factory=lambda: os.environ.get("KVCONN_REDIS_URL", DEFAULT_URL))
     )
     socket_timeout_s: Annotated[
         float, msgspec.Meta(description="a call waiting longer on the socket raises (the store is then off)", gt=0)
@@ -77,5 +80,5 @@ class RedisConnector(StoreConnector):
 
 
 def fresh_namespace(run: str) -> dict[str, str]:
-    """``kvconn validate --config-factory``: a namespace per run, on the server of ``KVCONN_REDIS_URL``."""
-    return {"url": os.environ.get("KVCONN_REDIS_URL", RedisConfig().url), "namespace": f"{run}-{uuid.uuid4().hex}"}
+    """``kvconn validate --config-factory``: a namespace per run (on the server of ``KVCONN_REDIS_URL``)."""
+    return {"namespace": f"{run}-{uuid.uuid4().hex}"}
