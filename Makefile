@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
-DISTS := sdk cli adapters/vllm plugins/dummy plugins/offload plugins/mooncake
+DISTS := sdk cli adapters/vllm plugins/dummy plugins/offload plugins/mooncake plugins/redis
 EXISTING := $(wildcard $(addsuffix /pyproject.toml,$(DISTS)))
 PACKAGES := $(notdir $(patsubst %/__init__.py,%,$(wildcard sdk/src/*/__init__.py cli/src/*/__init__.py adapters/*/src/*/__init__.py plugins/*/src/*/__init__.py)))
 STAMP := $(VENV)/.installed
@@ -32,11 +32,11 @@ $(STAMP): pyproject.toml $(EXISTING) scripts/install-system-deps.sh
 		-e 'plugins/mooncake[store]' -e 'cli[plot]'
 	touch $(STAMP)
 
-# The main job on embedded defaults: list the connectors, validate them all, and
-# show what offload and Mooncake (embedded store) buy on a shared-prefix workload.
+# The main job on embedded defaults: list the connectors, validate them all (redis against a throw-away
+# redis-server), and show what offload and Mooncake (embedded store) buy on a shared-prefix workload.
 demo: install
 	$(VENV)/bin/kvconn list
-	$(VENV)/bin/kvconn validate --all
+	scripts/with-redis-server.sh $(VENV)/bin/kvconn validate --all
 	$(VENV)/bin/kvconn simulate --workload shared-prefix --connector offload --connector mooncake
 
 lint: install
@@ -59,7 +59,7 @@ $(VLLM_STAMP): scripts/install-vllm-venv.sh $(EXISTING)
 $(VLLM_ENGINE_STAMP): scripts/install-vllm-venv.sh $(EXISTING)
 	TORCH='$(TORCH)' scripts/install-vllm-venv.sh engine $(VLLM_ENGINE_VENV)
 	$(VLLM_ENGINE_PY) -m pip install -q --disable-pip-version-check pytest \
-		-e sdk/ -e adapters/vllm/ -e plugins/dummy/ -e plugins/offload/ -e 'plugins/mooncake[store]'
+		-e sdk/ -e adapters/vllm/ -e plugins/dummy/ -e plugins/offload/ -e plugins/redis/ -e 'plugins/mooncake[store]'
 	touch $(VLLM_ENGINE_STAMP)
 
 # vLLM's scheduler driven through its own model-runner code (vLLM 0.33), then full engines (vLLM 0.32 CPU).

@@ -8,18 +8,31 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from .conftest import REPO, RunKvconn
 
 RUFF = Path(sys.executable).parent / "ruff"
 
 
+@pytest.mark.parametrize(
+    ("flags", "first_field", "doc"),
+    [
+        ((), "namespace", "a namespace of its own within the engine's (runs that must not share blocks)"),
+        (("--hooks",), "log_calls", "Log every hook call at DEBUG level."),
+    ],
+    ids=["store", "hooks"],
+)
 def test_new_plugin_installs_lists_and_validates(
     tmp_path: Path,
     run_kvconn: RunKvconn,
     pip_install: Callable[[Path, Path], None],
     make_env: Callable[..., dict[str, str]],
+    flags: tuple[str, ...],
+    first_field: str,
+    doc: str,
 ) -> None:
-    created = run_kvconn("new", "e2e-store", cwd=tmp_path)
+    created = run_kvconn("new", "e2e-store", *flags, cwd=tmp_path)
     assert created.returncode == 0, created.stderr
     project = tmp_path / "kvconn-e2e-store"
     assert (project / "src" / "kvconn_e2e_store" / "__init__.py").is_file()
@@ -38,17 +51,18 @@ def test_new_plugin_installs_lists_and_validates(
 
     info = json.loads(run_kvconn("info", "e2e-store", "--json", env=env).stdout)
     assert info["status"] == "ok" and info["distribution"] == "kvconn-e2e-store"
-    assert info["config"][0]["name"] == "log_calls"
-    assert info["config"][0]["doc"] == "Log every hook call at DEBUG level."
+    assert info["config"][0]["name"] == first_field
+    assert info["config"][0]["doc"] == doc
 
     validated = run_kvconn("validate", "e2e-store", "--json", env=env)
     assert validated.returncode == 0, validated.stdout + validated.stderr
     report = json.loads(validated.stdout)["connectors"][0]
     assert report["name"] == "e2e-store" and report["failed"] == 0 and report["passed"] > 0
 
-    # The generated one-line conformance test collects every check; two of them run here.
+    # The generated one-line conformance test collects every check; two of them run here (and, for a store
+    # connector, one check of the store contract).
     tests = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", "-k", "KV001 or KV032"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", "-k", "KV001 or KV032 or write_once"],
         cwd=project,
         env=env,
         capture_output=True,
@@ -56,7 +70,10 @@ def test_new_plugin_installs_lists_and_validates(
         timeout=300,
     )
     assert tests.returncode == 0, tests.stdout + tests.stderr
-    assert "2 passed" in tests.stdout and f"{report['passed'] + report['skipped'] - 2} deselected" in tests.stdout
+    store_tests = 0 if flags else 8  # the store contract (tests/test_store.py), one of them selected here
+    selected = 2 if flags else 3
+    deselected = report["passed"] + report["skipped"] + store_tests - selected
+    assert f"{selected} passed" in tests.stdout and f"{deselected} deselected" in tests.stdout
 
 
 def test_new_into_a_given_dir(tmp_path: Path, run_kvconn: RunKvconn) -> None:

@@ -42,8 +42,24 @@ def test_bad_names(name: str, message: str) -> None:
         check_name(name)
 
 
-def test_plan_renders_every_template(tmp_path: Path) -> None:
+def test_plan_renders_a_store_connector_by_default(tmp_path: Path) -> None:
     files = plan(Scaffold.for_name("my-store"), tmp_path)
+    assert sorted(str(p.relative_to(tmp_path)) for p in files) == [
+        "README.md",
+        "pyproject.toml",
+        "src/kvconn_my_store/__init__.py",
+        "tests/test_conformance.py",
+        "tests/test_store.py",
+    ]
+    assert not any("${" in text for text in files.values())
+    source = files[tmp_path / "src/kvconn_my_store/__init__.py"]
+    classes = {n.name for n in ast.parse(source).body if isinstance(n, ast.ClassDef)}
+    assert classes == {"MyStoreConfig", "MyStoreConnector", "MyStoreStore"}
+    assert "class MyStoreConnector(StoreConnector):" in source
+
+
+def test_plan_renders_every_hooks_template(tmp_path: Path) -> None:
+    files = plan(Scaffold.for_name("my-store", hooks=True), tmp_path)
     assert sorted(str(p.relative_to(tmp_path)) for p in files) == [
         "README.md",
         "pyproject.toml",

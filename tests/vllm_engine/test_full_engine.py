@@ -107,3 +107,30 @@ def test_mooncake_on_a_real_master_in_a_multiprocess_engine(
         spec = {"model": tiny_model, "connector": connectors, "config": config, "tp": tp}
         result = run_engine(spec, multiprocess=True, netns=ns, env=env)
     assert_exact_with_loads(result.ok(), baseline)
+
+
+def test_redis_in_a_multiprocess_engine(
+    tiny_model: str, baseline: dict[str, Any], redis_server: Any, run_engine: Any
+) -> None:
+    """kvconn-redis (a kvconn.store connector) shared by vLLM's scheduler and worker processes through a real server."""
+    spec = {"model": tiny_model, "connector": ["redis", CONTRACT], "config": {"redis": {"url": redis_server.url}}}
+    assert_exact_with_loads(run_engine(spec, multiprocess=True).ok(), baseline)
+
+
+def test_redis_values_that_fail_verification_never_reach_vllm(
+    tiny_model: str, baseline: dict[str, Any], redis_server: Any, run_engine: Any
+) -> None:
+    """Every stored value poisoned: vLLM re-asks after each failed load, the blocks are not offered again, tokens exact.
+
+    A connector that offered a failed block again would livelock vLLM's scheduler (the run would time out).
+    """
+    spec = {"model": tiny_model, "connector": ["redis", CONTRACT], "config": {"redis": {"url": redis_server.url}}}
+    run_engine(spec, multiprocess=True).ok()
+    client = redis_server.client()
+    keys = client.keys("kvconn/*")
+    assert keys, "the first run stored nothing"
+    for key in keys:
+        value = client.get(key)
+        client.set(key, value[:-1] + bytes([value[-1] ^ 1]))  # one flipped bit, in the payload
+    result = run_engine(spec, multiprocess=True).ok()
+    assert result["first"] == baseline["first"] and result["again"] == baseline["again"]

@@ -21,11 +21,22 @@ _NAME = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
 _MAX_NAME = 40
 
 #: template file -> path in the generated distribution (may use the same ``${...}`` fields).
-_LAYOUT = {
+_COMMON = {
     "pyproject.toml.tmpl": "pyproject.toml",
     "README.md.tmpl": "README.md",
-    "__init__.py.tmpl": "src/${package}/__init__.py",
     "test_conformance.py.tmpl": "tests/test_conformance.py",
+}
+#: the store connector (the default), or the raw-hook connector (``--hooks``)
+_STORE = {"store_init.py.tmpl": "src/${package}/__init__.py", "store_test_store.py.tmpl": "tests/test_store.py"}
+_HOOKS = {"__init__.py.tmpl": "src/${package}/__init__.py"}
+_README_LAYOUT = {
+    False: "`${prefix}Store` (four batched calls) is what moves bytes and `${prefix}Connector`, a "
+    "`kvconn.store.StoreConnector`, does the rest; replace the in-process dict with your store's client. "
+    "`tests/test_store.py` checks the store contract",
+    True: "`${prefix}Connector` declares it, `${prefix}Scheduler` and `${prefix}Worker` (its `scheduler_side` and "
+    "`worker_side`) implement the hooks of each role. It already finds the blocks each step fills, resolves only "
+    "those requests' tables, sends the workers the blocks to save and load, and tracks requests; fill in the TODOs "
+    "to save and load KV, and set `saves` / `loads` to `True` as you do, so the save/load checks run against it",
 }
 
 
@@ -37,9 +48,15 @@ class Scaffold:
     package: str  # import name: kvconn_<name>
     distribution: str  # pip name: kvconn-<name>
     prefix: str  # class-name prefix: <Prefix>Connector
+    hooks: bool = False  # the raw-hook template instead of a store connector
+
+    @property
+    def layout(self) -> dict[str, str]:
+        """Template file -> path in the generated distribution."""
+        return {**_COMMON, **(_HOOKS if self.hooks else _STORE)}
 
     @classmethod
-    def for_name(cls, name: str) -> Scaffold:
+    def for_name(cls, name: str, *, hooks: bool = False) -> Scaffold:
         check_name(name)
         parts = re.split(r"[-_]", name)
         return cls(
@@ -47,12 +64,13 @@ class Scaffold:
             package="kvconn_" + "_".join(parts),
             distribution="kvconn-" + "-".join(parts),
             prefix="".join(p.capitalize() for p in parts),
+            hooks=hooks,
         )
 
     def fields(self) -> dict[str, str]:
         from kvconn import API_VERSION, __version__
 
-        return {
+        fields = {
             "name": self.name,
             "package": self.package,
             "distribution": self.distribution,
@@ -60,6 +78,8 @@ class Scaffold:
             "api_version": API_VERSION,
             "sdk_version": __version__,
         }
+        fields["layout"] = string.Template(_README_LAYOUT[self.hooks]).substitute(fields)
+        return fields
 
 
 def check_name(name: str) -> None:
@@ -85,7 +105,7 @@ def plan(scaffold: Scaffold, directory: Path) -> dict[Path, str]:
         directory / string.Template(target).substitute(fields): string.Template(
             templates.joinpath(source).read_text(encoding="utf-8")
         ).substitute(fields)
-        for source, target in _LAYOUT.items()
+        for source, target in scaffold.layout.items()
     }
 
 

@@ -7,8 +7,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvconn import ConnectorContext, KVCacheGroupSpec
+from kvconn.hashing import context_namespace
 from kvconn_mooncake import BlockKeys
 from kvconn_mooncake.integrity import secret_id
+from kvconn_mooncake.keys import KEY_VERSION
 
 # Small domains, so that drawn contexts often agree on all fields but one; names with separators
 # (",", "/") probe encodings that join fields into one string.
@@ -63,6 +65,6 @@ def test_contexts_that_differ_in_any_field_never_share_a_key(
     assert len({key for _, key in for_a}) == len(for_a)  # groups of one engine never share a key
 
 
-def test_the_namespace_is_a_sha256() -> None:
+def test_the_namespace_is_the_sdks() -> None:
     prefix = BlockKeys(DEFAULT).prefixes[0]
-    assert prefix.startswith("kvconn/") and len(prefix) == len("kvconn/") + 64 + 1
+    assert prefix == f"kvconn/{context_namespace(DEFAULT, KEY_VERSION, 0, '')}/"

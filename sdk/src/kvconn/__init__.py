@@ -15,6 +15,7 @@ from ._plugins.registry import ConnectorEntry, available_connectors, load_connec
 from .block_state import BlockIds, KVConnectorBlockState, block_ids_in_range
 from .connector import KVConnector, KVConnectorRole, NoConfig
 from .context import DEFAULT_KV_CACHE_GROUPS, NULL_BLOCK_ID, ConnectorContext, KVCacheGroupSpec
+from .cursor import SaveCursor
 from .errors import (
     BlockStateSerializationError,
     ConnectorConfigError,
@@ -30,6 +31,7 @@ from .metadata import KVConnectorMetadata
 from .outputs import CachedRequestData, KVConnectorOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from .request import ConnectorRequest
 from .version import API_VERSION
+from .window import loadable_hit, window_blocks
 
 __version__ = "0.1.0"
 
@@ -60,6 +62,7 @@ __all__ = [
     "ModelRunnerOutput",
     "NewRequestData",
     "NoConfig",
+    "SaveCursor",
     "SchedulerOutput",
     "StepUpdate",
     "WireError",
@@ -71,4 +74,6 @@ __all__ = [
     "iter_block_ids",
     "load_connector",
     "load_connector_class",
+    "loadable_hit",
+    "window_blocks",
 ]

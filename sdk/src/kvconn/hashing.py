@@ -13,12 +13,15 @@ from collections.abc import Sequence
 
 import msgspec
 
-__all__ = ["ROOT_HASH", "hash_block", "hash_blocks", "namespace_key"]
+from .context import ConnectorContext
+
+__all__ = ["ROOT_HASH", "context_namespace", "hash_block", "hash_blocks", "namespace_key"]
 
 #: The parent of a request's first block.
 ROOT_HASH = hashlib.sha256(b"kvconn-root").digest()
 
 _encode = msgspec.msgpack.Encoder().encode
+_encode_sorted = msgspec.msgpack.Encoder(order="deterministic").encode
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: tuple[object, ...] = ()) -> bytes:
@@ -55,3 +58,19 @@ def namespace_key(*parts: object) -> str:
     that differ in any of these never read each other's blocks.
     """
     return hashlib.sha256(_encode([str(p) for p in parts])).hexdigest()[:16]
+
+
+def context_namespace(context: ConnectorContext, *parts: object) -> str:
+    """The namespace of blocks written by engines like ``context``, refined by ``parts``.
+
+    It covers every field of the context but ``engine_id`` (model, dtype, KV
+    layout, block size, KV shape, tensor-parallel rank and size, the KV-cache
+    groups with their layers and windows, and whatever the SDK adds there
+    later): engines that differ in any of them never share a key, while two
+    instances of the same engine do. ``parts`` add what the connector knows
+    beyond the context (a key version, the group, a secret's public id).
+    """
+    fields = msgspec.structs.asdict(context)
+    del fields["engine_id"]  # names one engine instance: engines alike share blocks
+    # One msgpack document, not joined strings: ("a,b",) and ("a", "b") never encode alike.
+    return namespace_key(_encode_sorted(fields).hex(), *parts)

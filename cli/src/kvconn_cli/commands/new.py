@@ -18,10 +18,17 @@ def new(
         Path | None,
         typer.Option("--dir", metavar="DIR", help="Where to create it (default: ./kvconn-NAME). Must be new or empty."),
     ] = None,
+    hooks: Annotated[
+        bool,
+        typer.Option(
+            "--hooks", help="Generate a raw-hook connector (scheduler and worker sides) instead of a store connector."
+        ),
+    ] = False,
 ) -> None:
     """Create a connector plugin: pyproject with the entry point, connector, README and conformance test.
 
-    As generated it installs with pip and passes `kvconn validate NAME`.
+    By default the connector is a kvconn.store store connector (write the store's four batched calls);
+    --hooks writes the raw-hook template. As generated it installs with pip and passes `kvconn validate NAME`.
     """
     import kvconn
     from kvconn._install import pip_install
@@ -29,7 +36,7 @@ def new(
     from ..output import note, warn
     from ..scaffold import Scaffold, write
 
-    scaffold = Scaffold.for_name(name)
+    scaffold = Scaffold.for_name(name, hooks=hooks)
     target = directory if directory is not None else Path.cwd() / scaffold.distribution
     if name in kvconn.available_connectors():
         warn(f"a connector named {name!r} is already installed; installing this one too would shadow or be shadowed")

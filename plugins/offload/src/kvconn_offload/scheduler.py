@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvconn import (
@@ -28,9 +27,10 @@ from kvconn import (
     ConnectorRequest,
     KVConnectorBlockState,
     KVConnectorOutput,
+    SaveCursor,
     SchedulerOutput,
-    filled_blocks,
     iter_block_ids,
+    loadable_hit,
 )
 
 from .config import OffloadConfig
@@ -69,6 +69,7 @@ class OffloadScheduler:
         slots = config.num_slots
         self.manager: OffloadManager | None = OffloadManager(slots, policy=self.policy) if slots else None
         self._requests: dict[str, ConnectorRequest] = {}
+        self.cursor = SaveCursor()
         self._loads: dict[str, _InFlight] = {}
         self._new_loads: list[BlockTransfer] = []
         self._store_jobs: deque[tuple[int, list[bytes]]] = deque()
@@ -89,28 +90,19 @@ class OffloadScheduler:
         return [hashes[(k + 1) * m - 1] for k in range(start, min(end, len(hashes) // m))]
 
     def _hit_blocks(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
-        """Offloaded blocks of the longest loadable prefix."""
-        if self.manager is None:
+        """Offloaded blocks of the longest loadable prefix: every engine block it loads saved, in every group."""
+        manager = self.manager
+        if manager is None:
             return 0
-        unit = self.block_size * self.multiple
-        keys = self._keys(request, 0, (request.num_tokens - 1) // unit)
-        k = self.manager.lookup(keys)
-        while k > 0 and not self._window_ok(keys, k, num_computed_tokens):
-            k -= 1
-        return k
-
-    def _window_ok(self, keys: Sequence[bytes], k: int, num_computed_tokens: int) -> bool:
-        """Every engine block a hit of ``k`` offloaded blocks must load was saved, in every group."""
-        assert self.manager is not None
         bs, m = self.block_size, self.multiple
-        end = k * m
-        for g, group in enumerate(self.groups):
-            first = group.first_needed_block(end * bs, bs)
-            for i in range(max(first, num_computed_tokens // bs), end):
-                entry = self.manager.get(keys[i // m])
-                if entry is None or not entry.valid[g] >> (i % m) & 1:
-                    return False
-        return True
+        keys = self._keys(request, 0, (request.num_tokens - 1) // (bs * m))
+
+        def saved(group: int, i: int) -> bool:
+            entry = manager.get(keys[i // m])
+            return entry is not None and bool(entry.valid[group] >> (i % m) & 1)
+
+        end = manager.lookup(keys) * m
+        return loadable_hit(self.groups, bs, num_computed_tokens // bs, end, saved, step=m) // m
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         hit = self._hit_blocks(request, num_computed_tokens) * self.multiple * self.block_size - num_computed_tokens
@@ -120,6 +112,7 @@ class OffloadScheduler:
         self, request: ConnectorRequest, block_ids: BlockIds, num_external_tokens: int
     ) -> None:
         self._requests[request.request_id] = request
+        self.cursor.start(request.request_id, 0)  # blocks already offloaded are skipped by key
         if not num_external_tokens or self.manager is None:
             return
         bs, m = self.block_size, self.multiple
@@ -156,11 +149,15 @@ class OffloadScheduler:
         if self.manager is None:
             return meta
         stored: list[bytes] = []
-        for req_id, first, end in filled_blocks(scheduler_output, self.block_size * self.multiple):
-            request = self._requests.get(req_id)
-            if request is None:
-                continue
-            transfer = self._plan_store(request, block_state, first, end)
+        for req_id, first, end in list(self.cursor.due(scheduler_output, self.block_size * self.multiple)):
+            keys = self._keys(self._requests[req_id], first, end)
+            table = None
+            if any(self.manager.get(key) is None for key in keys):  # the table is resolved only when needed
+                table = block_state.get_block_ids(req_id)
+                if table is None:
+                    continue  # not offered this step: stored on a later one
+            self.cursor.advance(req_id, end)
+            transfer = self._plan_store(req_id, table, first, keys) if table is not None else None
             if transfer is not None:
                 meta.stores.append(transfer)
                 stored.extend(transfer.keys)
@@ -172,27 +169,16 @@ class OffloadScheduler:
                 self._last_store[transfer.req_id] = meta.store_seq
         return meta
 
-    def _plan_store(
-        self, request: ConnectorRequest, block_state: KVConnectorBlockState, first: int, end: int
-    ) -> BlockTransfer | None:
-        """Of the offloaded blocks ``[first, end)`` this step fills, those not offloaded yet, with their device blocks.
-
-        The table is resolved only when there is something to store.
-        """
+    def _plan_store(self, req_id: str, table: BlockIds, first: int, keys: list[bytes]) -> BlockTransfer | None:
+        """Of the offloaded blocks from ``first`` on (``keys``), those not offloaded yet, with their device blocks."""
         manager = self.manager
         assert manager is not None
         m = self.multiple
-        keys = self._keys(request, first, end)
-        if all(manager.get(key) is not None for key in keys):
-            return None
-        table = block_state.get_block_ids(request.request_id)
-        if table is None:
-            return None
         new = manager.prepare_store(keys)
         if not new:
             return None
         index = {key: first + i for i, key in enumerate(keys)}
-        transfer = BlockTransfer(request.request_id, [[] for _ in table], [[] for _ in table])
+        transfer = BlockTransfer(req_id, [[] for _ in table], [[] for _ in table])
         for key, entry in new:
             k = index[key]
             entry.valid = [0] * len(table)
@@ -232,6 +218,7 @@ class OffloadScheduler:
         """Keep the blocks while a store job reading them runs."""
         req_id = request.request_id
         self._requests.pop(req_id, None)
+        self.cursor.forget(req_id)
         if self._last_store.pop(req_id, 0) > self._done_seq:
             self._delayed.add(req_id)
             self._new_delayed.append(req_id)

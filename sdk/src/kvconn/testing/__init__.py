@@ -4,7 +4,8 @@ Mirrors the utilities vLLM connector authors know (``create_scheduler``,
 ``create_requests``, ``make_model_runner_output``, ``assert_scheduler_empty``),
 and holds the conformance suite (:mod:`kvconn.testing.conformance`).
 ``ConnectorConformance`` (the pytest base class) is importable from here too;
-it is loaded on first access, so that this package does not need pytest.
+so is ``StoreConformance`` (the store contract, for store authors);
+both are loaded on first access, so that this package does not need pytest.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "ConformanceFailure",
     "ConnectorConformance",
     "ConnectorReport",
+    "StoreConformance",
     "assert_scheduler_empty",
     "create_requests",
     "create_scheduler",
@@ -40,4 +42,8 @@ def __getattr__(name: str) -> Any:
         from .pytest_plugin import ConnectorConformance
 
         return ConnectorConformance
+    if name == "StoreConformance":
+        from .store_conformance import StoreConformance
+
+        return StoreConformance
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

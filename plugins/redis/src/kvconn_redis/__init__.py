@@ -1,0 +1,84 @@
+"""kvconn-redis: KV-cache blocks in Redis or Valkey, as a :class:`kvconn.store.BlockStore`."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Sequence
+from typing import Annotated
+
+import msgspec
+import redis
+
+from kvconn.store import BlockStore, StoreConfig, StoreConnector
+
+__all__ = ["DEFAULT_URL", "RedisConfig", "RedisConnector", "RedisStore", "fresh_namespace"]
+
+#: The server when neither the config nor ``KVCONN_REDIS_URL`` names one (Valkey speaks the same protocol).
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+
+
+class RedisConfig(StoreConfig, kw_only=True):
+    """Options of the ``redis`` connector (and every :class:`~kvconn.store.StoreConfig` option)."""
+
+    url: Annotated[str, msgspec.Meta(description="the server, 'redis://host:port/db' (env KVCONN_REDIS_URL)")] = (
+        msgspec.field(default_factory=lambda: os.environ.get("KVCONN_REDIS_URL", DEFAULT_URL))
+    )
+    socket_timeout_s: Annotated[
+        float, msgspec.Meta(description="a call waiting longer on the socket raises (the store is then off)", gt=0)
+    ] = 1.0
+
+
+class RedisStore:
+    """Batched calls as one pipeline each (no transaction): one round trip per step and direction."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(key)
+        return [bool(n) for n in pipe.execute()] if keys else []
+
+    def put(self, keys: Sequence[bytes], values: Sequence[bytes | memoryview]) -> list[bool]:
+        if not keys:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for key, value in zip(keys, values, strict=True):
+            pipe.set(key, value, nx=True)  # write-once: an existing key keeps its value (answer None)
+        answers = pipe.execute(raise_on_error=False)  # OOM under maxmemory is one key's refusal, not an outage
+        connection_lost = [a for a in answers if isinstance(a, redis.ConnectionError | redis.TimeoutError)]
+        if connection_lost:
+            raise connection_lost[0]
+        return [not isinstance(a, Exception) for a in answers]
+
+    def get(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int | None]:
+        lengths: list[int | None] = []
+        answers: list[bytes | None] = self.client.mget(list(keys)) if keys else []  # type: ignore[assignment]
+        for value, buffer in zip(answers, buffers, strict=True):
+            if value is not None:
+                n = min(len(value), len(buffer))
+                buffer[:n] = memoryview(value)[:n]
+            lengths.append(None if value is None else len(value))
+        return lengths
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class RedisConnector(StoreConnector):
+    """Saves full KV blocks to Redis/Valkey and loads prefix hits from it (kvconn.store does the rest)."""
+
+    Config = RedisConfig
+    config: RedisConfig
+
+    def open_store(self) -> BlockStore:
+        timeout = self.config.socket_timeout_s
+        client = redis.Redis.from_url(self.config.url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        return RedisStore(client)
+
+
+def fresh_namespace(run: str) -> dict[str, str]:
+    """``kvconn validate --config-factory``: a namespace per run (on the server of ``KVCONN_REDIS_URL``)."""
+    return {"namespace": f"{run}-{uuid.uuid4().hex}"}

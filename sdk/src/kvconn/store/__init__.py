@@ -1,0 +1,33 @@
+"""kvconn.store: write a store, get a correct connector.
+
+:class:`BlockStore` is the protocol a store implements (batched ``contains``,
+write-once ``put``, ``get`` into caller-given buffers, ``close``);
+:class:`StoreConnector` turns one into a connector, with options
+:class:`StoreConfig`. The worker side imports torch only where it is built.
+"""
+
+from __future__ import annotations
+
+from .config import StoreConfig
+from .connector import StoreConnector
+from .guard import StoreGuard, StoreUnavailable
+from .integrity import HEADER_BYTES, Integrity
+from .keys import KEY_VERSION, BlockKeys
+from .metadata import StoreBlock, StoreMetadata
+from .protocol import BlockStore
+from .scheduler import StoreScheduler
+
+__all__ = [
+    "HEADER_BYTES",
+    "KEY_VERSION",
+    "BlockKeys",
+    "BlockStore",
+    "Integrity",
+    "StoreBlock",
+    "StoreConfig",
+    "StoreConnector",
+    "StoreGuard",
+    "StoreMetadata",
+    "StoreScheduler",
+    "StoreUnavailable",
+]

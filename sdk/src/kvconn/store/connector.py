@@ -1,0 +1,61 @@
+"""``StoreConnector``: a complete saving and loading connector over any :class:`BlockStore`.
+
+A store author writes the store (four batched calls) and one method here::
+
+    class RedisConnector(StoreConnector):
+        Config = RedisConfig            # a StoreConfig subclass with the store's own fields
+
+        def open_store(self) -> BlockStore:
+            return RedisStore(self.config.url)
+
+Everything else is the SDK's, once: lookups without side effects (memoised
+per step), saves on the step that fills a block (every group, every layer),
+the sliding-window cut, async loads on worker threads, the key namespace,
+the integrity header checked before any byte reaches a KV cache, blocks whose
+load failed not offered again for a while, deadlines and trip/recover for a
+store that hangs or is down, delayed frees until saves land, and stats.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+from ..connector import KVConnector
+from .config import StoreConfig
+from .metadata import StoreMetadata
+from .protocol import BlockStore
+from .scheduler import StoreScheduler
+from .side import StoreSide
+
+__all__ = ["StoreConnector"]
+
+
+class StoreConnector(KVConnector):
+    """Base class of store connectors: override :meth:`open_store` (and ``Config``)."""
+
+    Config: ClassVar[type[msgspec.Struct]] = StoreConfig
+    Metadata = StoreMetadata
+    saves = True
+    loads = True
+    api_version = "1.0"
+    scheduler_side = StoreScheduler
+    worker_side = "kvconn.store.worker:StoreWorker"  # imports torch: only where a worker is built
+    config: StoreConfig
+    side: StoreSide
+
+    def __init__(self, config: msgspec.Struct | None = None, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        if not isinstance(self.config, StoreConfig):
+            raise TypeError(f"{type(self).__qualname__}.Config must subclass kvconn.store.StoreConfig")
+        self.side.attach(type(self).__name__, self.open_store)
+
+    def open_store(self) -> BlockStore:
+        """The store this connector uses, from ``self.config`` and ``self.context``.
+
+        Called once per side, lazily, on a worker thread and within the store
+        deadline; raising (a server that is down) turns the store off until a
+        background probe opens it.
+        """
+        raise NotImplementedError(f"{type(self).__qualname__} must define open_store(self) -> BlockStore")

@@ -1,0 +1,87 @@
+"""The header every stored value starts with, checked before any byte reaches a KV cache.
+
+Keys are predictable and puts are first-writer-wins, so whatever a key holds
+may have been written by anyone: another program, an engine of another KV
+shape, an older kvconn, or nobody (a torn or evicted-and-rewritten value). A
+value is therefore ``header + payload``; the 64-byte header holds magic and
+version, flags, the payload length, a digest of the key the value was written
+for, a digest of the block layout (layer names, block shape, dtype), and a
+16-byte tag over all of it and the payload: a keyed BLAKE2b MAC when the
+engines share a secret (then a writer without it cannot forge a value that
+loads), else an XXH3-128 checksum (catches accidents: torn, short or foreign
+values, at tens of GB/s, so it costs little next to moving the bytes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import xxhash
+
+__all__ = ["HEADER_BYTES", "Integrity", "layout_digest", "secret_id"]
+
+HEADER_BYTES = 64
+_MAGIC = b"KVST"
+_VERSION = 1
+_FLAG_MAC = 1
+_HEAD = struct.Struct("<4sBBHQ16s8s")  # magic, version, flags, reserved, payload length, key digest, layout digest
+_TAG = 16
+_PAD = bytes(HEADER_BYTES - _HEAD.size - _TAG)
+
+
+def secret_id(secret: str | None) -> str:
+    """A public name of ``secret`` (a keyed digest, revealing nothing of it); ``""`` without one."""
+    if secret is None:
+        return ""
+    return hashlib.blake2b(b"kvconn-store-namespace", key=secret.encode(), digest_size=16).hexdigest()
+
+
+def layout_digest(layers: Sequence[tuple[str, tuple[int, ...], str]]) -> bytes:
+    """8 bytes naming a value's layout: ``(layer name, block shape, dtype)`` per layer, in order."""
+    return hashlib.sha256(repr(tuple(layers)).encode()).digest()[:8]
+
+
+class Integrity:
+    """Seals values on save and verifies them on load."""
+
+    def __init__(self, secret: str | None = None) -> None:
+        self._key = secret.encode() if secret is not None else None
+        self._flags = _FLAG_MAC if secret is not None else 0
+
+    def _tag(self, head: bytes, payload: memoryview) -> bytes:
+        mac: Any = (
+            xxhash.xxh3_128(head) if self._key is None else hashlib.blake2b(head, key=self._key, digest_size=_TAG)
+        )
+        mac.update(payload)
+        return mac.digest()
+
+    def seal(self, key: bytes, layout: bytes, payload: memoryview) -> bytes:
+        """The header of the value ``key`` stores, ``payload`` following it."""
+        head = _HEAD.pack(_MAGIC, _VERSION, self._flags, 0, payload.nbytes, _digest(key), layout)
+        return head + self._tag(head, payload) + _PAD
+
+    def verify(self, key: bytes, layout: bytes, value: memoryview) -> str | None:
+        """Why ``value`` (header and payload, read under ``key``) must not be loaded; ``None`` if it may."""
+        if value.nbytes < HEADER_BYTES:
+            return "short"
+        magic, version, flags, _, length, key_digest, value_layout = _HEAD.unpack_from(value)
+        if magic != _MAGIC or version != _VERSION:
+            return "foreign"
+        if flags != self._flags:
+            return "unsigned" if self._flags else "signed"
+        if length != value.nbytes - HEADER_BYTES:
+            return "short"
+        if key_digest != _digest(key):
+            return "other_key"
+        if value_layout != layout:
+            return "other_layout"
+        tag = self._tag(bytes(value[: _HEAD.size]), value[HEADER_BYTES:])
+        return None if hmac.compare_digest(value[_HEAD.size : _HEAD.size + _TAG], tag) else "checksum"
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()[:16]

@@ -1,0 +1,57 @@
+"""``BlockStore``: the whole of what a store author writes.
+
+A store keeps immutable byte values under byte keys. Four batched calls, no
+capability flags; everything else a storage connector must get right (which
+blocks, when, namespacing, integrity, deadlines, a store that is down) is
+:class:`~kvconn.store.StoreConnector`'s. The calls are batched because every
+step moves many blocks and a remote store pays per round trip.
+
+Contract (checked by :class:`kvconn.testing.StoreConformance`):
+
+* a value may disappear at any time (eviction, a restart): ``contains`` and
+  ``get`` then say it is missing, never raise for it;
+* ``put`` is write-once: a key that is stored keeps its first value;
+* a store that cannot answer (down, unreachable, too slow for its own
+  timeout) **raises**; it never answers "missing" for "don't know" and never
+  hangs without bound. The connector puts a deadline on every call anyway.
+* calls may come from several threads at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+__all__ = ["BlockStore"]
+
+
+@runtime_checkable
+class BlockStore(Protocol):
+    """A batched key-value store of immutable byte values."""
+
+    def contains(self, keys: Sequence[bytes]) -> Sequence[bool]:
+        """Per key, whether a value is stored under it now."""
+        ...
+
+    def put(self, keys: Sequence[bytes], values: Sequence[bytes | memoryview]) -> Sequence[bool]:
+        """Store ``values[i]`` under ``keys[i]`` unless the key holds a value already (write-once).
+
+        A value may be a view of the caller's memory, valid only during the call: copy what you keep.
+
+        Per key: ``True`` when the key holds a value afterwards (this one or
+        the earlier one), ``False`` when the store refused it (full, too large).
+        """
+        ...
+
+    def get(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> Sequence[int | None]:
+        """Copy the value of ``keys[i]`` into ``buffers[i]``.
+
+        Per key: the value's length in bytes (the first ``min(length,
+        len(buffers[i]))`` bytes are written), or ``None`` when the key holds
+        nothing. The caller checks the length and the bytes.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release connections; no call follows."""
+        ...

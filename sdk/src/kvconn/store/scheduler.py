@@ -1,0 +1,162 @@
+"""Scheduler side of a store connector: lookups, and the loads and saves each step sends.
+
+* Lookup (``get_num_new_matched_tokens``): one batched ``contains`` over the
+  blocks after the local hit, every group; the hit is cut by
+  :func:`kvconn.loadable_hit` (sliding windows) and at the first block whose
+  load failed recently. No side effects; memoised for the step (engines ask
+  again for the same request).
+* A block whose load failed is not offered again for
+  ``failed_block_cooldown_steps`` steps. vLLM re-asks the connector as soon as a
+  failed async load is rolled back; a connector that offers the same bad value
+  again livelocks the request.
+* Saves: :class:`kvconn.SaveCursor` over the blocks each step fills, every
+  group. A request loading on a step saves nothing that step (what it
+  computes may rest on a failed load). A finished request with unsaved
+  blocks keeps them (delayed free) until the worker reports their save landed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from ..block_state import BlockIds, KVConnectorBlockState
+from ..context import ConnectorContext
+from ..cursor import SaveCursor
+from ..filled import FilledBlocks, iter_block_ids
+from ..outputs import KVConnectorOutput, SchedulerOutput
+from ..request import ConnectorRequest
+from ..window import loadable_hit
+from .config import StoreConfig
+from .guard import StoreUnavailable
+from .metadata import StoreBlock, StoreMetadata
+from .side import StoreSide
+
+__all__ = ["StoreScheduler"]
+
+
+class StoreScheduler(StoreSide):
+    """The scheduler side of every :class:`~kvconn.store.StoreConnector`."""
+
+    def __init__(self, config: StoreConfig, context: ConnectorContext) -> None:
+        super().__init__(config, context)
+        self.block_size = context.block_size
+        self.groups = context.kv_cache_groups
+        self.cursor = SaveCursor()
+        self._requests: dict[str, ConnectorRequest] = {}
+        self._lookups: dict[str, tuple[tuple[int, int], int]] = {}
+        self._loads: list[StoreBlock] = []
+        self._loading: dict[str, dict[int, bytes]] = {}  # req_id -> block id -> block hash, loads in flight
+        self._cooling: dict[bytes, int] = {}  # block hash -> step until which it is not offered
+        self._final: dict[str, list[StoreBlock]] = {}  # finished, saves not sent yet
+        self._sending: set[str] = set()  # finished, saves sent, not reported landed yet
+        self._step = 0
+
+    # ---------------------------------------------------------------- lookup
+
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        bs = self.block_size
+        start = num_computed_tokens // bs
+        end = min(len(request.block_hashes), (request.num_tokens - 1) // bs)  # leave a token to compute
+        if num_computed_tokens % bs or end <= start:
+            return 0, False
+        memo = self._lookups.get(request.request_id)
+        if memo is None or memo[0] != (start, end):
+            memo = self._lookups[request.request_id] = ((start, end), self._lookup(request.block_hashes, start, end))
+        tokens = (memo[1] - start) * bs
+        return tokens, tokens > 0 and self.config.load_async
+
+    def _lookup(self, hashes: Sequence[bytes], start: int, end: int) -> int:
+        """The end of the longest run of blocks from ``start`` that every group can load."""
+        cooling = [self._cooling.get(hashes[i], 0) > self._step for i in range(start, end)]
+        if True in cooling:
+            end = start + cooling.index(True)
+        keys = [self.keys.key(g, hashes[i]) for g in range(len(self.groups)) for i in range(start, end)]
+        if not keys:
+            return start
+        try:
+            present = self.guard.call("contains", lambda store: list(store.contains(keys)))
+        except StoreUnavailable:
+            self.stats.degraded("lookup_failed", len(keys), "lookups failed (store off or late): counted as misses")
+            return start
+        width = end - start
+        return loadable_hit(self.groups, self.block_size, start, end, lambda g, i: present[g * width + i - start])
+
+    # -------------------------------------------------------------- requests
+
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: BlockIds, num_external_tokens: int
+    ) -> None:
+        first = request.num_computed_tokens // self.block_size
+        last = first + num_external_tokens // self.block_size
+        self._requests[request.request_id] = request
+        self.cursor.start(request.request_id, last)
+        loads = list(self._blocks(request, block_ids, first, last))
+        if loads:
+            self._loads += loads
+            self._loading[request.request_id] = {b.block_id: b.block_hash for b in loads}
+
+    def _blocks(self, request: ConnectorRequest, table: BlockIds, start: int, end: int) -> Iterator[StoreBlock]:
+        hashes = request.block_hashes
+        for i, g, block_id in iter_block_ids(table, start, end):
+            yield StoreBlock(request.request_id, g, block_id, hashes[i])
+
+    def _save_limit(self, request: ConnectorRequest, full_blocks: int) -> int:
+        limit = min(full_blocks, len(request.block_hashes))
+        if not self.config.save_decode:
+            limit = min(limit, len(request.prompt_token_ids) // self.block_size)
+        return limit
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
+    ) -> StoreMetadata:
+        self._step += 1
+        self._lookups.clear()
+        meta = StoreMetadata(loads=self._loads, load_async=self.config.load_async)
+        self._loads = []
+        loading = {b.req_id for b in meta.loads}
+
+        def limit(filled: FilledBlocks) -> int:
+            return self._save_limit(self._requests[filled.req_id], filled.end)
+
+        for req_id, start, end in list(self.cursor.due(scheduler_output, self.block_size, limit)):
+            table = None if req_id in loading else block_state.get_block_ids(req_id)
+            if table is not None:  # else: saved on a later step
+                meta.saves += self._blocks(self._requests[req_id], table, start, end)
+                self.cursor.advance(req_id, end)
+        for req_id, blocks in self._final.items():
+            meta.saves += blocks
+            meta.finished_saves.append(req_id)
+            self._sending.add(req_id)
+        self._final.clear()
+        return meta
+
+    def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> bool:
+        """Forget ``request``; hold its blocks while computed blocks are still unsaved."""
+        req_id = request.request_id
+        self._lookups.pop(req_id, None)
+        self._requests.pop(req_id, None)
+        upto = self.cursor.forget(req_id)
+        if upto is None:
+            return False
+        limit = self._save_limit(request, request.num_computed_tokens // self.block_size)
+        blocks = list(self._blocks(request, block_ids, upto, limit))
+        if blocks:
+            self._final[req_id] = blocks
+        return bool(blocks)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        failed = connector_output.invalid_block_ids
+        until = self._step + self.config.failed_block_cooldown_steps
+        done = set(self._loading) if connector_output.failed else connector_output.finished_recving
+        for req_id, blocks in list(self._loading.items()):
+            for block_id in (blocks.keys() & failed) if not connector_output.failed else blocks:
+                self._cooling[blocks[block_id]] = until
+            if req_id in done or not self.config.load_async:
+                del self._loading[req_id]
+        self._cooling = {h: u for h, u in self._cooling.items() if u > self._step}
+        self._sending -= connector_output.finished_sending
+        if connector_output.failed:
+            self._sending.clear()  # the host releases what a failed worker side held
+
+    def get_num_tracked_requests(self) -> int:
+        return len(self._requests.keys() | self._loading.keys() | self._final.keys() | self._sending)

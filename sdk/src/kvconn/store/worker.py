@@ -1,0 +1,351 @@
+"""Worker side of a store connector: blocks between the KV caches and the store.
+
+A value is one block of one KV-cache group: the integrity header (see
+:mod:`kvconn.store.integrity`) then the block's bytes in each of the group's
+layers. A step is at most one batched ``get`` (from ``start_load_kv``) and one
+batched ``put`` (in ``wait_for_save``, once every layer is computed).
+
+Loads land in staging memory and are verified there (length, header, key,
+layout, tag); only verified values are copied into the KV caches, by the
+engine's thread, so no unverified byte ever reaches them and a late store call
+can only write into its own staging. An async load runs its ``get`` and the
+verification on the store's worker threads and lands in ``get_finished`` of
+the step it is found done; one past its deadline is abandoned (its blocks are
+reported failed) and trips the store. Nothing here raises into the engine: a
+failed load reports its blocks (``get_block_ids_with_load_errors``, the engine
+recomputes them), a failed save is skipped; both are counted and logged once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy
+import torch
+
+from ..context import NULL_BLOCK_ID, ConnectorContext
+from .config import StoreConfig
+from .guard import StoreUnavailable
+from .integrity import HEADER_BYTES, Integrity, layout_digest
+from .metadata import StoreBlock, StoreMetadata
+from .protocol import BlockStore
+from .side import StoreSide
+
+__all__ = ["StoreWorker"]
+
+
+class _Layout:
+    """One KV-cache group's tensors, and how a block of it is laid out in a value.
+
+    Host tensors whose blocks are contiguous are moved with one copy per byte
+    (``numpy.take`` into the value's columns, a fancy-indexed store back);
+    others (a device, a strided layout) through torch, with one more.
+    """
+
+    def __init__(self, names: Sequence[str], tensors: Sequence[Any]) -> None:
+        self.tensors = list(tensors)
+        self.num_blocks = min(t.shape[0] for t in tensors)
+        self.sizes = [t[0].numel() * t.element_size() for t in tensors]
+        self.value_bytes = sum(self.sizes)
+        layers = [(name, tuple(t.shape[1:]), str(t.dtype)) for name, t in zip(names, tensors, strict=True)]
+        self.digest = layout_digest(layers)
+        #: per layer, its blocks as rows of bytes (a view of the tensor), where that takes no copy
+        self._rows = [
+            t.view(t.shape[0], -1).view(torch.uint8).numpy() if t.device.type == "cpu" and t.is_contiguous() else None
+            for t in tensors
+        ]
+
+    def _columns(self, rows: Any) -> Iterator[tuple[Any, Any, Any]]:
+        """Per layer: its tensor, its byte rows (or ``None``), and its columns of the values ``rows``."""
+        offset = HEADER_BYTES
+        for t, layer_rows, size in zip(self.tensors, self._rows, self.sizes, strict=True):
+            yield t, layer_rows, rows[:, offset : offset + size]
+            offset += size
+
+    def gather(self, block_ids: list[int], rows: Any) -> None:
+        """Copy the blocks' bytes into ``rows`` (uint8 numpy, one row per block, payload from ``HEADER_BYTES``)."""
+        ids = numpy.asarray(block_ids)
+        for t, layer_rows, columns in self._columns(rows):
+            if layer_rows is not None:
+                numpy.take(layer_rows, ids, axis=0, out=columns, mode="clip")  # ids are in range: no clipping
+            else:
+                blocks = t.index_select(0, torch.from_numpy(ids).to(t.device)).view(len(block_ids), -1)
+                torch.from_numpy(columns).copy_(blocks.view(torch.uint8).cpu())
+
+    def scatter(self, block_ids: list[int], rows: Any) -> None:
+        """Copy verified payload rows (uint8 numpy, one row per block, from ``HEADER_BYTES``) into ``block_ids``."""
+        ids = numpy.asarray(block_ids)
+        for t, layer_rows, columns in self._columns(rows):
+            if layer_rows is not None:
+                layer_rows[ids] = columns
+            else:
+                src = torch.from_numpy(columns).view(t.dtype).view(len(block_ids), *t.shape[1:])
+                t.index_copy_(0, torch.from_numpy(ids).to(t.device), src.to(t.device))
+
+
+class _Buffers:
+    """Staging memory reused from step to step: fresh memory costs a page fault a page, more than the copy.
+
+    A buffer comes back only once no store call can touch it any more: never
+    after a call that missed its deadline (it may still read or write it).
+    """
+
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self._free: list[bytearray] = []
+
+    def take(self, size: int) -> bytearray:
+        for i, buffer in enumerate(self._free):
+            if len(buffer) >= size:
+                return self._free.pop(i)
+        return bytearray(size)
+
+    def give(self, buffers: Sequence[bytearray]) -> None:
+        self._free = sorted([*self._free, *buffers], key=len)[-self.KEEP :]
+
+
+def _rows(buffer: bytearray, n: int, stride: int) -> Any:
+    """The first ``n`` rows of ``stride`` bytes of ``buffer``, as a uint8 numpy array (no copy)."""
+    return numpy.frombuffer(buffer, dtype=numpy.uint8, count=n * stride).reshape(n, stride)
+
+
+@dataclass
+class _GroupLoad:
+    """A step's loads of one group: distinct keys in staging, and the blocks each lands in."""
+
+    layout: _Layout
+    keys: list[bytes] = field(default_factory=list)
+    targets: list[tuple[int, int]] = field(default_factory=list)  # (slot, block id)
+    staging: bytearray = field(default_factory=bytearray)
+    verdicts: list[str | None] = field(default_factory=list)
+
+    @property
+    def stride(self) -> int:
+        return HEADER_BYTES + self.layout.value_bytes
+
+
+@dataclass
+class _Load:
+    """One step's batched load: its groups, requests, and (async) the store call running it."""
+
+    groups: list[_GroupLoad]
+    req_ids: set[str]
+    started: float = field(default_factory=time.monotonic)
+    future: Future[None] | None = None
+
+
+class StoreWorker(StoreSide):
+    """The worker side of every :class:`~kvconn.store.StoreConnector`."""
+
+    def __init__(self, config: StoreConfig, context: ConnectorContext) -> None:
+        super().__init__(config, context)
+        self.integrity = Integrity(config.integrity_secret)
+        self._layouts: list[_Layout] = []
+        self._metadata: StoreMetadata | None = None
+        self._pending: list[_Load] = []
+        self._errors: set[int] = set()
+        self._recving: set[str] = set()
+        self._buffers = _Buffers()
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        layouts = []
+        for g, spec in enumerate(self.context.kv_cache_groups):
+            missing = [name for name in spec.layer_names if name not in kv_caches]
+            if missing:
+                raise ValueError(f"KV-cache group {g}: no KV-cache tensor for layers {missing}")
+            layouts.append(_Layout(spec.layer_names, [kv_caches[name] for name in spec.layer_names]))
+        self._layouts = layouts
+
+    def _addressable(self, blocks: Sequence[StoreBlock]) -> tuple[list[StoreBlock], list[StoreBlock]]:
+        """The blocks this worker can address, and the rest (never touch memory out of range)."""
+        ok: list[StoreBlock] = []
+        bad: list[StoreBlock] = []
+        for b in blocks:
+            fits = 0 <= b.group < len(self._layouts) and NULL_BLOCK_ID < b.block_id < self._layouts[b.group].num_blocks
+            (ok if fits else bad).append(b)
+        return ok, bad
+
+    # ------------------------------------------------------------------ loads
+
+    def start_load_kv(self, metadata: StoreMetadata) -> None:
+        self._metadata = metadata
+        if not metadata.loads:
+            return
+        blocks, bad = self._addressable(metadata.loads)
+        self._fail([b.block_id for b in bad], "load_failed_unaddressable", "loads named blocks this worker lacks")
+        load = _Load(self._plan(blocks), {b.req_id for b in metadata.loads})
+        if not metadata.load_async:
+            try:
+                self.guard.call("get", lambda store: self._fetch(store, load))
+            except StoreUnavailable:
+                self._abandon(load, late=True)
+                return
+            self._land(load)
+            return
+        try:
+            load.future = self.guard.submit("get", lambda store: self._fetch(store, load))
+        except StoreUnavailable:
+            self._abandon(load)
+            self._recving |= load.req_ids
+            return
+        self._pending.append(load)
+
+    def _plan(self, blocks: Sequence[StoreBlock]) -> list[_GroupLoad]:
+        """One staging slot per distinct key: requests sharing a prefix load it into blocks of their own."""
+        groups: dict[int, _GroupLoad] = {}
+        slots: dict[tuple[int, bytes], int] = {}
+        for b in blocks:
+            group = groups.setdefault(b.group, _GroupLoad(self._layouts[b.group]))
+            slot = slots.setdefault((b.group, b.block_hash), len(group.keys))
+            if slot == len(group.keys):
+                group.keys.append(self.keys.key(b.group, b.block_hash))
+            group.targets.append((slot, b.block_id))
+        for group in groups.values():
+            group.staging = self._buffers.take(len(group.keys) * group.stride)
+        return list(groups.values())
+
+    def _fetch(self, store: BlockStore, load: _Load) -> None:
+        """Read every value into staging and verify it (on a store thread when async)."""
+        keys = [key for group in load.groups for key in group.keys]
+        views = [
+            memoryview(group.staging)[i * group.stride : (i + 1) * group.stride]
+            for group in load.groups
+            for i in range(len(group.keys))
+        ]
+        lengths = list(store.get(keys, views))
+        if len(lengths) != len(keys):
+            raise ValueError(f"get returned {len(lengths)} answers for {len(keys)} keys")
+        answers = iter(zip(lengths, views, strict=True))
+        for group in load.groups:
+            group.verdicts = [self._verdict(group, key, *next(answers)) for key in group.keys]
+
+    def _verdict(self, group: _GroupLoad, key: bytes, length: int | None, value: memoryview) -> str | None:
+        """Why the value read for ``key`` must not be loaded, or ``None`` when it may."""
+        if length is None:
+            return "missing"
+        if length != group.stride:
+            return "integrity_short"
+        reason = self.integrity.verify(key, group.layout.digest, value)
+        return None if reason is None else f"integrity_{reason}"
+
+    def _land(self, load: _Load) -> None:
+        """Copy the verified values of a fetched load into the KV caches; report the rest failed."""
+        moved = landed = 0
+        for group in load.groups:
+            ok = [(slot, block) for slot, block in group.targets if group.verdicts[slot] is None]
+            failed: dict[str, list[int]] = {}
+            for slot, block in group.targets:
+                if (verdict := group.verdicts[slot]) is not None:
+                    failed.setdefault(verdict, []).append(block)
+            for reason, ids in failed.items():
+                self._fail(ids, f"load_failed_{reason}", _why(reason))
+            if ok:
+                rows = _rows(group.staging, len(group.keys), group.stride)
+                if len(ok) < len(group.targets) or len(group.keys) < len(ok):
+                    rows = rows[[slot for slot, _ in ok]]  # only the verified values, one row per block
+                group.layout.scatter([block for _, block in ok], rows)
+                landed += len(ok)
+                moved += len(ok) * group.layout.value_bytes
+        self.stats.count("blocks_loaded", landed)
+        self.stats.count("bytes_loaded", moved)
+        self._buffers.give([group.staging for group in load.groups])
+
+    def _abandon(self, load: _Load, *, late: bool = False) -> None:
+        """Fail every block of ``load``; its staging is reused unless a ``late`` store call may still write it."""
+        if not late:
+            self._buffers.give([group.staging for group in load.groups])
+        ids = [block for group in load.groups for _, block in group.targets]
+        self._fail(ids, "load_failed_store_off", "loads failed (the store is off, late or raised); recomputed")
+
+    def _fail(self, block_ids: Sequence[int], kind: str, explanation: str) -> None:
+        self._errors.update(block_ids)
+        self.stats.degraded(kind, len(block_ids), explanation)
+
+    # ------------------------------------------------------------------ saves
+
+    def wait_for_save(self) -> None:
+        """Save this step's blocks, each sealed, in one batched write-once put within the deadline."""
+        metadata = self._metadata
+        if metadata is None or not metadata.saves:
+            return
+        blocks, bad = self._addressable(metadata.saves)
+        self.stats.degraded("save_failed_unaddressable", len(bad), "saves named blocks this worker lacks")
+        by_group: dict[int, dict[bytes, int]] = {}
+        for b in blocks:
+            by_group.setdefault(b.group, {}).setdefault(b.block_hash, b.block_id)  # a prefix computed twice: once
+        keys: list[bytes] = []
+        values: list[memoryview] = []
+        buffers: list[bytearray] = []
+        for g, ids in by_group.items():
+            layout = self._layouts[g]
+            stride = HEADER_BYTES + layout.value_bytes
+            buffers.append(staging := self._buffers.take(len(ids) * stride))
+            layout.gather(list(ids.values()), _rows(staging, len(ids), stride))
+            view = memoryview(staging)
+            for i, block_hash in enumerate(ids):
+                key = self.keys.key(g, block_hash)
+                value = view[i * stride : (i + 1) * stride]
+                value[:HEADER_BYTES] = self.integrity.seal(key, layout.digest, value[HEADER_BYTES:])
+                keys.append(key)
+                values.append(value)
+        try:
+            stored = list(self.guard.call("put", lambda store: store.put(keys, values)))
+        except StoreUnavailable:  # the buffers are dropped: a late put may still be reading them
+            self.stats.degraded("save_failed_store_off", len(keys), "saves failed (the store is off, late or raised)")
+            return
+        self._buffers.give(buffers)
+        saved = [len(v) - HEADER_BYTES for v, ok in zip(values, stored, strict=True) if ok]
+        self.stats.count("blocks_saved", len(saved))
+        self.stats.count("bytes_saved", sum(saved))
+        self.stats.degraded("save_failed_refused", len(keys) - len(saved), "the store refused values (full?)")
+
+    # ---------------------------------------------------------------- reports
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """Held requests whose saves ran this step, and async loads that landed (or were abandoned)."""
+        metadata, self._metadata = self._metadata, None
+        sending = set(metadata.finished_saves) if metadata is not None else set()
+        still: list[_Load] = []
+        for load in self._pending:
+            assert load.future is not None
+            if load.future.done():
+                try:
+                    self.guard.result("get", load.future)
+                except StoreUnavailable:
+                    self._abandon(load)
+                else:
+                    self._land(load)
+            elif time.monotonic() - load.started > self.config.timeout_s:
+                self.guard.trip(f"a get did not answer within {self.config.timeout_s:g} s")
+                self._abandon(load, late=True)
+            else:
+                still.append(load)
+                continue
+            self._recving |= load.req_ids
+        self._pending = still
+        recving, self._recving = self._recving, set()
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        return self.stats.take()
+
+    def get_num_tracked_requests(self) -> int:
+        return len({req_id for load in self._pending for req_id in load.req_ids} | self._recving)
+
+
+def _why(reason: str) -> str:
+    if reason == "missing":
+        return "a block was gone when loaded (evicted, or the store restarted); it is recomputed"
+    return (
+        f"a stored value failed verification ({reason.removeprefix('integrity_')}): not written by this connector "
+        "for this key and KV layout, or damaged; it never reaches the KV cache and the block is recomputed"
+    )

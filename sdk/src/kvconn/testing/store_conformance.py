@@ -1,0 +1,152 @@
+"""``StoreConformance``: the store contract, checked for any :class:`~kvconn.store.BlockStore`.
+
+Subclass it in one line in a test module, defining how to open a fresh store::
+
+    class TestMyStore(StoreConformance):
+        def make_store(self) -> BlockStore:
+            return MyStore(...)
+
+Every check says what the store did and how to fix it. Override
+:meth:`make_unreachable` to also check that a store that cannot answer raises
+(rather than answering "missing" or hanging). ``kvconn validate`` runs the
+connector checks on top.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from ..store import BlockStore
+
+__all__ = ["StoreConformance"]
+
+#: How long a call to an unreachable store may take before the check calls it hung (the store's own timeout).
+HUNG_AFTER_S = 30.0
+
+
+class StoreConformance:
+    """Base class of a store's conformance tests (pytest collects the ``test_*`` methods)."""
+
+    #: bytes per test value
+    value_size = 4096
+
+    def make_store(self) -> BlockStore:
+        raise NotImplementedError("define make_store(self) -> BlockStore in your StoreConformance subclass")
+
+    def make_unreachable(self, store: BlockStore) -> None:
+        """Make ``store`` unable to answer (stop its server, say); the default skips the error checks."""
+        pytest.skip("define make_unreachable(self, store) to check how the store fails (errors and timeouts)")
+
+    @pytest.fixture
+    def store(self) -> Iterator[BlockStore]:
+        store = self.make_store()
+        yield store
+        store.close()
+
+    def keys(self, n: int) -> list[bytes]:
+        run = uuid.uuid4().hex.encode()
+        return [b"kvconn-conformance/" + run + b"/%d" % i for i in range(n)]
+
+    def values(self, n: int, fill: int = 0) -> list[bytes]:
+        return [bytes([(fill + i) % 256]) * self.value_size for i in range(n)]
+
+    def read(self, store: BlockStore, keys: list[bytes]) -> tuple[list[int | None], list[bytes]]:
+        buffers = [bytearray(self.value_size) for _ in keys]
+        lengths = list(store.get(keys, [memoryview(b) for b in buffers]))
+        return lengths, [bytes(b) for b in buffers]
+
+    def test_missing_keys_are_missing(self, store: BlockStore) -> None:
+        keys = self.keys(3)
+        assert list(store.contains(keys)) == [False] * 3, "contains() must answer False for keys never put"
+        lengths, _ = self.read(store, keys)
+        assert lengths == [None] * 3, "get() must answer None (not 0, not raise) for a key that holds nothing"
+
+    def test_put_then_contains_and_get(self, store: BlockStore) -> None:
+        keys, values = self.keys(4), self.values(4)
+        assert list(store.put(keys, values)) == [True] * 4, "put() must answer True per key it stored"
+        assert list(store.contains(keys)) == [True] * 4, "contains() must see every key put() stored"
+        lengths, read = self.read(store, keys)
+        assert lengths == [self.value_size] * 4, "get() must answer each value's length in bytes"
+        assert read == values, "get() must copy each value into its own buffer, in key order"
+
+    def test_partial_batches_answer_per_key_in_order(self, store: BlockStore) -> None:
+        keys, values = self.keys(5), self.values(5)
+        store.put(keys[1::2], values[1::2])
+        assert list(store.contains(keys)) == [False, True, False, True, False], (
+            "contains() must answer per key, in the order asked, for a batch mixing stored and missing keys"
+        )
+        lengths, read = self.read(store, keys)
+        assert lengths == [None, self.value_size, None, self.value_size, None], "get() must answer per key, in order"
+        assert read[1::2] == values[1::2], "get() must fill the buffers of the stored keys of a mixed batch"
+
+    def test_put_is_write_once(self, store: BlockStore) -> None:
+        keys = self.keys(2)
+        store.put(keys[:1], self.values(1, fill=1))
+        answers = list(store.put(keys, self.values(2, fill=7)))
+        assert answers == [True, True], "put() must answer True for a key that already holds a value"
+        _, read = self.read(store, keys)
+        assert read[0] == self.values(1, fill=1)[0], (
+            "put() must keep the first value of a key (write-once): readers may be verifying it right now"
+        )
+
+    def test_a_short_buffer_gets_the_length_and_a_prefix(self, store: BlockStore) -> None:
+        keys, values = self.keys(1), self.values(1, fill=3)
+        store.put(keys, values)
+        buffer = bytearray(self.value_size // 2)
+        lengths = list(store.get(keys, [memoryview(buffer)]))
+        assert lengths == [self.value_size], "get() must answer the value's full length even if the buffer is shorter"
+        assert bytes(buffer) == values[0][: len(buffer)], "get() must write only what fits the buffer"
+
+    def test_empty_batches(self, store: BlockStore) -> None:
+        assert list(store.contains([])) == [], "contains([]) must answer []"
+        assert list(store.put([], [])) == [], "put([], []) must answer []"
+        assert list(store.get([], [])) == [], "get([], []) must answer []"
+
+    def test_concurrent_callers(self, store: BlockStore) -> None:
+        errors: list[BaseException] = []
+
+        def work(worker: int) -> None:
+            try:
+                keys, values = self.keys(8), self.values(8, fill=worker)
+                store.put(keys, values)
+                lengths, read = self.read(store, keys)
+                assert read == values and lengths == [self.value_size] * 8
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, f"calls from several threads at once must not interfere: {errors[0]!r}"
+
+    def test_an_unreachable_store_raises_in_bounded_time(self, store: BlockStore) -> None:
+        keys = self.keys(2)
+        store.put(keys, self.values(2))
+        self.make_unreachable(store)
+        for name, call in (
+            ("contains", lambda: store.contains(keys)),
+            ("put", lambda: store.put(self.keys(1), self.values(1))),
+            ("get", lambda: self.read(store, keys)),
+        ):
+            outcome: list[object] = []
+            thread = threading.Thread(target=_catch, args=(call, outcome), daemon=True)
+            thread.start()
+            thread.join(HUNG_AFTER_S)
+            assert outcome, f"{name}() on an unreachable store hung: give the client a socket/operation timeout"
+            assert isinstance(outcome[0], Exception), (
+                f"{name}() on an unreachable store answered {outcome[0]!r}: it must raise (the connector then "
+                "degrades); answering 'missing' hides an outage"
+            )
+
+
+def _catch(call: Callable[[], object], outcome: list[object]) -> None:
+    try:
+        outcome.append(call())
+    except Exception as exc:
+        outcome.append(exc)

@@ -1,0 +1,177 @@
+"""kvconn.store: a store connector over the in-memory store, on the reference engine, with faults."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvconn import CachedRequestData, KVCacheGroupSpec, SaveCursor, SchedulerOutput, loadable_hit
+from kvconn.reference import Engine
+from kvconn.store import HEADER_BYTES, BlockStore, Integrity
+from kvconn.testing import memory_store, run_conformance
+from kvconn.testing.store_conformance import StoreConformance
+
+STORE = f"{memory_store.__name__}:MemoryStoreConnector"
+SWA_GROUPS = (KVCacheGroupSpec(("layer.0",)), KVCacheGroupSpec(("layer.1",), sliding_window=32))
+FAST = {"timeout_s": 0.5, "retry_interval_s": 0.05, "max_backoff_s": 0.1}
+
+
+@pytest.fixture(autouse=True)
+def _clean() -> Iterator[None]:
+    memory_store.clear()
+    yield
+    memory_store.clear()
+
+
+def prompts(n: int = 6) -> list[list[int]]:
+    rng = random.Random(1)
+    shared = [rng.randrange(32_000) for _ in range(70)]
+    return [shared + [rng.randrange(32_000) for _ in range(25 + i)] for i in range(n)]
+
+
+def run(*args: Any, **options: Any) -> tuple[list[list[int]], Engine]:
+    """Each prompt finished before the next arrives, without a local prefix cache: hits come from the store."""
+    with Engine(*args, **{"num_blocks": 128, "enable_prefix_caching": False, **options}) as engine:
+        outputs = [engine.generate([p], max_tokens=12)[0] for p in prompts()]
+    return outputs, engine
+
+
+@pytest.fixture(scope="module")
+def baseline() -> list[list[int]]:
+    return run()[0]
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_loads_replace_computation_exactly(baseline: list[list[int]], load_async: bool) -> None:
+    outputs, engine = run(STORE, {"load_async": load_async})
+    assert outputs == baseline
+    assert engine.stats.prompt_tokens_loaded >= 5 * 64
+    assert engine.stats.degraded_events == 0
+
+
+def test_sliding_window_groups_load_only_their_window() -> None:
+    expected = run(kv_cache_groups=SWA_GROUPS)[0]
+    outputs, engine = run(STORE, kv_cache_groups=SWA_GROUPS)
+    assert outputs == expected
+    assert engine.stats.prompt_tokens_loaded > 0
+
+
+def test_corrupt_values_never_reach_the_kv_cache_and_are_recomputed(baseline: list[list[int]]) -> None:
+    memory_store.faults().corrupt = True
+    outputs, engine = run(STORE, {"load_async": False})
+    assert outputs == baseline
+    assert engine.stats.prompt_tokens_loaded == 0
+    assert engine.stats.failed_load_blocks > 0
+
+
+def test_a_store_down_degrades_to_no_hits_and_exact_outputs(baseline: list[list[int]]) -> None:
+    memory_store.faults().down = True
+    outputs, engine = run(STORE, FAST)
+    assert outputs == baseline
+    assert engine.stats.prompt_tokens_loaded == 0
+    assert engine.stats.degraded_events > 0
+
+
+def test_a_stalled_store_costs_one_deadline_then_is_off(baseline: list[list[int]]) -> None:
+    memory_store.faults().running.clear()
+    try:
+        outputs, engine = run(STORE, {**FAST, "retry_interval_s": 60.0})
+    finally:
+        memory_store.faults().running.set()
+    assert outputs == baseline
+    assert engine.stats.prompt_tokens_loaded == 0
+
+
+def test_a_block_whose_load_failed_is_not_offered_again() -> None:
+    """vLLM re-asks right after a failed load: offering the same bad value again would livelock."""
+    with Engine(STORE, {"load_async": True}, num_blocks=128, enable_prefix_caching=False) as engine:
+        first, again = prompts(2)
+        engine.generate([first], max_tokens=4)
+        memory_store.faults().corrupt = True
+        engine.generate([again], max_tokens=4)
+        failed = engine.stats.failed_load_blocks
+        assert failed > 0
+        engine.generate([again], max_tokens=4)
+        assert engine.stats.failed_load_blocks == failed  # not claimed, so not failed, again
+
+
+def test_the_integrity_header_names_what_is_wrong() -> None:
+    seal = Integrity()
+    payload = memoryview(bytes(range(256)))
+    value = bytearray(seal.seal(b"k", b"L" * 8, payload) + payload)
+    assert len(value) == HEADER_BYTES + 256
+    assert seal.verify(b"k", b"L" * 8, memoryview(value)) is None
+    assert seal.verify(b"other", b"L" * 8, memoryview(value)) == "other_key"
+    assert seal.verify(b"k", b"M" * 8, memoryview(value)) == "other_layout"
+    assert Integrity("s" * 16).verify(b"k", b"L" * 8, memoryview(value)) == "unsigned"
+    value[-1] ^= 1
+    assert seal.verify(b"k", b"L" * 8, memoryview(value)) == "checksum"
+    assert seal.verify(b"k", b"L" * 8, memoryview(b"nonsense" * 10)) == "foreign"
+
+
+def test_the_window_cut_ignores_misses_before_the_window() -> None:
+    groups = (KVCacheGroupSpec(("a",)), KVCacheGroupSpec(("b",), sliding_window=32))
+    stored = {(0, i) for i in range(10)} | {(1, i) for i in range(6, 10)}  # a 32-token window: 2 blocks
+    assert loadable_hit(groups, 16, 0, 10, lambda g, i: (g, i) in stored) == 10
+    stored.discard((1, 8))
+    assert loadable_hit(groups, 16, 0, 10, lambda g, i: (g, i) in stored) == 8
+    assert loadable_hit(groups, 16, 0, 10, lambda g, i: (g, i) in stored, step=3) == 0
+    stored |= {(1, 3), (1, 4)}
+    stored.discard((0, 5))  # a full-attention miss ends the hit there
+    assert loadable_hit(groups, 16, 0, 10, lambda g, i: (g, i) in stored) == 5
+
+
+def test_the_save_cursor_drops_back_to_recomputed_blocks() -> None:
+    cursor = SaveCursor()
+    cursor.start("r", 4)
+    cached = CachedRequestData(req_ids=["r"], num_computed_tokens=[32])  # the step recomputes blocks 2..4
+    out = SchedulerOutput(1, [], cached, {"r": 48}, 48)
+    assert list(cursor.due(out, 16)) == [("r", 2, 5)]
+    cursor.advance("r", 5)
+    assert cursor.upto("r") == 5
+
+
+class TestMemoryStore(StoreConformance):
+    def make_store(self) -> BlockStore:
+        return memory_store.MemoryStore(f"conformance-{id(self)}")
+
+    def make_unreachable(self, store: BlockStore) -> None:
+        assert isinstance(store, memory_store.MemoryStore)
+        memory_store.faults(store.name).down = True
+
+
+def test_the_store_in_the_authoring_guide_passes_every_conformance_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/authoring.md's section 0 alone gives a connector that passes kvconn validate."""
+    guide = (Path(__file__).parents[2] / "docs" / "authoring.md").read_text(encoding="utf-8")
+    section = guide[guide.index("## 0. The first way") :]
+    code = section[section.index("```python\n") + len("```python\n") :]
+    (tmp_path / "guide_store.py").write_text(code[: code.index("```")], encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    report = run_conformance("guide_store:DictConnector")
+    assert report.load_error is None and report.failed == 0 and report.passed > 20, report
+
+
+def test_a_store_that_comes_back_is_used_again(baseline: list[list[int]]) -> None:
+    """Down: no hits, no saves, exact outputs; back: a background probe turns it on, and saves and hits resume."""
+    memory_store.faults().down = True
+    with Engine(STORE, FAST, num_blocks=128, enable_prefix_caching=False) as engine:
+        first, again = prompts(2)
+        assert engine.generate([first], max_tokens=12)[0] == baseline[0]
+        assert engine.stats.blocks_saved == 0 and engine.stats.degraded_events > 0
+        memory_store.faults().down = False
+        assert engine.worker_host is not None and engine.scheduler_host is not None
+        sides = [host.connectors[STORE].side for host in (engine.scheduler_host, engine.worker_host)]  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 60  # the probe runs every max_backoff_s at most (0.1 s)
+        while not all(side.guard.available for side in sides) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(side.guard.available for side in sides), "the probe never turned the store on again"
+        assert engine.generate([first], max_tokens=12)[0] == baseline[0]  # saved now
+        assert engine.generate([again], max_tokens=12)[0] == baseline[1]
+        assert engine.stats.prompt_tokens_loaded > 0
