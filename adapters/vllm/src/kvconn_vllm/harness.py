@@ -139,9 +139,14 @@ def make_scheduler(
     kv_load_failure_policy: str = "recompute",
     workdir: str | os.PathLike[str] | None = None,
     shape: EngineShape | None = None,
+    transfer_fields: dict[str, Any] | None = None,
     **shape_options: Any,
 ) -> Any:
     """vLLM's ``Scheduler`` with kvconn ``connector`` (``None``: none) on its scheduler side (``scheduler.connector``).
+
+    ``transfer_fields``, instead of ``connector``, are the ``KVTransferConfig``
+    fields of any vLLM connector (``kv_connector``, ``kv_connector_module_path``,
+    ``kv_connector_extra_config``).
 
     ``shape`` (default :data:`VLLM_TEST_SHAPE`) and ``shape_options``
     (``num_blocks=``... any :class:`~kvconn.reference.EngineShape` field) size
@@ -185,11 +190,15 @@ def make_scheduler(
         ),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=shape.enable_prefix_caching),
         kv_transfer_config=None
-        if connector is None
+        if connector is None and transfer_fields is None
         else KVTransferConfig(
             kv_role="kv_both",
             kv_load_failure_policy=kv_load_failure_policy,
-            **kvconn_transfer_config(connector, config, on_error=on_error, short_name=short_name),
+            **(
+                kvconn_transfer_config(connector, config, on_error=on_error, short_name=short_name)
+                if connector is not None
+                else transfer_fields or {}
+            ),
         ),
         device_config=DeviceConfig("cpu"),
     )
@@ -294,7 +303,8 @@ class VllmLoop:
     its whole prefix and a load can be checked against a save.
     """
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, worker: Any = None) -> None:
+        """``worker``: the worker-side connector (default: a kvconn adapter for the scheduler's config)."""
         from types import SimpleNamespace
 
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -305,7 +315,9 @@ class VllmLoop:
         self.scheduler = scheduler
         self.block_size = scheduler.block_size
         num_blocks = scheduler.kv_cache_config.num_blocks
-        self.worker = KVConnVllmConnector(scheduler.vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
+        self.worker = worker or KVConnVllmConnector(
+            scheduler.vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config
+        )
         #: per KV-cache group, the names of its layers
         self.group_layers = [tuple(g.layer_names) for g in scheduler.kv_cache_config.kv_cache_groups]
         self.kv_caches = fake_kv_caches(num_blocks, self.block_size, [n for g in self.group_layers for n in g])
