@@ -63,6 +63,8 @@ __all__ = [
     "NativeDriver",
     "NativeSession",
     "NativeStepRecord",
+    "MetadataDoesNotPickle",
+    "UNPICKLABLE",
     "NativeTarget",
     "native_target",
     "pickled_engine_objects",
@@ -145,6 +147,7 @@ def pickled_engine_objects(obj: object) -> list[str]:
     A metadata that cannot pickle is reported too (vLLM would fail the step).
     """
     found: list[str] = []
+    failure: list[str] = []
 
     class Watcher(pickle.Pickler):
         def reducer_override(self, value: Any) -> Any:
@@ -158,8 +161,16 @@ def pickled_engine_objects(obj: object) -> list[str]:
     try:
         Watcher(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     except Exception as exc:
-        found.append(f"something that does not pickle ({type(exc).__name__}: {exc})")
-    return sorted(set(found))
+        failure.append(f"{UNPICKLABLE} ({type(exc).__name__}: {str(exc)[:200]})")
+    return sorted(set(found)) + failure
+
+
+#: How :func:`pickled_engine_objects` says the metadata does not pickle at all (its last entry).
+UNPICKLABLE = "it does not pickle"
+
+
+class MetadataDoesNotPickle(Exception):
+    """Raised from the observed ``build_connector_meta``: vLLM could not send this metadata to its workers."""
 
 
 def plain_view(obj: object, block_size: int) -> object:
@@ -348,6 +359,7 @@ class NativeDriver:
         self._resolved: list[str] = []
         self._handed: list[HandedTable] = []
         self._finished_calls: Counter[str] = Counter()
+        self._engine_objects: list[str] = []
         class_name = _observed_class(target.cls, self)
         stand_in = stand_in_for(target.cls)
         transfer = {
@@ -376,6 +388,11 @@ class NativeDriver:
             self._handed.append((f"scheduled_new_reqs[{new.req_id!r}].block_ids", table, freeze(table)))
 
     def _after_build(self, scheduler_output: Any, metadata: Any) -> None:
+        self._engine_objects = pickled_engine_objects(metadata) if metadata is not None else []
+        if self._engine_objects and self._engine_objects[-1].startswith(UNPICKLABLE):
+            raise MetadataDoesNotPickle(
+                f"vLLM's MessageQueue cannot pickle this metadata for the workers: {'; '.join(self._engine_objects)}"
+            )
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         if state is not None and hasattr(state, "req_ids"):
             offered = frozenset(state.req_ids)
@@ -417,7 +434,7 @@ class NativeDriver:
         kv_output = self.loop.last_kv_output
         requests = self.scheduler.requests
         return NativeStepRecord(
-            engine_objects=pickled_engine_objects(metadata) if metadata is not None else [],
+            engine_objects=self._engine_objects,
             output=translate_scheduler_output(scheduler_output, len(self.loop.outputs)),
             metadata=plain,  # the block-id analysis reads plain data
             decoded=plain_view(pickle.loads(encoded), self.block_size) if encoded is not None else None,
