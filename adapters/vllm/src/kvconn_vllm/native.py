@@ -35,7 +35,7 @@ import itertools
 import pickle
 import sys
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
@@ -55,6 +55,8 @@ from kvconn.testing.conformance.driver import (
 )
 from kvconn.testing.conformance.results import CheckResult, Violation
 from kvconn.testing.conformance.session import Session
+
+from .scheduler_driver import VllmSchedulerMethods
 
 __all__ = [
     "NOT_APPLICABLE",
@@ -341,7 +343,7 @@ def _observed_class(cls: Any, driver: NativeDriver) -> str:
     return name
 
 
-class NativeDriver:
+class NativeDriver(VllmSchedulerMethods):
     """A :class:`~kvconn.testing.conformance.SchedulerDriver` over vLLM's scheduler for a vLLM connector."""
 
     def __init__(self, spec: DriverSpec, target: NativeTarget) -> None:
@@ -410,21 +412,11 @@ class NativeDriver:
 
     # ---------------------------------------------------------------- protocol
 
-    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> None:
-        from .harness import make_request
-
-        self.scheduler.add_request(make_request(req_id, prompt, max_tokens, self.block_size))
-
-    def abort(self, req_id: str) -> None:
-        from vllm.v1.request import RequestStatus
-
-        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
-
     def step(self, *, withhold: Collection[str] = ()) -> StepRecord:
         from .translate import translate_scheduler_output
 
         self._withhold, self._built = frozenset(withhold), None
-        preemptions = {r: req.num_preemptions for r, req in self.scheduler.requests.items()}
+        preemptions = self._preemptions()
         tables: dict[str, BlockIds] = {}
         self.loop.step(inspect=lambda _: tables.update(self._tables()))
         assert self._built is not None, "vLLM did not call build_connector_meta"
@@ -432,7 +424,6 @@ class NativeDriver:
         plain = plain_view(metadata, self.block_size)
         encoded = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL) if metadata is not None else None
         kv_output = self.loop.last_kv_output
-        requests = self.scheduler.requests
         return NativeStepRecord(
             engine_objects=self._engine_objects,
             output=translate_scheduler_output(scheduler_output, len(self.loop.outputs)),
@@ -446,32 +437,12 @@ class NativeDriver:
                 finished_sending=set(getattr(kv_output, "finished_sending", None) or ()),
                 finished_recving=set(getattr(kv_output, "finished_recving", None) or ()),
             ),
-            preempted={r for r, n in preemptions.items() if r in requests and requests[r].num_preemptions > n},
+            preempted=self._preempted(preemptions),
             mutated=mutated_tables(self._handed),
         )
 
-    def _tables(self) -> dict[str, BlockIds]:
-        manager = self.scheduler.kv_cache_manager
-        tables = {r: manager.get_block_ids(r) for r in self.scheduler.requests}
-        return {r: tuple(list(t) for t in table) for r, table in tables.items() if any(table)}
-
-    def has_unfinished(self) -> bool:
-        return bool(self.scheduler.has_unfinished_requests())
-
-    def has_work(self) -> bool:
-        return bool(self.scheduler.has_requests())
-
-    def finished_calls(self) -> dict[str, int]:
-        return dict(self._finished_calls)
-
     def num_tracked_requests(self) -> dict[str, int]:
         return {}  # vLLM connectors have no such count; KV032 reads the engine's own state
-
-    def assert_empty(self) -> None:
-        scheduler = self.scheduler
-        assert not scheduler.requests, f"requests still held by vLLM: {sorted(scheduler.requests)}"
-        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-        assert free == self.num_blocks - 1, f"{self.num_blocks - 1 - free} blocks not returned to vLLM's pool"
 
     def close(self) -> None:
         for connector in (self.scheduler.connector, self.loop.worker):
