@@ -104,9 +104,9 @@ def validate(
     debug = debug or debug_from_env()
     configure_logging(debug)
     config_map = read_config(config, config_file)
+    native = check_vllm_connectors(vllm_connectors or [], engine.value, config_factory)
     with plugin_output_to_stderr():  # the factory's module is the author's code: its prints must not reach --json
         factory = _load_config_factory(config_factory) if config_factory else None
-    native = check_vllm_connectors(vllm_connectors or [], engine.value, config_factory)
     kvconn_targets = resolve_targets(names or [], all_installed, modules or [], others=bool(native))
     num_checks = len(select_checks(list_checks(), check))
     if junit is not None:
