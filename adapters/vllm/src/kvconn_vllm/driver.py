@@ -14,7 +14,7 @@ raises a one-line error when vLLM is missing.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from kvconn._install import checkout_path
@@ -33,6 +33,7 @@ from kvconn.testing.conformance.driver import (
 )
 
 from .reports import decode_report
+from .scheduler_driver import VllmSchedulerMethods
 
 if TYPE_CHECKING:
     from .data_driver import VllmDataDriver
@@ -59,7 +60,7 @@ def load_driver() -> DriverFactory:
     return VllmDriver
 
 
-class VllmDriver:
+class VllmDriver(VllmSchedulerMethods):
     """A :class:`~kvconn.testing.conformance.SchedulerDriver` over vLLM's scheduler."""
 
     def __init__(self, spec: DriverSpec) -> None:
@@ -112,19 +113,9 @@ class VllmDriver:
 
     # ---------------------------------------------------------------- protocol
 
-    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> None:
-        from .harness import make_request
-
-        self.scheduler.add_request(make_request(req_id, prompt, max_tokens, self.block_size))
-
-    def abort(self, req_id: str) -> None:
-        from vllm.v1.request import RequestStatus
-
-        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
-
     def step(self, *, withhold: Collection[str] = ()) -> StepRecord:
         self._withhold, self._built = frozenset(withhold), None
-        preemptions = {r: req.num_preemptions for r, req in self.scheduler.requests.items()}
+        preemptions = self._preemptions()
         tables: dict[str, BlockIds] = {}
         self.loop.step(inspect=lambda _: tables.update(self._tables()))
         assert self._built is not None, "vLLM did not call build_connector_meta"
@@ -136,7 +127,6 @@ class VllmDriver:
         kv_output = self.loop.last_kv_output  # None after a step without a forward whose workers reported nothing
         worker_meta = kv_output.kv_connector_worker_meta if kv_output is not None else None
         reports = [decode_report(blob).outputs.get(self.name) for blob in worker_meta.reports] if worker_meta else []
-        requests = self.scheduler.requests
         return StepRecord(
             output=output,
             metadata=metadata,
@@ -146,31 +136,14 @@ class VllmDriver:
             offered=offered,
             resolved=resolved,
             connector_output=reports[0] if reports else KVConnectorOutput(),  # no report: the worker had no news
-            preempted={r for r, n in preemptions.items() if r in requests and requests[r].num_preemptions > n},
+            preempted=self._preempted(preemptions),
         )
-
-    def _tables(self) -> dict[str, BlockIds]:
-        manager = self.scheduler.kv_cache_manager
-        tables = {r: manager.get_block_ids(r) for r in self.scheduler.requests}
-        return {r: tuple(list(t) for t in table) for r, table in tables.items() if any(table)}
-
-    def has_unfinished(self) -> bool:
-        return bool(self.scheduler.has_unfinished_requests())
-
-    def has_work(self) -> bool:
-        return bool(self.scheduler.has_requests())
-
-    def finished_calls(self) -> dict[str, int]:
-        return dict(self._finished_calls)
 
     def num_tracked_requests(self) -> dict[str, int]:
         return tracked_by_role(self.name, self.adapter.host, self.loop.worker.host)
 
     def assert_empty(self) -> None:
-        scheduler = self.scheduler
-        assert not scheduler.requests, f"requests still held by vLLM: {sorted(scheduler.requests)}"
-        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-        assert free == self.num_blocks - 1, f"{self.num_blocks - 1 - free} blocks not returned to vLLM's pool"
+        super().assert_empty()
         loads = {name: reqs for name, reqs in self.adapter.host.pending_loads().items() if reqs}
         assert not loads, f"loads still in flight: {loads}"
 

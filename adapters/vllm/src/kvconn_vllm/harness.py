@@ -147,9 +147,14 @@ def make_scheduler(
     workdir: str | os.PathLike[str] | None = None,
     shape: EngineShape | None = None,
     runner: str | None = None,
+    transfer_fields: dict[str, Any] | None = None,
     **shape_options: Any,
 ) -> Any:
     """vLLM's ``Scheduler`` with kvconn ``connector`` (``None``: none) on its scheduler side (``scheduler.connector``).
+
+    ``transfer_fields``, instead of ``connector``, are the ``KVTransferConfig``
+    fields of any vLLM connector (``kv_connector``, ``kv_connector_module_path``,
+    ``kv_connector_extra_config``).
 
     ``shape`` (default :data:`VLLM_TEST_SHAPE`) and ``shape_options``
     (``num_blocks=``... any :class:`~kvconn.reference.EngineShape` field) size
@@ -202,11 +207,15 @@ def make_scheduler(
             ),
             cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=shape.enable_prefix_caching),
             kv_transfer_config=None
-            if connector is None
+            if connector is None and transfer_fields is None
             else KVTransferConfig(
                 kv_role="kv_both",
                 kv_load_failure_policy=kv_load_failure_policy,
-                **kvconn_transfer_config(connector, config, on_error=on_error, short_name=short_name),
+                **(
+                    kvconn_transfer_config(connector, config, on_error=on_error, short_name=short_name)
+                    if connector is not None
+                    else transfer_fields or {}
+                ),
             ),
             device_config=DeviceConfig("cpu"),
         )
@@ -342,7 +351,9 @@ class VllmLoop:
     its whole prefix and a load can be checked against a save.
     """
 
-    def __init__(self, scheduler: Any, *, worker_config: Any = None) -> None:
+    def __init__(self, scheduler: Any, *, worker_config: Any = None, worker: Any = None) -> None:
+        """``worker``: the worker-side connector (default: a kvconn adapter for the scheduler's config, with
+        ``worker_config`` as its kvconn config when given)."""
         from types import SimpleNamespace
 
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -353,10 +364,12 @@ class VllmLoop:
         self.scheduler = scheduler
         self.block_size = scheduler.block_size
         num_blocks = scheduler.kv_cache_config.num_blocks
-        config = scheduler.vllm_config
-        if worker_config is not None:
-            config = _with_kvconn_config(config, worker_config)
-        self.worker = KVConnVllmConnector(config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
+        if worker is None:
+            config = scheduler.vllm_config
+            if worker_config is not None:
+                config = _with_kvconn_config(config, worker_config)
+            worker = KVConnVllmConnector(config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
+        self.worker = worker
         #: per KV-cache group, the names of its layers
         self.group_layers = [tuple(g.layer_names) for g in scheduler.kv_cache_config.kv_cache_groups]
         self.kv_caches = fake_kv_caches(num_blocks, self.block_size, [n for g in self.group_layers for n in g])

@@ -1,7 +1,9 @@
-"""Block tables rebuilt from scheduler outputs, for vLLM without a block state.
+"""Block tables rebuilt from scheduler outputs, for vLLM without the lazy block state.
 
 vLLM versions before the lazy block-state fix do not set
-``SchedulerOutput.kv_connector_block_state``. The adapter then offers every
+``SchedulerOutput.kv_connector_block_state``, or (0.29) set it to a dict of
+only the requests that got new blocks this step, whose tables are then used
+as they are. The adapter offers every
 request in ``num_scheduled_tokens`` (the same set the fix offers, minus
 state-space boundary hand-offs) and resolves tables it tracks the way vLLM's
 workers do:
@@ -23,6 +25,8 @@ another request; the adapter then offers no tables at all), and state-space
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 from kvconn.block_state import BlockIds, KVConnectorBlockState
 from kvconn.outputs import SchedulerOutput
@@ -57,9 +61,24 @@ class TableTracker:
         """A copy of ``req_id``'s tracked table."""
         return tuple(list(t) for t in self._tables[req_id])
 
-    def block_state(self, output: SchedulerOutput) -> KVConnectorBlockState:
-        """Offer every scheduled request with a tracked table."""
-        return KVConnectorBlockState(set(output.num_scheduled_tokens) & self._tables.keys(), self.resolve)
+    def block_state(
+        self, output: SchedulerOutput, snapshot: Mapping[str, Sequence[Sequence[int]]] | None = None
+    ) -> KVConnectorBlockState:
+        """Offer every scheduled request with a tracked table; ``snapshot``'s tables (vLLM 0.29's) win."""
+        if not snapshot:
+            return KVConnectorBlockState(set(output.num_scheduled_tokens) & self._tables.keys(), self.resolve)
+
+        def resolve(req_id: str) -> BlockIds:
+            table = snapshot.get(req_id)
+            return self.resolve(req_id) if table is None else tuple(list(t) for t in table)
+
+        offered = (set(output.num_scheduled_tokens) & self._tables.keys()) | set(snapshot)
+        return KVConnectorBlockState(offered, resolve)
+
+    @staticmethod
+    def snapshot_state(snapshot: Mapping[str, Sequence[Sequence[int]]]) -> KVConnectorBlockState:
+        """Offer only vLLM 0.29's own tables (with sliding windows, where tracked tables are not safe)."""
+        return KVConnectorBlockState(set(snapshot), lambda req_id: tuple(list(t) for t in snapshot[req_id]))
 
     def __len__(self) -> int:
         return len(self._tables)

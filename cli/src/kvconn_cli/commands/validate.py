@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Driver", "register", "validate"]
 
+#: Marks a ``--vllm-connector`` target among the targets (``kvconn validate`` runs it through ``kvconn_vllm.native``).
+NATIVE_PREFIX = "vllm-connector:"
+
 
 class Driver(str, enum.Enum):
     """The engine that drives the connector through the checks."""
@@ -74,6 +77,15 @@ def validate(
     ] = None,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and debug logs.")] = False,
     engine: Annotated[Driver, typer.Option("--engine", help="The engine that drives the checks.")] = Driver.reference,
+    vllm_connectors: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--vllm-connector",
+            metavar="NAME",
+            help="With --engine vllm: validate a vLLM connector (a name in vLLM's KVConnectorFactory, or "
+            "'pkg.mod:Class' of a KVConnectorBase_V1 subclass); --config is its kv_connector_extra_config.",
+        ),
+    ] = None,
 ) -> None:
     """Run the conformance checks against connectors: a table of results, exit 1 if any fails.
 
@@ -87,18 +99,20 @@ def validate(
     from ..junit import check_writable, write_junit
     from ..logs import configure_logging, debug_from_env
     from ..output import err_console, print_json, print_traceback
-    from ..validation import preflight, resolve_targets, select_checks
+    from ..validation import check_vllm_connectors, preflight, resolve_targets, select_checks
 
     debug = debug or debug_from_env()
     configure_logging(debug)
     config_map = read_config(config, config_file)
+    native = check_vllm_connectors(vllm_connectors or [], engine.value, config_factory)
     with plugin_output_to_stderr():  # the factory's module is the author's code: its prints must not reach --json
         factory = _load_config_factory(config_factory) if config_factory else None
-    targets = resolve_targets(names or [], all_installed, modules or [])
+    kvconn_targets = resolve_targets(names or [], all_installed, modules or [], others=bool(native))
     num_checks = len(select_checks(list_checks(), check))
     if junit is not None:
         check_writable(junit)
-    problems = {p.target: p for p in preflight(targets, config_map)}
+    problems = {p.target: p for p in preflight(kvconn_targets, config_map)}
+    targets = [*kvconn_targets, *(f"{NATIVE_PREFIX}{name}" for name in native)]
     if debug:
         for problem in problems.values():
             print_traceback(problem.error)
@@ -106,6 +120,8 @@ def validate(
     def run(target: str, on_result: Callable[[CheckResult], None]) -> ConnectorReport:
         if target in problems:  # known not to load: report it without importing it again
             return ConnectorReport(name=target, results=[], load_error=problems[target].message)
+        if target.startswith(NATIVE_PREFIX):
+            return _run_native(target.removeprefix(NATIVE_PREFIX), config_map, check, on_result, debug)
         return _run_one(target, config_map, factory, check, engine.value, on_result, debug)
 
     with plugin_output_to_stderr():
@@ -162,6 +178,31 @@ def _run_one(
         if debug:
             print_traceback(exc)
         return ConnectorReport(name=target, results=[], load_error=f"the conformance run stopped: {reason(exc)}")
+
+
+def _run_native(
+    name: str,
+    config: dict[str, Any] | None,
+    select: str | None,
+    on_result: Callable[[CheckResult], None],
+    debug: bool,
+) -> ConnectorReport:
+    """A vLLM connector's run (``--vllm-connector``), through ``kvconn_vllm.native``."""
+    from kvconn.testing.conformance import ConnectorReport
+
+    from ..inspection import reason
+    from ..output import print_traceback
+
+    try:
+        from kvconn_vllm.native import run_native_conformance
+    except ImportError as exc:
+        return ConnectorReport(name, [], load_error=f"--vllm-connector needs kvconn-vllm installed: {reason(exc)}")
+    try:
+        return run_native_conformance(name, config=config, select=select, on_result=on_result)
+    except (Exception, SystemExit) as exc:
+        if debug:
+            print_traceback(exc)
+        return ConnectorReport(name=name, results=[], load_error=f"the conformance run stopped: {reason(exc)}")
 
 
 def _run_with_progress(
@@ -229,6 +270,8 @@ def _render(reports: Sequence[ConnectorReport], *, debug_hint: bool) -> None:
                 message = r.message.replace("; fix: ", "\nfix: ")  # observed, then how to fix, on its own line
                 table.add_row(escape(r.id), escape(r.name), f"[{style}]{status}[/]", escape(message))
             print_table(table)
+        for line in report.notes:
+            console.print(f"[yellow]note:[/] {escape(line)}", soft_wrap=True)
         if report.load_error is not None:
             console.print(
                 f"[bold red]{escape(report.name)}: cannot load:[/] {escape(report.load_error)}", soft_wrap=True

@@ -79,7 +79,7 @@ from .driver import (
 from .observe import INTROSPECTION_METHOD
 from .reference import ReferenceDriver
 from .results import CheckResult, CheckSkipped, ConformanceFailure, ConnectorReport, Status
-from .runner import matches, run_conformance
+from .runner import matches, run_conformance, run_session
 from .session import ConfigFactory, Session
 
 __all__ = [
@@ -105,4 +105,5 @@ __all__ = [
     "matches",
     "register_driver",
     "run_conformance",
+    "run_session",
 ]

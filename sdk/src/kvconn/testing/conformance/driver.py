@@ -183,18 +183,29 @@ def observe_block_state(
     is recorded with a snapshot, for :func:`mutated_tables` to compare once
     the hook returned.
     """
-    resolve = block_state.resolve_block_ids
+    block_state.req_ids = set(block_state.req_ids) - set(withhold)
+    block_state.resolve_block_ids = _RecordingResolver(block_state.resolve_block_ids, resolved, handed)
 
-    @functools.wraps(resolve)
-    def recording(req_id: str) -> BlockIds:
-        resolved.append(req_id)
-        table = resolve(req_id)
-        if handed is not None:
-            handed.append((f"the table get_block_ids({req_id!r}) returned", table, freeze(table)))
+
+class _RecordingResolver:
+    """A resolver that records each call; it pickles as the resolver it wraps (metadata holding it is caught as
+    holding that one, e.g. vLLM's ``KVCacheManager.get_block_ids``)."""
+
+    def __init__(
+        self, resolve: Callable[[str], BlockIds], resolved: list[str], handed: list[HandedTable] | None
+    ) -> None:
+        functools.update_wrapper(self, resolve)
+        self._resolve, self._resolved, self._handed = resolve, resolved, handed
+
+    def __call__(self, req_id: str) -> BlockIds:
+        self._resolved.append(req_id)
+        table = self._resolve(req_id)
+        if self._handed is not None:
+            self._handed.append((f"the table get_block_ids({req_id!r}) returned", table, freeze(table)))
         return table
 
-    block_state.req_ids = set(block_state.req_ids) - set(withhold)
-    block_state.resolve_block_ids = recording
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self._resolve.__reduce_ex__(protocol)
 
 
 #: (where the table was handed to the connector, the table, a snapshot taken then)

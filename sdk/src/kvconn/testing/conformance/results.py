@@ -50,6 +50,8 @@ class ConnectorReport:
     name: str
     results: list[CheckResult] = field(default_factory=list)
     load_error: str | None = None
+    #: What the reader must know to read the results (e.g. a stand-in ran in place of the connector's worker).
+    notes: list[str] = field(default_factory=list)
 
     def _count(self, status: Status) -> int:
         return sum(1 for r in self.results if r.status == status)
@@ -88,6 +90,8 @@ class ConnectorReport:
         }
         if self.load_error is not None:
             out["load_error"] = self.load_error
+        if self.notes:
+            out["notes"] = list(self.notes)
         return out
 
 

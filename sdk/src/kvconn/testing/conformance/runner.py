@@ -10,7 +10,7 @@ from .catalog import Check, list_checks
 from .results import CheckResult, ConnectorReport
 from .session import ConfigFactory, Session
 
-__all__ = ["matches", "open_session", "run_conformance"]
+__all__ = ["matches", "open_session", "run_conformance", "run_session"]
 
 
 def matches(check: Check, pattern: str | None) -> bool:
@@ -65,7 +65,14 @@ def run_conformance(
     session = open_session(connector, config, driver, config_factory)
     if isinstance(session, str):
         return ConnectorReport(connector, [], load_error=session)
-    report = ConnectorReport(connector)
+    return run_session(session, select=select, on_result=on_result)
+
+
+def run_session(
+    session: Session, *, select: str | None = None, on_result: Callable[[CheckResult], None] | None = None
+) -> ConnectorReport:
+    """The selected checks on an open ``session`` (another engine's connector, say: see ``kvconn_vllm.native``)."""
+    report = ConnectorReport(session.connector)
     for check in list_checks():
         if not matches(check, select):
             continue

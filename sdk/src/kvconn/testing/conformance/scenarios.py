@@ -21,6 +21,7 @@ from .diagnose import Stalled, diagnose_error, stall
 from .driver import DriverFactory, DriverSpec, ScenarioUnsupported, SchedulerDriver, StepRecord
 
 __all__ = [
+    "BLOCK_FILL_CHUNK",
     "MAX_STEPS",
     "OFFERED_ONLY",
     "STANDARD",
@@ -159,10 +160,24 @@ STANDARD: tuple[Scenario, ...] = (
         options={"block_size": 256, "num_blocks": 16},
     ),
     Scenario(
+        "repeat-after-chunks",
+        "a 70-token prompt prefilled in 40-token chunks, then the same prompt again (prefix caching off): its "
+        "blocks come back only through the connector",
+        (Arrival("r0", prompt(70, 650), 3), Arrival("r1", prompt(70, 650), 3, at_step=8)),
+        options={"max_num_batched_tokens": 40, "enable_prefix_caching": False},
+    ),
+    Scenario(
         "shared-prefixes",
         "eight concurrent requests sharing a 40-token prefix; the later four hit the prefix cache",
         tuple(Arrival(f"r{i}", prompt(49, 700 + i, _SHARED), 6, 0 if i < 4 else 3) for i in range(8)),
     ),
+)
+
+BLOCK_FILL_CHUNK = Scenario(
+    "block-fill-chunk",
+    "a 48-token prompt under a 40-token budget: its second chunk (8 tokens) fills its third block and allocates none",
+    (Arrival("r0", prompt(48, 850), 4),),
+    options={"max_num_batched_tokens": 40},
 )
 
 OFFERED_ONLY = Scenario(

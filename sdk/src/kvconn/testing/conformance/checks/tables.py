@@ -8,7 +8,7 @@ from ..catalog import SCHEDULER_CHECK, check
 from ..diagnose import shifted_pairing, transfer_kind
 from ..observe import hashed_blocks
 from ..results import CheckSkipped, ConformanceFailure, Violation
-from ..scenarios import OFFERED_ONLY, Trace
+from ..scenarios import BLOCK_FILL_CHUNK, OFFERED_ONLY, Trace
 from ..session import Session
 from .data import Run, all_runs
 
@@ -50,9 +50,15 @@ def block_fill(session: Session) -> None:
     saver must save it, and crashes, skips the save, or saves a stale table.
     Observed in the metadata: a request the connector refers to when its
     table grows must be referred to on its block-fill steps too, and any
-    block id it carries for the request must be in the live table.
+    block id it carries for the request must be in the live table. Besides
+    the standard scenarios, one of its own: a prefill chunk that ends on a
+    block boundary (vLLM 0.29's ``MooncakeStoreConnector`` asserts there).
     """
-    for trace in session.completed_traces():
+    traces = session.completed_traces()
+    fill = session.trace(BLOCK_FILL_CHUNK)
+    if fill.error:
+        raise Violation(f"on the block-fill step of a chunked prefill ({BLOCK_FILL_CHUNK.description}): {fill.error}")
+    for trace in [*traces, fill]:
         views = _views(session, trace)
         tracked = {r for v in views for r in v.grow if v.refs.get(r)}
         for view in views:

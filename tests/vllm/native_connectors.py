@@ -1,0 +1,67 @@
+"""vLLM connectors (``KVConnectorBase_V1`` subclasses) for the ``--vllm-connector`` tests: a fix and a defect.
+
+Imported by ``"native_connectors:Class"`` once the test puts this directory on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+    ExampleConnector,
+    ExampleConnectorMetadata,
+    align_to_block_size,
+)
+
+
+class ChunkedPrefillExampleConnector(ExampleConnector):
+    """vLLM's ``ExampleConnector`` with the chunked-prefill save fixed (vLLM issue 16928, fix PR 53314).
+
+    ``ExampleConnector`` records a prompt for saving only on its first step, with the blocks of that step's
+    chunk, yet claims the whole prompt on a later hit: repeating a prompt prefilled in chunks makes the
+    worker load fewer tokens than the slots it planned (a shape mismatch). Here a prompt whose first
+    chunk does not cover its full blocks is saved on the step its last full block is computed, with the
+    request's whole table from vLLM's block state.
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._unsaved: dict[str, list[int]] = {}  # requests whose save waits for their last full block
+
+    def build_connector_meta(self, scheduler_output: Any) -> ExampleConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        assert isinstance(meta, ExampleConnectorMetadata)
+        partial = [r for r in meta.requests if r.is_store and len(r.slot_mapping) < len(r.token_ids)]
+        meta.requests = [r for r in meta.requests if not any(r is p for p in partial)]
+        waiting = {tuple(r.token_ids.tolist()) for r in partial}
+        for new in scheduler_output.scheduled_new_reqs:
+            prompt = list(new.prompt_token_ids or [])
+            if tuple(prompt[: align_to_block_size(len(prompt), self._block_size)]) in waiting:
+                self._unsaved[new.req_id] = prompt
+        for req_id in scheduler_output.finished_req_ids:
+            self._unsaved.pop(req_id, None)
+        cached = scheduler_output.scheduled_cached_reqs
+        state = scheduler_output.kv_connector_block_state
+        for i, req_id in enumerate(cached.req_ids):
+            prompt = self._unsaved.get(req_id)
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
+            if prompt is None or done < align_to_block_size(len(prompt), self._block_size):
+                continue
+            del self._unsaved[req_id]
+            meta.add_request(
+                token_ids=prompt,
+                block_ids=state.get_block_ids(req_id)[0],
+                block_size=self._block_size,
+                is_store=True,
+                mm_hashes=[],
+            )
+        return meta
+
+
+class BlockStateInMetadataConnector(ChunkedPrefillExampleConnector):
+    """A defect: keeps vLLM's block state in its metadata (to resolve tables on the worker)."""
+
+    def build_connector_meta(self, scheduler_output: Any) -> ExampleConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        meta.block_state = scheduler_output.kv_connector_block_state  # type: ignore[attr-defined]
+        return meta

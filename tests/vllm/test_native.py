@@ -1,0 +1,92 @@
+"""``kvconn validate --engine vllm --vllm-connector``: vLLM's own connectors judged through vLLM's scheduler.
+
+vLLM 0.33 here (``.venv-vllm``); vLLM 0.29's ``MooncakeStoreConnector`` is in ``tests/vllm_029``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvconn.testing.conformance.scenarios import STANDARD
+from kvconn_vllm.native import NOT_APPLICABLE, NativeSession, native_target, run_native_conformance
+
+HERE = Path(__file__).parent
+FIXTURES = "native_connectors"
+
+
+@pytest.fixture
+def fixtures(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Make ``native_connectors`` importable (here and in subprocesses); its module name."""
+    monkeypatch.syspath_prepend(str(HERE))
+    return FIXTURES
+
+
+def _failed(report: object) -> dict[str, str]:
+    return {r.id: r.message for r in report.results if r.status == "failed"}  # type: ignore[attr-defined]
+
+
+def test_example_connector_fails_on_a_prompt_repeated_after_chunked_prefill(tmp_path: Path) -> None:
+    """vLLM issue 16928 (fix PR 53314, open): under chunked prefill ExampleConnector saves only the first chunk
+    and claims the whole prompt; the repeated prompt's load crashes the worker. Run through the real CLI."""
+    kvconn = shutil.which("kvconn", path=str(Path(sys.executable).parent))
+    assert kvconn is not None, "kvconn-cli is not installed in the vLLM venv"
+    config = json.dumps({"shared_storage_path": str(tmp_path)})
+    result = subprocess.run(
+        [kvconn, "validate", "--engine", "vllm", "--vllm-connector", "ExampleConnector", "--config", config,
+         "--check", "KV0[01]*", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    (report,) = json.loads(result.stdout)["connectors"]
+    checks = {c["id"]: c for c in report["checks"]}
+    assert checks["KV010"]["status"] == "failed"
+    message = checks["KV010"]["message"]
+    assert "repeat-after-chunks" in message and "shape mismatch" in message, message
+    assert checks["KV001"]["status"] == "skipped"
+    assert "does not apply to a vLLM connector" in checks["KV001"]["message"]
+    assert "vLLM offers every scheduled request" in checks["KV013"]["message"]
+
+
+def test_example_connector_with_the_fix_passes_every_check_that_applies(tmp_path: Path, fixtures: str) -> None:
+    name = f"{fixtures}:ChunkedPrefillExampleConnector"
+    report = run_native_conformance(name, config={"shared_storage_path": str(tmp_path)})
+    assert report.load_error is None and report.ok, _failed(report)
+    statuses = {r.id: r.status for r in report.results}
+    assert all(statuses[c] == "passed" for c in ("KV010", "KV011", "KV012", "KV015", "KV021", "KV030", "KV031"))
+    assert all(statuses[c] == "skipped" for c in NOT_APPLICABLE)
+    # the fix is what ran: the repeated prompt loaded its 64 full-block tokens from the connector
+    session = NativeSession(native_target(name), {"shared_storage_path": str(tmp_path / "again")})
+    trace = session.trace(next(s for s in STANDARD if s.name == "repeat-after-chunks"))
+    assert trace.error is None
+    first = [new for rec in trace.records for new in rec.output.scheduled_new_reqs if new.req_id == "r1"]
+    assert first and first[0].num_computed_tokens == 64
+
+
+def test_metadata_holding_vllms_block_state_fails_kv021(tmp_path: Path, fixtures: str) -> None:
+    report = run_native_conformance(
+        f"{fixtures}:BlockStateInMetadataConnector", config={"shared_storage_path": str(tmp_path)}, select="KV021"
+    )
+    (result,) = report.results
+    assert result.status == "failed" and "KVConnectorBlockState" in result.message, result.message
+
+
+def test_mooncake_store_connector_033_passes_block_fill_with_a_stand_in_worker() -> None:
+    report = run_native_conformance("MooncakeStoreConnector", select="KV011")
+    assert report.load_error is None
+    (result,) = report.results
+    assert result.status == "passed", result.message
+    assert any("stand-in (MooncakeStoreStandInWorker)" in n and "torch.cuda.Event" in n for n in report.notes)
+
+
+def test_an_unknown_vllm_connector_is_a_load_error_naming_the_known_ones() -> None:
+    report = run_native_conformance("NoSuchConnector")
+    assert report.results == [] and report.load_error is not None
+    assert "ExampleConnector" in report.load_error and "pkg.mod" not in report.load_error
+    not_one = run_native_conformance("kvconn.errors:KVConnError")
+    assert not_one.load_error is not None and "not a KVConnectorBase_V1 subclass" in not_one.load_error
