@@ -18,12 +18,10 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from kvconn._install import checkout_path
-from kvconn.block_state import BlockIds
 from kvconn.errors import ConnectorLoadError
 from kvconn.host import CallOutcome
 from kvconn.host.wire import decode_metadata
-from kvconn.metadata import KVConnectorMetadata
-from kvconn.outputs import KVConnectorOutput, SchedulerOutput
+from kvconn.outputs import KVConnectorOutput
 from kvconn.testing.conformance.driver import (
     DriverFactory,
     DriverSpec,
@@ -78,7 +76,7 @@ class VllmDriver(VllmSchedulerMethods):
         self.metadata_type = self.adapter.host.metadata_types[self.name]
         self._finished_calls: Counter[str] = Counter()
         self._withhold: frozenset[str] = frozenset()
-        self._built: tuple[SchedulerOutput, KVConnectorMetadata | None, frozenset[str], list[str]] | None = None
+        self._built = None
         self._resolved: list[str] = []
         self._observe()
 
@@ -114,12 +112,7 @@ class VllmDriver(VllmSchedulerMethods):
     # ---------------------------------------------------------------- protocol
 
     def step(self, *, withhold: Collection[str] = ()) -> StepRecord:
-        self._withhold, self._built = frozenset(withhold), None
-        preemptions = self._preemptions()
-        tables: dict[str, BlockIds] = {}
-        self.loop.step(inspect=lambda _: tables.update(self._tables()))
-        assert self._built is not None, "vLLM did not call build_connector_meta"
-        output, metadata, offered, resolved = self._built
+        (output, metadata, offered, resolved), preempted, tables = self._play_step(withhold)
         sent = self.loop.outputs[-1].kv_connector_metadata
         encoded = sent.connectors.get(self.name) if metadata is not None else None
         types = {self.name: self.metadata_type}
@@ -136,7 +129,7 @@ class VllmDriver(VllmSchedulerMethods):
             offered=offered,
             resolved=resolved,
             connector_output=reports[0] if reports else KVConnectorOutput(),  # no report: the worker had no news
-            preempted=self._preempted(preemptions),
+            preempted=preempted,
         )
 
     def num_tracked_requests(self) -> dict[str, int]:

@@ -39,7 +39,6 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
-from kvconn.block_state import BlockIds
 from kvconn.errors import ConnectorLoadError
 from kvconn.outputs import KVConnectorOutput
 from kvconn.testing.conformance import ConnectorReport, run_session
@@ -357,7 +356,7 @@ class NativeDriver(VllmSchedulerMethods):
             )
         self.block_size, self.num_blocks = spec.shape.block_size, spec.shape.num_blocks
         self._withhold: frozenset[str] = frozenset()
-        self._built: tuple[Any, Any, frozenset[str], list[str]] | None = None
+        self._built = None
         self._resolved: list[str] = []
         self._handed: list[HandedTable] = []
         self._finished_calls: Counter[str] = Counter()
@@ -415,20 +414,16 @@ class NativeDriver(VllmSchedulerMethods):
     def step(self, *, withhold: Collection[str] = ()) -> StepRecord:
         from .translate import translate_scheduler_output
 
-        self._withhold, self._built = frozenset(withhold), None
-        preemptions = self._preemptions()
-        tables: dict[str, BlockIds] = {}
-        self.loop.step(inspect=lambda _: tables.update(self._tables()))
-        assert self._built is not None, "vLLM did not call build_connector_meta"
-        scheduler_output, metadata, offered, resolved = self._built
-        plain = plain_view(metadata, self.block_size)
+        (scheduler_output, metadata, offered, resolved), preempted, tables = self._play_step(withhold)
+        plain: Any = plain_view(metadata, self.block_size)  # stands where a kvconn Struct would (duck-typed)
         encoded = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL) if metadata is not None else None
+        decoded: Any = plain_view(pickle.loads(encoded), self.block_size) if encoded is not None else None
         kv_output = self.loop.last_kv_output
         return NativeStepRecord(
             engine_objects=self._engine_objects,
             output=translate_scheduler_output(scheduler_output, len(self.loop.outputs)),
             metadata=plain,  # the block-id analysis reads plain data
-            decoded=plain_view(pickle.loads(encoded), self.block_size) if encoded is not None else None,
+            decoded=decoded,
             encoded=encoded,
             tables=tables,
             offered=offered,
@@ -437,7 +432,7 @@ class NativeDriver(VllmSchedulerMethods):
                 finished_sending=set(getattr(kv_output, "finished_sending", None) or ()),
                 finished_recving=set(getattr(kv_output, "finished_recving", None) or ()),
             ),
-            preempted=self._preempted(preemptions),
+            preempted=preempted,
             mutated=mutated_tables(self._handed),
         )
 

@@ -9,12 +9,16 @@ vLLM's ``Scheduler``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from kvconn.block_state import BlockIds
 
-__all__ = ["VllmSchedulerMethods"]
+__all__ = ["Built", "VllmSchedulerMethods"]
+
+#: What a driver's observed ``build_connector_meta`` saw: the step's output, the connector's metadata (as
+#: built), the requests the block state offered, and those it resolved.
+Built = tuple[Any, Any, frozenset[str], list[str]]
 
 
 class VllmSchedulerMethods:
@@ -24,6 +28,10 @@ class VllmSchedulerMethods:
     block_size: int
     num_blocks: int
     _finished_calls: Counter[str]
+    loop: Any  # the harness's VllmLoop
+    #: what the observed build_connector_meta saw this step: (output, metadata, offered, resolved)
+    _built: Built | None
+    _withhold: frozenset[str]
 
     def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> None:
         from .harness import make_request
@@ -40,6 +48,18 @@ class VllmSchedulerMethods:
         manager = self.scheduler.kv_cache_manager
         tables = {r: manager.get_block_ids(r) for r in self.scheduler.requests}
         return {r: tuple(list(t) for t in table) for r, table in tables.items() if any(table)}
+
+    def _play_step(
+        self, withhold: Collection[str]
+    ) -> tuple[tuple[Any, Any, frozenset[str], list[str]], set[str], dict[str, BlockIds]]:
+        """Run one step, withholding ``withhold`` from the block state: what the connector's build saw, the
+        requests preempted while scheduling, and every live table at build time."""
+        self._withhold, self._built = frozenset(withhold), None
+        preemptions = self._preemptions()
+        tables: dict[str, BlockIds] = {}
+        self.loop.step(inspect=lambda _: tables.update(self._tables()))
+        assert self._built is not None, "vLLM did not call build_connector_meta"
+        return self._built, self._preempted(preemptions), tables
 
     def _preemptions(self) -> dict[str, int]:
         return {r: req.num_preemptions for r, req in self.scheduler.requests.items()}
