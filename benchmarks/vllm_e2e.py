@@ -122,11 +122,12 @@ class Sizes:
         return self.system + self.conversations * (self.max_model_len - self.system)
 
 
-#: 12 layers, hidden 1024, 16 heads (4 KV heads), fp32: a 1.4k-token prefill takes over a second here.
+#: 12 layers, hidden 1024, 16 heads (4 KV heads), fp32 (the issue's shape: a 2k-token prefill ~1.7 s on a quiet
+#: machine). Sized so one full run (five engine start-ups of ~1 min each on busy cores) stays near 7 minutes.
 FULL = Sizes(
     Shape(layers=12, hidden=1024, heads=16, kv_heads=4, intermediate=2816, vocab=8192),
-    system=256, document=1024, question=64, output=16, conversations=4, turns=4,
-    small_blocks=64, fit_blocks=224, unrelated=8, unrelated_len=512,
+    system=256, document=768, question=64, output=8, conversations=3, turns=3,
+    small_blocks=44, fit_blocks=128, unrelated=6, unrelated_len=512,
 )  # fmt: skip
 QUICK = Sizes(
     Shape(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=1024),
@@ -176,12 +177,17 @@ def memcpy_bandwidth(nbytes: int = 64 << 20, repeat: int = 9) -> float:
 
 
 def engine_main(spec: dict[str, Any]) -> dict[str, Any]:
-    """One engine, one workload: per-request TTFT and tokens, the run's wall time and vLLM's counters."""
+    """One engine, each of ``spec["workloads"]`` in turn: per-request TTFT and tokens, wall time, vLLM's counters.
+
+    Builds the model first when ``spec["model"]`` does not exist yet (the first run; it saves a process start).
+    """
+    sizes = Sizes(Shape(**spec["sizes"].pop("shape")), **spec["sizes"])
+    shape = sizes.shape
+    if not Path(spec["model"]).exists():
+        build_model(spec["model"], shape)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sizes = Sizes(Shape(**spec["sizes"].pop("shape")), **spec["sizes"])
-    shape = sizes.shape
     llm = LLM(
         model=spec["model"], skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=True,
         block_size=BLOCK_SIZE, max_model_len=sizes.max_model_len, max_num_seqs=4,
@@ -209,31 +215,35 @@ def engine_main(spec: dict[str, Any]) -> dict[str, Any]:
         assert first is not None
         return {"ttft": first - start, "tokens": tokens, "prompt_len": len(prompt), "cached": cached}
 
-    one(_tokens(-1, sizes.unrelated_len, shape.vocab))  # warm-up: first-call costs stay out of the figures
-    requests = []
-    start = time.perf_counter()
-    if spec["workload"] == "chat":
-        system = _tokens(0, sizes.system, shape.vocab)
-        history = [list(system) for _ in range(sizes.conversations)]
+    def chat() -> Iterator[dict[str, Any]]:
+        history = [_tokens(0, sizes.system, shape.vocab) for _ in range(sizes.conversations)]
         for turn in range(sizes.turns):
             for conv in range(sizes.conversations):
                 user = _tokens(1000 * (conv + 1) + turn, sizes.question if turn else sizes.document, shape.vocab)
-                prompt = history[conv] + user
-                request = one(prompt)
-                history[conv] = prompt + request["tokens"]
-                requests.append({"conv": conv, "turn": turn, **request})
-    else:
+                request = one(history[conv] + user)
+                history[conv] += user + request["tokens"]
+                yield {"conv": conv, "turn": turn, **request}
+
+    def noreuse() -> Iterator[dict[str, Any]]:
         for i in range(sizes.unrelated):
-            requests.append({"conv": i, "turn": 0, **one(_tokens(10_000 + i, sizes.unrelated_len, shape.vocab))})
-    wall = time.perf_counter() - start
-    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    return {
-        "requests": requests,
-        "wall_s": wall,
-        "external_hit_tokens": metrics.get("vllm:external_prefix_cache_hits", 0),
-        "local_hit_tokens": metrics.get("vllm:prefix_cache_hits", 0),
-        "memcpy_bytes_per_s": memcpy_bandwidth(),
-    }
+            yield {"conv": i, "turn": 0, **one(_tokens(10_000 + i, sizes.unrelated_len, shape.vocab))}
+
+    def hits() -> tuple[float, float]:
+        metrics = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+        return metrics.get("vllm:external_prefix_cache_hits", 0), metrics.get("vllm:prefix_cache_hits", 0)
+
+    one(_tokens(-1, sizes.unrelated_len, shape.vocab))  # warm-up: first-call costs stay out of the figures
+    results: dict[str, Any] = {}
+    for workload in spec["workloads"]:
+        before, start = hits(), time.perf_counter()
+        requests = list(chat() if workload == "chat" else noreuse())
+        wall, after = time.perf_counter() - start, hits()
+        results[workload] = {
+            "requests": requests, "wall_s": wall, "external_hit_tokens": after[0] - before[0],
+            "local_hit_tokens": after[1] - before[1],
+        }  # fmt: skip
+    results["memcpy_bytes_per_s"] = memcpy_bandwidth()
+    return results
 
 
 def build_model(path: str, shape: Shape) -> None:
@@ -266,13 +276,18 @@ def engine_python(explicit: str | None) -> tuple[str | None, str]:
 
 
 def child_env(multiprocess: bool) -> dict[str, str]:
-    """Offline; this checkout's sources first; vLLM's CPU KV space capped (it would take gigabytes)."""
+    """Offline; this checkout's sources first.
+
+    No ``VLLM_CPU_KVCACHE_SPACE``: the engine's KV cache is sized by ``kv_cache_memory_bytes`` (a few MiB,
+    not the gigabytes vLLM would take), and that legacy variable, in whole GiB, would override it.
+    """
     path = os.pathsep.join([*(str(ROOT / s) for s in SOURCES), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return {
+    env = {
         **os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+        "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
     }  # fmt: skip
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return env
 
 
 def run_child(python: str, argv: Sequence[str], env: dict[str, str], netns: Any = None) -> dict[str, Any]:
@@ -313,20 +328,18 @@ def mooncake_master(python: str, segment_bytes: int) -> Iterator[tuple[Any, dict
         yield ns, config
 
 
-def run_config(
-    python: str, name: str, workload: str, model: str, sizes: Sizes, multiprocess: bool, tmp: str
-) -> dict[str, Any]:
-    """One configuration on one workload, in its own engine subprocess."""
+def run_config(python: str, name: str, model: str, sizes: Sizes, multiprocess: bool, tmp: str) -> dict[str, Any]:
+    """One configuration in its own engine subprocess: the chat workload, then (not for fit) the no-reuse one."""
     working_set = sizes.working_set_tokens * sizes.shape.kv_bytes_per_token
     spec: dict[str, Any] = {
-        "model": model, "sizes": asdict(sizes), "workload": workload,
+        "model": model, "sizes": asdict(sizes), "workloads": ["chat"] if name == "fit" else ["chat", "noreuse"],
         "blocks": sizes.fit_blocks if name == "fit" else sizes.small_blocks,
         "connector": None if name in ("none", "fit") else name,
     }  # fmt: skip
     if name == "offload":  # a host pool holding the working set twice over
         spec["config"] = {"pool_bytes": 2 * working_set}
     if name == "example":
-        spec["storage"] = tempfile.mkdtemp(prefix=f"example-{workload}-", dir=tmp)
+        spec["storage"] = tempfile.mkdtemp(prefix="example-connector-", dir=tmp)
     load_before = os.getloadavg()[0]
     master = mooncake_master(python, max(64 << 20, 2 * working_set)) if name == "mooncake" else nullcontext(None)
     with master as where:
@@ -334,7 +347,9 @@ def run_config(
         if where is not None:
             netns, spec["config"] = where
         result = run_child(python, ["--child", json.dumps(spec)], child_env(multiprocess), netns)
-    result["loadavg_1min"] = [load_before, os.getloadavg()[0]]
+    loads = [load_before, os.getloadavg()[0]]
+    for workload in spec["workloads"]:
+        result[workload].update(loadavg_1min=loads, memcpy_bytes_per_s=result["memcpy_bytes_per_s"])
     return result
 
 
@@ -494,16 +509,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvconn-e2e-") as tmp:
-        model = str(Path(tmp) / "model")
-        subprocess.run([python, str(Path(__file__).resolve()), "--build-model", model, json.dumps(asdict(sizes.shape))],
-                       check=True, env=child_env(False), timeout=RUN_TIMEOUT_S)  # fmt: skip
+        model = str(Path(tmp) / "model")  # built by the first run
         chat_runs, noreuse_runs = {}, {}
-        for name in configs:
-            chat_runs[name] = run_config(python, name, "chat", model, sizes, args.multiprocess, tmp)
-            print(f"chat/{name}: {chat_runs[name]['wall_s']:.1f} s", file=sys.stderr, flush=True)
-        for name in [c for c in configs if c != "fit"]:
-            noreuse_runs[name] = run_config(python, name, "noreuse", model, sizes, args.multiprocess, tmp)
-            print(f"noreuse/{name}: {noreuse_runs[name]['wall_s']:.1f} s", file=sys.stderr, flush=True)
+        for name in sorted(configs, key=CONFIGS.index):  # none first: the reference tokens
+            run = run_config(python, name, model, sizes, args.multiprocess, tmp)
+            chat_runs[name] = run["chat"]
+            if "noreuse" in run:
+                noreuse_runs[name] = run["noreuse"]
+            print(f"{name}: chat {run['chat']['wall_s']:.1f} s", file=sys.stderr, flush=True)
     chat, noreuse = summarise(chat_runs, sizes), summarise_noreuse(noreuse_runs)
     s = sizes.shape
     shape = (
@@ -534,7 +547,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
         print("RESULT " + json.dumps(engine_main(json.loads(sys.argv[2]))), flush=True)
-    elif sys.argv[1:2] == ["--build-model"]:
-        build_model(sys.argv[2], Shape(**json.loads(sys.argv[3])))
     else:
         sys.exit(main())
