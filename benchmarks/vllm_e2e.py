@@ -52,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -429,8 +430,8 @@ def report(bench: Bench, chat: dict[str, dict[str, Any]], noreuse: dict[str, dic
         limit = s["memcpy_ms_per_evicted_turn"]
         equal = s["tokens_equal_none"] and noreuse.get(name, {}).get("tokens_equal_none", True)
         bench.row(
-            name, s["ttft_p50_s"], s["ttft_p90_s"], s["ttft_p50_s"] / fit["ttft_p50_s"], s["tokens_per_s"],
-            s["tokens_per_s"] / fit["tokens_per_s"], over, s["loaded_mib_per_evicted_turn"], limit,
+            name, s["ttft_by_turn_s"][0], s["ttft_p50_s"], s["ttft_p90_s"], s["ttft_p50_s"] / fit["ttft_p50_s"],
+            s["tokens_per_s"], s["tokens_per_s"] / fit["tokens_per_s"], over, s["loaded_mib_per_evicted_turn"], limit,
             over / limit if name in CONNECTORS and limit > 0 else "-", "yes" if equal else "NO",
             noreuse[name]["vs_none"] if name in noreuse else "-",
         )  # fmt: skip
@@ -472,7 +473,7 @@ def plot(chat: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     ax.set_xlabel("turn of the conversation (turn 1: system prompt + document; later turns: history evicted)")
     ax.set_ylabel("time to first token, s (median, log)")
     ax.set_xticks(range(1, len(next(iter(chat.values()))["ttft_by_turn_s"]) + 1))
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 90), fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -530,7 +531,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "evicted turns: every turn after a conversation's first (vLLM's cache evicted its history); "
         "tokens/s: prompt + generated tokens over the workload's wall time, one request at a time; "
         "over fit: mean evicted-turn TTFT minus fit's; memcpy: the bytes loaded per evicted turn over the "
-        "bandwidth of Tensor.copy_ measured in that engine's process"
+        "bandwidth of Tensor.copy_ measured in that engine's process; turn-1 TTFT: the same prefill in every run "
+        "(no history yet), so it shows how fast the machine was during that run (configurations run one after "
+        "another, and other jobs' load moves between them)"
     )
     bench.notes.append(
         f"{time.perf_counter() - started:.0f} s in all; load average (1 min) per run: "
