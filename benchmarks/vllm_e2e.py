@@ -412,6 +412,7 @@ def summarise_noreuse(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, An
 
 COLUMNS = [
     "config",
+    "turn-1 TTFT p50 s",
     "evicted TTFT p50 s",
     "p90 s",
     "p50 / fit",
