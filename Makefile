@@ -68,7 +68,7 @@ $(VLLM029_STAMP): scripts/install-vllm-venv.sh $(EXISTING)
 $(VLLM_ENGINE_STAMP): scripts/install-vllm-venv.sh $(EXISTING)
 	TORCH='$(TORCH)' scripts/install-vllm-venv.sh engine $(VLLM_ENGINE_VENV)
 	$(VLLM_ENGINE_PY) -m pip install -q --disable-pip-version-check pytest \
-		-e sdk/ -e adapters/vllm/ -e plugins/dummy/ -e plugins/offload/ -e plugins/redis/ -e 'plugins/mooncake[store]'
+		-e sdk/ -e 'cli[plot]' -e adapters/vllm/ -e plugins/dummy/ -e plugins/offload/ -e plugins/redis/ -e 'plugins/mooncake[store]'
 	touch $(VLLM_ENGINE_STAMP)
 
 # vLLM's scheduler driven through its own model-runner code (vLLM 0.33, then 0.29), then full engines (vLLM 0.32 CPU).

@@ -101,6 +101,8 @@ class Bench:
     rows: list[list[Any]] = field(default_factory=list)
     targets: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: More figures for ``--json`` (e.g. per-request data), beside the table's.
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def row(self, *values: Any) -> None:
         self.rows.append(list(values))
@@ -129,6 +131,7 @@ class Bench:
                 "rows": self.rows,
                 "targets": self.targets,
                 "notes": self.notes,
+                **self.extra,
             }
             args.json.write_text(json.dumps(doc, indent=2) + "\n")
         return 0

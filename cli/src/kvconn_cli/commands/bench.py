@@ -30,6 +30,7 @@ BENCHMARKS = {
     "connector-scaling": "connector_scaling.py",
     "offload": "offload_bandwidth.py",
     "mooncake": "mooncake_throughput.py",
+    "vllm-e2e": "vllm_e2e.py",
 }
 
 

