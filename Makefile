@@ -77,7 +77,8 @@ test-vllm: $(VLLM_STAMP) $(VLLM029_STAMP) $(VLLM_ENGINE_STAMP)
 	$(VLLM029_PY) -m pytest tests/vllm_029
 	$(VLLM_ENGINE_PY) -m pytest tests/vllm_engine
 
-test: lint typecheck pytest test-vllm
+# The vLLM scheduler venv first: the docs test reads vLLM's source to check the names docs/vllm.md gives.
+test: lint typecheck $(VLLM_STAMP) pytest test-vllm
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM029_VENV) $(VLLM_ENGINE_VENV) .pytest_cache .mypy_cache .ruff_cache
