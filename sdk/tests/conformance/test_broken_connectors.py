@@ -152,10 +152,10 @@ def test_a_subclass_misnaming_or_disabling_an_inherited_hook_fails_hook_names(
          "for block 0 are written into the block at position 1, 1 position later",
          "in the load, pair the hash of block i with the block id at position i of the table (block_ids[group][i]): "
          "the load takes its block ids 1 position later than their hashes; look for a '+ 1'"),
-        ("DeferredCopyDelaysFree", "it ran on wrong KV: 'a3' loaded block 3 (position 2, layer 'layer.0') holding "
-         "the pattern the engine writes into block 12 when it frees it: the save at step 18 (metadata.saves[3]) named "
-         "block 12 at position 2 of 'a3''s live table, and read its bytes after the step, once it was freed at step "
-         "19 (preemption): KV read after its free",
+        # which request, block and step show it first varies from run to run (the order of the data runs' loads)
+        ("DeferredCopyDelaysFree", ("it ran on wrong KV: ", " holding the pattern the engine writes into block ",
+         " when it frees it: the save at step ", "and read its bytes after the step, once it was freed at step ",
+         " (preemption): KV read after its free"),
          "read a save's bytes out of the KV cache by the end of its step (by wait_for_save): a copy deferred to a "
          "later hook (the next step's start_load_kv, a thread) reads blocks the engine freed and reused meanwhile; "
          "preemption frees a request's blocks without calling request_finished"),
@@ -171,14 +171,17 @@ def test_a_subclass_misnaming_or_disabling_an_inherited_hook_fails_hook_names(
          "only: it was saved before it was full", "save a block only once it is full"),
     ],
 )  # fmt: skip
-def test_the_first_failure_names_the_mechanism_and_its_fix(connector: str, observed: str, fix: str) -> None:
+def test_the_first_failure_names_the_mechanism_and_its_fix(
+    connector: str, observed: str | tuple[str, ...], fix: str
+) -> None:
     """A request that never progresses names the request, the report awaited and the answer that started the wait;
     a hook that raises shows the connector's own frame and what the step had."""
     with _quiet():
         report = run_conformance(BROKEN + connector, config_factory=fresh_namespace)
     first = next(r for r in report.results if r.status == "failed")
     observed_part, fix_part = first.message.split("; fix: ")
-    assert observed in observed_part and fix_part.startswith(fix)
+    parts = (observed,) if isinstance(observed, str) else observed
+    assert all(part in observed_part for part in parts) and fix_part.startswith(fix)
 
 
 def test_a_store_nobody_can_reach_is_named_with_the_connector_s_own_stats_and_errors() -> None:
