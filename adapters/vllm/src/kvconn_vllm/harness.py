@@ -364,10 +364,10 @@ class VllmLoop:
         self.scheduler = scheduler
         self.block_size = scheduler.block_size
         num_blocks = scheduler.kv_cache_config.num_blocks
+        config = scheduler.vllm_config
+        if worker_config is not None:
+            config = _with_kvconn_config(config, worker_config)
         if worker is None:
-            config = scheduler.vllm_config
-            if worker_config is not None:
-                config = _with_kvconn_config(config, worker_config)
             worker = KVConnVllmConnector(config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
         self.worker = worker
         #: per KV-cache group, the names of its layers

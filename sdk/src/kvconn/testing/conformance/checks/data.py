@@ -15,7 +15,7 @@ leaves garbage, not a lucky leftover copy of the right KV.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from ....reference import Engine, EngineShape
@@ -302,8 +302,8 @@ def _with_connector(
     factory = data_driver(session)
     drivers = [factory(spec, fail_loads=fail_loads, scrub_freed=True)]
     if lose_blocks and worker_process:
-        try:  # the other process runs the reference worker, whatever the first phase's engine
-            drivers.append(ReferenceDriver(spec, worker_process=True))
+        try:  # the other process runs the reference worker, with the first phase's KV shape (it decides the tokens)
+            drivers.append(ReferenceDriver(replace(spec, shape=drivers[0].shape), worker_process=True))
         except RuntimeError as exc:  # the worker side did not start there
             drivers[0].close()
             return Diagnosis(
