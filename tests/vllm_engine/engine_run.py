@@ -4,7 +4,9 @@ Run as a script (vLLM's engine core and workers start with spawn, so the entry
 point is guarded): ``python engine_run.py SPEC_JSON``. SPEC keys: ``model``
 (a model directory), ``connector`` (``None`` for no connector, a name or a list),
 ``config`` (``kvconn_config``), ``short_name`` (load through vLLM's registry
-name ``"kvconn"`` instead of the module path), ``tp`` (tensor-parallel size).
+name ``"kvconn"`` instead of the module path), ``tp`` (tensor-parallel size),
+``load_failure_policy`` (default ``"fail"``; ``"recompute"`` for a test whose
+loads are meant to fail).
 
 The engine, the workload and the counters are examples/vllm_offline.py's (what
 a connector author runs), with two differences that make a test stricter: a
@@ -33,7 +35,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             spec.get("config"),
             short_name=bool(spec.get("short_name")),
             on_error="raise",
-            load_failure_policy="fail",
+            load_failure_policy=spec.get("load_failure_policy", "fail"),
         )
     return run_workload(make_llm(spec["model"], kv_transfer, tp=spec.get("tp", 1)))
 
