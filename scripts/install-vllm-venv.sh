@@ -46,7 +46,9 @@ elif [ "$MODE" = scheduler-029 ]; then
         "requests>=2.26.0" "transformers>=5.10.4,<5.21.0" "aiohttp>=3.13.3" \
         "openai-harmony>=0.0.3" "openai>=2.0.0" pillow pybase64 cachetools blake3 \
         msgspec cloudpickle uvloop py-cpuinfo "prometheus_client>=0.18.0" \
-        "fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0" einops pyyaml
+        "fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0" einops pyyaml \
+        "apache-tvm-ffi==0.1.11"
+    # xgrammar imports tvm_ffi at import time (above); its own deps pull a ~1 GB triton.
     "$PY" -m pip install --quiet --no-deps "xgrammar==0.2.8"
 else
     # --no-deps: vllm's own requirement list drags in CUDA/triton wheels.
