@@ -14,6 +14,7 @@ leaves garbage, not a lucky leftover copy of the right KV.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -25,7 +26,7 @@ from ..driver import DataDriver, DriverSpec, StepRecord
 from ..failures import FailureMode
 from ..reference import ReferenceDriver
 from ..results import ScenarioBroken, Violation
-from ..scenarios import MAX_STEPS, TWO_GROUPS, prompt
+from ..scenarios import IDLE_STEP_S, MAX_STEPS, TWO_GROUPS, prompt
 from ..session import Session
 
 
@@ -326,11 +327,18 @@ def _with_connector(
     def next_phase() -> None:
         phase[0] += 1
 
+    def step() -> None:
+        records.append(current().step())
+        if not records[-1].output.total_num_scheduled_tokens:
+            # A step that schedules nothing (waiting on a load) takes microseconds: give the connector's
+            # I/O threads real time, as scenarios do, before the convergence bounds call the load stuck.
+            time.sleep(IDLE_STEP_S)
+
     warnings = capture_warnings()
     try:
         run = _Run(
             add,
-            lambda: records.append(current().step()),
+            step,
             lambda: current().has_work(),
             next_phase,
             lambda what: stall(current(), what),
