@@ -58,6 +58,9 @@ class StoreGuard:
         self._closed = threading.Event()
         #: how many times the store was tripped (a stat for tests and operators)
         self.trips = 0
+        # Start a thread and open the store now, in the background, so that the first step does not pay for
+        # either; a store that cannot be opened yet is opened by the first call that needs it, as before.
+        self._pool.submit(self._store_now)
 
     @property
     def available(self) -> bool:
@@ -66,6 +69,8 @@ class StoreGuard:
     def _store_now(self) -> BlockStore:
         with self._lock:
             if self._store is None:
+                if self._closed.is_set():  # never open a store that close() would not see
+                    raise StoreUnavailable(f"{self.name} store is closed")
                 self._store = self._open()
             return self._store
 
