@@ -6,8 +6,9 @@ caller stops waiting at ``timeout_s``. A call that misses its deadline or
 raises *trips* the guard: every later call fails at once (the step degrades:
 no save, recompute) until a background probe, after a backoff that doubles
 from ``retry_interval_s`` up to ``max_backoff_s``, gets a timely answer. The
-store is opened lazily on a worker thread too, so a store that cannot be
-reached at start-up is the same "down" case, retried in the background.
+store is opened on a worker thread too (in the background when the guard is
+built, else by the first call), so a store that cannot be reached at start-up
+is the same "down" case, retried in the background.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class StoreUnavailable(Exception):
 
 
 class StoreGuard:
-    """One store behind deadlines; ``open_store`` is called (on a worker thread) when a call first needs it."""
+    """One store behind deadlines; ``open_store`` runs on a worker thread: at once, then in calls while none is open."""
 
     def __init__(
         self,
