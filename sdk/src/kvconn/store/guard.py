@@ -59,9 +59,11 @@ class StoreGuard:
         self._closed = threading.Event()
         #: how many times the store was tripped (a stat for tests and operators)
         self.trips = 0
-        # Start a thread and open the store now, in the background, so that the first step does not pay for
-        # either; a store that cannot be opened yet is opened by the first call that needs it, as before.
-        self._pool.submit(self._store_now)
+        # Start a pool thread and open the store now, so that the first step pays for neither; the open runs
+        # on a daemon thread (a side that never calls its store must not wait for it at exit), and a store
+        # that cannot be opened yet is opened by the first call that needs it, as before.
+        self._pool.submit(lambda: None)
+        threading.Thread(target=self._open_early, name=f"kvconn-store-{name}-open", daemon=True).start()
 
     @property
     def available(self) -> bool:
@@ -74,6 +76,12 @@ class StoreGuard:
                     raise StoreUnavailable(f"{self.name} store is closed")
                 self._store = self._open()
             return self._store
+
+    def _open_early(self) -> None:
+        try:
+            self._store_now()
+        except Exception:  # down or unreachable at start-up: the first call opens it, or trips the store
+            return
 
     def submit(self, what: str, fn: Callable[[BlockStore], T]) -> Future[T]:
         """Run ``fn(store)`` on a worker thread; :class:`StoreUnavailable` at once when tripped."""
