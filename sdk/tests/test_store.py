@@ -61,6 +61,17 @@ def test_sliding_window_groups_load_only_their_window() -> None:
     assert engine.stats.prompt_tokens_loaded > 0
 
 
+def test_blocks_of_many_kib_per_layer_round_trip_exactly() -> None:
+    """Blocks of 16 KiB a layer are saved block by block (StoreWorker's large-block copy), loaded exactly."""
+    shape = {"num_kv_heads": 4, "head_dim": 32}  # a block of one layer: 2 x 16 tokens x 4 x 32 float32 = 16 KiB
+    expected = run(**shape)[0]
+    for load_async in (False, True):
+        memory_store.clear()
+        outputs, engine = run(STORE, {"load_async": load_async}, **shape)
+        assert outputs == expected
+        assert engine.stats.prompt_tokens_loaded >= 5 * 64
+
+
 def test_corrupt_values_never_reach_the_kv_cache_and_are_recomputed(baseline: list[list[int]]) -> None:
     memory_store.faults().corrupt = True
     outputs, engine = run(STORE, {"load_async": False})
@@ -98,6 +109,22 @@ def test_a_block_whose_load_failed_is_not_offered_again() -> None:
         assert failed > 0
         engine.generate([again], max_tokens=4)
         assert engine.stats.failed_load_blocks == failed  # not claimed, so not failed, again
+
+
+def test_a_failed_block_is_offered_again_once_its_cool_down_ends() -> None:
+    with Engine(STORE, {"failed_block_cooldown_steps": 20}, num_blocks=128, enable_prefix_caching=False) as engine:
+        first, again = prompts(2)
+        engine.generate([first], max_tokens=4)
+        memory_store.faults().corrupt = True
+        engine.generate([again], max_tokens=4)
+        failed = engine.stats.failed_load_blocks
+        memory_store.faults().corrupt = False
+        engine.generate([again], max_tokens=4)
+        assert engine.stats.failed_load_blocks == failed and engine.stats.prompt_tokens_loaded == 0  # cooling
+        engine.generate([again], max_tokens=24)  # past the cool-down
+        loaded = engine.stats.prompt_tokens_loaded
+        engine.generate([again], max_tokens=4)
+        assert engine.stats.prompt_tokens_loaded > loaded and engine.stats.failed_load_blocks == failed
 
 
 def test_the_integrity_header_names_what_is_wrong() -> None:

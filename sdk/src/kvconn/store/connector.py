@@ -54,8 +54,10 @@ class StoreConnector(KVConnector):
     def open_store(self) -> BlockStore:
         """The store this connector uses, from ``self.config`` and ``self.context``.
 
-        Called once per side, lazily, on a worker thread and within the store
-        deadline; raising (a server that is down) turns the store off until a
-        background probe opens it.
+        Called on a worker thread, in the background as soon as the side is
+        built (so that the first step does not wait for it), and again by the
+        first store call if that raised; a call that raises (a server that is
+        down) or misses the deadline turns the store off until a background
+        probe opens it.
         """
         raise NotImplementedError(f"{type(self).__qualname__} must define open_store(self) -> BlockStore")

@@ -6,8 +6,9 @@ caller stops waiting at ``timeout_s``. A call that misses its deadline or
 raises *trips* the guard: every later call fails at once (the step degrades:
 no save, recompute) until a background probe, after a backoff that doubles
 from ``retry_interval_s`` up to ``max_backoff_s``, gets a timely answer. The
-store is opened lazily on a worker thread too, so a store that cannot be
-reached at start-up is the same "down" case, retried in the background.
+store is opened on a worker thread too (in the background when the guard is
+built, else by the first call), so a store that cannot be reached at start-up
+is the same "down" case, retried in the background.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class StoreUnavailable(Exception):
 
 
 class StoreGuard:
-    """One store behind deadlines; ``open_store`` is called (on a worker thread) when a call first needs it."""
+    """One store behind deadlines; ``open_store`` runs on a worker thread: at once, then in calls while none is open."""
 
     def __init__(
         self,
@@ -58,6 +59,11 @@ class StoreGuard:
         self._closed = threading.Event()
         #: how many times the store was tripped (a stat for tests and operators)
         self.trips = 0
+        # Start a pool thread and open the store now, so that the first step pays for neither; the open runs
+        # on a daemon thread (a side that never calls its store must not wait for it at exit), and a store
+        # that cannot be opened yet is opened by the first call that needs it, as before.
+        self._pool.submit(lambda: None)
+        threading.Thread(target=self._open_early, name=f"kvconn-store-{name}-open", daemon=True).start()
 
     @property
     def available(self) -> bool:
@@ -66,8 +72,16 @@ class StoreGuard:
     def _store_now(self) -> BlockStore:
         with self._lock:
             if self._store is None:
+                if self._closed.is_set():  # never open a store that close() would not see
+                    raise StoreUnavailable(f"{self.name} store is closed")
                 self._store = self._open()
             return self._store
+
+    def _open_early(self) -> None:
+        try:
+            self._store_now()
+        except Exception:  # down or unreachable at start-up: the first call opens it, or trips the store
+            return
 
     def submit(self, what: str, fn: Callable[[BlockStore], T]) -> Future[T]:
         """Run ``fn(store)`` on a worker thread; :class:`StoreUnavailable` at once when tripped."""

@@ -46,7 +46,8 @@ class StoreScheduler(StoreSide):
         self._lookups: dict[str, tuple[tuple[int, int], int]] = {}
         self._loads: list[StoreBlock] = []
         self._loading: dict[str, dict[int, bytes]] = {}  # req_id -> block id -> block hash, loads in flight
-        self._cooling: dict[bytes, int] = {}  # block hash -> step until which it is not offered
+        #: block hash -> step until which it is not offered, in that order (the first cools down first)
+        self._cooling: dict[bytes, int] = {}
         self._final: dict[str, list[StoreBlock]] = {}  # finished, saves not sent yet
         self._sending: set[str] = set()  # finished, saves sent, not reported landed yet
         self._step = 0
@@ -67,10 +68,11 @@ class StoreScheduler(StoreSide):
 
     def _lookup(self, hashes: Sequence[bytes], start: int, end: int) -> int:
         """The end of the longest run of blocks from ``start`` that every group can load."""
-        cooling = [self._cooling.get(hashes[i], 0) > self._step for i in range(start, end)]
-        if True in cooling:
-            end = start + cooling.index(True)
-        keys = [self.keys.key(g, hashes[i]) for g in range(len(self.groups)) for i in range(start, end)]
+        if self._cooling:
+            cooling = [self._cooling.get(hashes[i], 0) > self._step for i in range(start, end)]
+            if True in cooling:
+                end = start + cooling.index(True)
+        keys = [prefix + block_hash for prefix in self.keys.prefixes for block_hash in hashes[start:end]]
         if not keys:
             return start
         try:
@@ -145,18 +147,27 @@ class StoreScheduler(StoreSide):
         return bool(blocks)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._loading:
+            self._loads_reported(connector_output)
+        cooling = self._cooling
+        if cooling and next(iter(cooling.values())) <= self._step:  # the first to cool down is the first in it
+            self._cooling = {h: u for h, u in cooling.items() if u > self._step}
+        if connector_output.failed:
+            self._sending.clear()  # the host releases what a failed worker side held
+        elif self._sending:
+            self._sending -= connector_output.finished_sending
+
+    def _loads_reported(self, connector_output: KVConnectorOutput) -> None:
+        """Cool down the blocks whose load failed; forget the loads that ended."""
         failed = connector_output.invalid_block_ids
         until = self._step + self.config.failed_block_cooldown_steps
         done = set(self._loading) if connector_output.failed else connector_output.finished_recving
         for req_id, blocks in list(self._loading.items()):
             for block_id in (blocks.keys() & failed) if not connector_output.failed else blocks:
+                self._cooling.pop(blocks[block_id], None)  # re-inserted last: the dict stays in cool-down order
                 self._cooling[blocks[block_id]] = until
             if req_id in done or not self.config.load_async:
                 del self._loading[req_id]
-        self._cooling = {h: u for h, u in self._cooling.items() if u > self._step}
-        self._sending -= connector_output.finished_sending
-        if connector_output.failed:
-            self._sending.clear()  # the host releases what a failed worker side held
 
     def get_num_tracked_requests(self) -> int:
         return len(self._requests.keys() | self._loading.keys() | self._final.keys() | self._sending)

@@ -38,6 +38,8 @@ class StoreStats:
         self._degraded[kind] += n
 
     def take(self) -> dict[str, float]:
+        if not self._since:
+            return {}  # most steps: nothing moved, nothing to allocate
         since, self._since = self._since, Counter()
         degraded, self._degraded = self._degraded, Counter()
         if degraded:

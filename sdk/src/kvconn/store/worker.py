@@ -42,9 +42,14 @@ class _Layout:
     """One KV-cache group's tensors, and how a block of it is laid out in a value.
 
     Host tensors whose blocks are contiguous are moved with one copy per byte
-    (``numpy.take`` into the value's columns, a fancy-indexed store back);
-    others (a device, a strided layout) through torch, with one more.
+    (into the value's columns: ``numpy.take`` for small blocks, a copy per
+    block for large ones; a fancy-indexed store back); others (a device, a
+    strided layout) through torch, with one more.
     """
+
+    #: Block bytes (one layer) from which a save copies block by block: ``numpy.take`` into the values'
+    #: strided columns runs at half the speed of per-block copies from 8 KiB blocks up (4 KiB: even).
+    ROW_COPY_BYTES = 8192
 
     def __init__(self, names: Sequence[str], tensors: Sequence[Any]) -> None:
         self.tensors = list(tensors)
@@ -70,7 +75,10 @@ class _Layout:
         """Copy the blocks' bytes into ``rows`` (uint8 numpy, one row per block, payload from ``HEADER_BYTES``)."""
         ids = numpy.asarray(block_ids)
         for t, layer_rows, columns in self._columns(rows):
-            if layer_rows is not None:
+            if layer_rows is not None and columns.shape[1] >= self.ROW_COPY_BYTES:
+                for i, block in enumerate(block_ids):
+                    columns[i] = layer_rows[block]
+            elif layer_rows is not None:
                 numpy.take(layer_rows, ids, axis=0, out=columns, mode="clip")  # ids are in range: no clipping
             else:
                 blocks = t.index_select(0, torch.from_numpy(ids).to(t.device)).view(len(block_ids), -1)
@@ -310,6 +318,8 @@ class StoreWorker(StoreSide):
         """Held requests whose saves ran this step, and async loads that landed (or were abandoned)."""
         metadata, self._metadata = self._metadata, None
         sending = set(metadata.finished_saves) if metadata is not None else set()
+        if not self._pending and not self._recving:
+            return sending, set()
         still: list[_Load] = []
         for load in self._pending:
             assert load.future is not None
