@@ -63,11 +63,11 @@ def test_store_too_small_and_lease_expiry(real_store: types.ModuleType, scenario
         for _ in range(4):
             lease = _run(h, ns, m.client_env(), {}, ("load_failures", scenarios.BIG_KV))["load_failures"]
             assert lease["same_tokens"]
-            if lease["stats"].get("load_failed_lease_expired"):
+            if lease["stats"].get("load_failed_missing"):  # an expired lease leaves the value undefined: missing
                 break
     assert full["same_tokens"]
-    assert full["stats"]["save_failed_store_full"] > 0 and full["stats"]["hook_errors"] == 0
-    scenarios.check_failed_loads(lease, "load_failed_lease_expired")
+    assert full["stats"]["save_failed_refused"] > 0 and full["stats"]["hook_errors"] == 0
+    scenarios.check_failed_loads(lease, "load_failed_missing")
 
 
 def _json_after(marker: str, text: str) -> dict:
@@ -102,7 +102,7 @@ def test_master_killed_mid_run_then_restarted(real_store: types.ModuleType) -> N
     print(json.dumps({"max_step_s_after_kill": down["max_step_s"]}))
     assert down["same_tokens"]  # every request finished with the right output while the master was away
     assert down["fresh"]["prompt_tokens_loaded"] == 0 and down["fresh"]["blocks_saved"] == 0
-    assert down["fresh"]["save_failed_rpc_fail"] > 0 and down["fresh"]["scheduler_lookup_errors"] > 0
+    assert down["fresh"]["save_failed_store_off"] > 0 and down["fresh"]["scheduler_lookup_failed"] > 0
     # The failed saves and loads reach the engine as degraded events, not as silence (figure: max_step_s).
     assert down["reported"]["degraded_events"] > 0, down
     assert up["same_tokens"]
@@ -158,11 +158,11 @@ def test_connect_is_bounded_by_setup_timeout(real_store: types.ModuleType) -> No
     print(json.dumps([{k: r[k] for k in ("build_s", "max_step_s")} for r in results]))
     for r in results:
         assert r["same_tokens"]
-        assert r["stats"]["blocks_saved"] == 0 and r["stats"]["save_failed_rpc_fail"] > 0  # the store stayed off
+        assert r["stats"]["blocks_saved"] == 0 and r["stats"]["save_failed_store_off"] > 0  # the store stayed off
 
 
 def test_wedged_master_degrades_steps_then_recovers(real_store: types.ModuleType) -> None:
-    """SIGSTOP the master mid-run: one call waits out store_timeout_s, the rest fail fast; SIGCONT: calls resume."""
+    """SIGSTOP the master mid-run: one call waits out timeout_s, the rest fail fast; SIGCONT: calls resume."""
     # The client's own RPC timeout is 30 s per call: without deadlines the paused phase takes minutes.
     result = _with_faults(
         real_store, "wedged_master", [("SAVED", 60, "pause", "paused"), ("WEDGED ", 25, "resume", "resumed")]
@@ -212,9 +212,9 @@ def test_values_another_client_wrote_under_our_keys_never_load(real_store: types
             for kwargs in ({}, {"secret": "kvconn test secret 0123456789"})
         )
     for r in (plain, keyed):
-        assert set(r["put"]) == {0}  # the other client's values were stored first
+        assert set(r["put"]) == {True}  # the other client's values were stored first
         assert r["same_tokens"]
         assert r["stats"]["prompt_tokens_loaded"] == 0 and r["stats"]["failed_load_blocks"] > 0
-        assert r["stats"]["load_failed_integrity_foreign"] > 0 and r["stats"]["load_failed_short_read"] > 0
+        assert r["stats"]["load_failed_integrity_foreign"] > 0 and r["stats"]["load_failed_integrity_short"] > 0
         assert r["reported"]["degraded_events"] > 0
     assert keyed["stats"]["load_failed_integrity_unsigned"] > 0
