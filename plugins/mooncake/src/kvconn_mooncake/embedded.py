@@ -65,6 +65,20 @@ class EmbeddedStore:
         with self._lock:
             return [self._put(key, p, s) for key, p, s in zip(keys, ptrs, sizes, strict=True)]
 
+    def batch_put_from_multi_buffers(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """Each value the concatenation of its parts (gathered into one buffer first, as the real client sends it)."""
+        values = []
+        for p, n in zip(ptrs, sizes, strict=True):
+            value = bytearray(sum(n))
+            offset = _address(value)
+            for ptr, size in zip(p, n, strict=True):
+                ctypes.memmove(offset, ptr, size)
+                offset += size
+            values.append(value)
+        return self.batch_put_from(keys, [_address(v) for v in values], [len(v) for v in values])
+
     def _put(self, key: str, ptr: int, total: int) -> int:
         if key in self._values:
             return OK  # write-once, like Mooncake's put

@@ -1,7 +1,8 @@
 """Mooncake as a :class:`kvconn.store.BlockStore`, over the real client or the embedded store.
 
-Both speak Mooncake's batch calls (``batch_is_exist``, ``batch_put_from`` and
-``batch_get_into`` on host pointers, one int code per key); this maps them
+Both speak Mooncake's batch calls (``batch_is_exist``, ``batch_put_from``,
+``batch_put_from_multi_buffers`` and ``batch_get_into`` on host pointers, one
+int code per key); this maps them
 onto the store contract: a code that means "no answer" (the master is
 unreachable, a transfer failed) raises, so the connector degrades and its
 guard probes the store; a full store refuses; a missing, evicted or
@@ -42,7 +43,7 @@ class StoreError(ConnectionError):
 
 
 class MooncakeBlockStore:
-    """A :class:`~kvconn.store.BlockStore` over Mooncake's batch calls.
+    """A :class:`~kvconn.store.PartsStore` over Mooncake's batch calls (saves read the KV caches in place).
 
     ``call(fn)`` runs ``fn(client)`` (the real client through its
     :class:`~kvconn_mooncake.mooncake_store.SharedClient`, or the embedded
@@ -82,6 +83,18 @@ class MooncakeBlockStore:
         self._registering(pinned)
         codes = self.call(lambda client: client.batch_put_from(names, ptrs, sizes))
         return [code not in _REFUSED and _checked("batch_put_from", code) == OK for code in codes]
+
+    def put_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+        """As :meth:`put`, each value from its parts in order (``batch_put_from_multi_buffers``: no staging)."""
+        if not keys:
+            return []
+        names = [key.hex() for key in keys]
+        pinned = [[_pinned(part) for part in value] for value in parts]
+        ptrs = [[p for p, _, _ in value] for value in pinned]
+        sizes = [[n for _, n, _ in value] for value in pinned]
+        self._registering([part for value in pinned for part in value])
+        codes = self.call(lambda client: client.batch_put_from_multi_buffers(names, ptrs, sizes))
+        return [code not in _REFUSED and _checked("batch_put_from_multi_buffers", code) == OK for code in codes]
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int | None]:
         if not keys:
