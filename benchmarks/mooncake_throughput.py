@@ -5,7 +5,8 @@ iproute2 and the ``store`` extra needed; see plugins/mooncake/tests/MOONCAKE_NOT
 and re-runs itself inside it. Per round it moves the same bytes three ways:
 
 * store connector save / load: the ``mooncake`` connector's worker side, integrity
-  on (``wait_for_save``: gather the blocks, seal each value, one ``batch_put_from``;
+  on (``wait_for_save``: seal each value over the block's rows in the KV caches, one
+  ``batch_put_from_multi_buffers`` of header + rows, no staging copy;
   ``start_load_kv``, sync: one ``batch_get_into`` into staging, verify every value,
   copy the verified ones into the KV caches);
 * raw batched: one ``batch_put_from`` / ``batch_get_into`` of contiguous values of
