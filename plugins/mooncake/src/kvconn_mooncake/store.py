@@ -74,14 +74,18 @@ class MooncakeBlockStore:
         codes = self.call(lambda client: client.batch_is_exist(names))
         return [_checked("batch_is_exist", code) == 1 for code in codes]
 
+    def _batch(self, call: str, keys: Sequence[bytes], buffers: Sequence[bytes | memoryview]) -> tuple[list[str], Any]:
+        """The key names, and the codes of Mooncake's ``call`` on one host buffer per key."""
+        names = [key.hex() for key in keys]
+        pinned = [_pinned(b) for b in buffers]
+        ptrs, sizes = [p for p, _, _ in pinned], [n for _, n, _ in pinned]
+        self._registering(pinned)
+        return names, self.call(lambda client: getattr(client, call)(names, ptrs, sizes))
+
     def put(self, keys: Sequence[bytes], values: Sequence[bytes | memoryview]) -> list[bool]:
         if not keys:
             return []
-        names = [key.hex() for key in keys]
-        pinned = [_pinned(v) for v in values]
-        ptrs, sizes = [p for p, _, _ in pinned], [n for _, n, _ in pinned]
-        self._registering(pinned)
-        codes = self.call(lambda client: client.batch_put_from(names, ptrs, sizes))
+        _, codes = self._batch("batch_put_from", keys, values)
         return [code not in _REFUSED and _checked("batch_put_from", code) == OK for code in codes]
 
     def put_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
@@ -99,11 +103,7 @@ class MooncakeBlockStore:
     def get(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int | None]:
         if not keys:
             return []
-        names = [key.hex() for key in keys]
-        pinned = [_pinned(b) for b in buffers]
-        ptrs, sizes = [p for p, _, _ in pinned], [n for _, n, _ in pinned]
-        self._registering(pinned)
-        codes = self.call(lambda client: client.batch_get_into(names, ptrs, sizes))
+        names, codes = self._batch("batch_get_into", keys, buffers)
         lengths: list[int | None] = []
         for name, buffer, code in zip(names, buffers, codes, strict=True):
             if code in _MISSING:
