@@ -140,6 +140,20 @@ def test_conformance_suite_passes_on_the_real_store(real_store: types.ModuleType
     assert [c for c in report["checks"] if c["status"] == "skipped"] == []
 
 
+def test_the_store_meets_the_store_contract_on_a_real_master(real_store: types.ModuleType) -> None:
+    """kvconn.testing.StoreConformance against MooncakeBlockStore over a real client (missing keys, write-once,
+    a value longer than the buffer, concurrent callers, a master that crashed)."""
+    h = real_store
+    module = pathlib.Path(__file__).with_name("real_store_conformance.py")
+    code = f"import sys, pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {str(module)!r}]))"
+    with h.netns() as ns, h.mooncake_master(ns) as m:
+        env = {**m.client_env(), "MC_MASTER_PGID": str(m.proc.pid)}
+        r = h.run_python(ns, code=code, env=env, timeout=240, python=sys.executable)
+    print(r.stdout[-3000:])
+    assert r.ok, f"rc={r.rc}\n{r.stdout[-4000:]}\n{r.stderr[-2000:]}"
+    assert " passed" in r.stdout and "skipped" not in r.stdout and "failed" not in r.stdout
+
+
 def test_connect_is_bounded_by_setup_timeout(real_store: types.ModuleType) -> None:
     """A master address that accepts TCP but never answers (a sink, a paused master) costs setup_timeout_s once.
 
