@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
-from kvconn.store import StoreGuard, StoreUnavailable
+from kvconn.store import PartsStore, StoreGuard, StoreUnavailable
 from kvconn_mooncake.codes import OK
 from kvconn_mooncake.config import RealStoreSettings
 from kvconn_mooncake.mooncake_store import probe_master
@@ -49,6 +49,9 @@ class StandInClient:
         if self.wedged.is_set():
             self.released.wait(30)
         return [0] * len(keys)
+
+    def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        return [OK] * len(keys)
 
     def unregister_buffer(self, ptr: int) -> int:
         return OK
@@ -193,3 +196,17 @@ def test_a_client_with_a_call_still_running_is_abandoned_not_closed() -> None:
         guard.close()  # waits close_timeout_s for the late call, then abandons the client
         assert not client.closed
         client.released.set()
+
+
+def test_over_rdma_saves_are_staged_and_their_buffers_registered() -> None:
+    """In-place saves would hand rdma unregistered KV-cache memory: over rdma the store offers no put_parts."""
+    client = StandInClient()
+    with listener(MASTER_ANSWER) as master:
+        tcp = open_real(_settings(master), StandInClient, close_timeout_s=0.5)
+        rdma = open_real(dataclasses.replace(_settings(master), protocol="rdma"), lambda: client, close_timeout_s=0.5)
+        assert isinstance(tcp, PartsStore) and not isinstance(rdma, PartsStore)
+        buffer = bytearray(64)
+        assert rdma.put([b"k"], [memoryview(buffer)]) == rdma.put([b"k"], [memoryview(buffer)[:32]]) == [True]
+        assert client.calls.count("register_buffer") == 1  # once per buffer, whatever view of it a call uses
+        tcp.close()
+        rdma.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from .config import ENV_VARS, MooncakeConfig, RealStoreSettings, resolve_backend
 from .connector import MooncakeConnector, open_store
 from .embedded import EmbeddedStore, embedded_store
-from .store import MooncakeBlockStore, StoreError
+from .store import MooncakeBlockStore, MooncakePartsStore, StoreError
 
 __all__ = [
     "ENV_VARS",
@@ -19,6 +19,7 @@ __all__ = [
     "MooncakeBlockStore",
     "MooncakeConfig",
     "MooncakeConnector",
+    "MooncakePartsStore",
     "RealStoreSettings",
     "StoreError",
     "embedded_store",

@@ -27,7 +27,7 @@ from .config import RealStoreSettings
 from .embedded import EmbeddedStore
 from .mooncake_store import SharedClient, connect
 
-__all__ = ["MooncakeBlockStore", "StoreError", "open_real"]
+__all__ = ["MooncakeBlockStore", "MooncakePartsStore", "StoreError", "open_real"]
 
 T = TypeVar("T")
 Caller = Callable[[Callable[[Any], T]], T]
@@ -43,7 +43,7 @@ class StoreError(ConnectionError):
 
 
 class MooncakeBlockStore:
-    """A :class:`~kvconn.store.PartsStore` over Mooncake's batch calls (saves read the KV caches in place).
+    """A :class:`~kvconn.store.BlockStore` over Mooncake's batch calls.
 
     ``call(fn)`` runs ``fn(client)`` (the real client through its
     :class:`~kvconn_mooncake.mooncake_store.SharedClient`, or the embedded
@@ -63,9 +63,9 @@ class MooncakeBlockStore:
         self._register = register
         self._registered: dict[int, Any] = {}  # id of a buffer's owner -> the owner (kept alive: registered)
 
-    @classmethod
-    def embedded(cls, store: EmbeddedStore) -> MooncakeBlockStore:
-        return cls(lambda fn: fn(store))
+    @staticmethod
+    def embedded(store: EmbeddedStore) -> MooncakePartsStore:
+        return MooncakePartsStore(lambda fn: fn(store))
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
@@ -87,18 +87,6 @@ class MooncakeBlockStore:
             return []
         _, codes = self._batch("batch_put_from", keys, values)
         return [code not in _REFUSED and _checked("batch_put_from", code) == OK for code in codes]
-
-    def put_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
-        """As :meth:`put`, each value from its parts in order (``batch_put_from_multi_buffers``: no staging)."""
-        if not keys:
-            return []
-        names = [key.hex() for key in keys]
-        pinned = [[_pinned(part) for part in value] for value in parts]
-        ptrs = [[p for p, _, _ in value] for value in pinned]
-        sizes = [[n for _, n, _ in value] for value in pinned]
-        self._registering([part for value in pinned for part in value])
-        codes = self.call(lambda client: client.batch_put_from_multi_buffers(names, ptrs, sizes))
-        return [code not in _REFUSED and _checked("batch_put_from_multi_buffers", code) == OK for code in codes]
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int | None]:
         if not keys:
@@ -141,6 +129,26 @@ class MooncakeBlockStore:
             release()
 
 
+class MooncakePartsStore(MooncakeBlockStore):
+    """A :class:`~kvconn.store.PartsStore` too: saves read the KV caches in place (memory that needs no registration).
+
+    Over rdma the store is a plain :class:`MooncakeBlockStore` (saves staged):
+    a transfer's memory must be registered first, and the KV caches are not
+    this store's to register.
+    """
+
+    def put_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+        """As :meth:`put`, each value from its parts in order (``batch_put_from_multi_buffers``: no staging)."""
+        if not keys:
+            return []
+        names = [key.hex() for key in keys]
+        pinned = [[_pinned(part) for part in value] for value in parts]
+        ptrs = [[p for p, _, _ in value] for value in pinned]
+        sizes = [[n for _, n, _ in value] for value in pinned]
+        codes = self.call(lambda client: client.batch_put_from_multi_buffers(names, ptrs, sizes))
+        return [code not in _REFUSED and _checked("batch_put_from_multi_buffers", code) == OK for code in codes]
+
+
 def _checked(call: str, code: int, missing: int | None = None) -> Any:
     """``code`` when it answers (``>= 0``; ``None`` for ``missing``); raises :class:`StoreError` otherwise."""
     if code >= 0:
@@ -168,8 +176,9 @@ def open_real(settings: RealStoreSettings, factory: Callable[[], Any], close_tim
         entry[1] += 1
         shared: SharedClient = entry[0]
 
-    register = shared.register if settings.protocol == "rdma" else None
-    return MooncakeBlockStore(shared.call, lambda: _release(settings), register)
+    if settings.protocol == "rdma":
+        return MooncakeBlockStore(shared.call, lambda: _release(settings), shared.register)
+    return MooncakePartsStore(shared.call, lambda: _release(settings))
 
 
 def _release(settings: RealStoreSettings) -> None:
