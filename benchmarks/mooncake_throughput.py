@@ -1,24 +1,25 @@
-"""Mooncake connector throughput against raw Mooncake calls on the same store.
+"""Mooncake connector throughput (kvconn.store over the real client) against raw Mooncake calls on the same store.
 
 Starts a real ``mooncake_master`` inside a throw-away network namespace (root,
 iproute2 and the ``store`` extra needed; see plugins/mooncake/tests/MOONCAKE_NOTES.md)
-and re-runs itself inside it. Per round it moves the same bytes four ways:
+and re-runs itself inside it. Per round it moves the same bytes three ways:
 
-* plugin save / load: the ``mooncake`` connector's worker side (``wait_for_save``:
-  existence check + one multi-buffer put straight from the KV caches;
-  ``start_load_kv``: one multi-buffer get straight into them);
-* raw batched: one ``batch_put_from`` / ``batch_get_into`` of contiguous values
-  (the target: the plugin at >= 0.9 of these), and the same multi-buffer calls the
-  plugin makes, issued directly (the plugin's own overhead);
+* store connector save / load: the ``mooncake`` connector's worker side, integrity
+  on (``wait_for_save``: seal each value over the block's rows in the KV caches, one
+  ``batch_put_from_multi_buffers`` of header + rows, no staging copy;
+  ``start_load_kv``, sync: one ``batch_get_into`` into staging, verify every value,
+  copy the verified ones into the KV caches);
+* raw batched: one ``batch_put_from`` / ``batch_get_into`` of contiguous values of
+  the same size (issue 22's targets: the connector at >= 0.85 / >= 0.75 of these);
 * per block: one ``put_from`` / ``get_into`` call per block.
 
 Each round uses fresh keys (puts never overwrite), runs the saves and then the
 loads in an order rotated every round (no row always follows the same one), checks
-that the plugin's load is bit-exact in every layer, and then removes every key
-(so the store needs one round's worth of memory). Prints a Markdown table: the
-median time of each row, and its ratios to the raw contiguous call and to the
-raw multi-buffer call, each the median of the per-round ratios (paired rounds
-cancel most of the drift of a shared machine). Usage: ``python
+that the connector's load is bit-exact in every layer, and then removes every key
+(so the store needs one round's worth of memory). Round 0 warms up and is not
+counted. Prints a Markdown table: the median time of each row, and its ratio to
+the raw contiguous call, the median of the per-round ratios (paired rounds cancel
+most of the drift of a shared machine). Usage: ``python
 benchmarks/mooncake_throughput.py [--blocks N] [--layers L] [--rounds R] [--quick] [--json FILE]``.
 """
 
@@ -58,64 +59,59 @@ def _timed(fn: Callable[[], Any]) -> float:
 def inner(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from kvconn import ConnectorContext, KVCacheGroupSpec, load_connector
-    from kvconn_mooncake import BlockTransfer, MooncakeMetadata
+    from kvconn import ConnectorContext, KVCacheGroupSpec, KVConnectorRole
+    from kvconn.store import StoreBlock, StoreMetadata
+    from kvconn_mooncake import MooncakeConnector
 
     n, layers, bs, heads, dim = args.blocks, args.layers, 16, 8, 128
     names = tuple(f"layer.{i}" for i in range(layers))
     context = ConnectorContext(block_size=bs, kv_cache_groups=(KVCacheGroupSpec(names),))
-    config = {
-        "master_server_address": os.environ["MC_MASTER_ADDR"],
-        "metadata_server": os.environ["MC_METADATA_URL"],
-        "local_hostname": os.environ["MC_LOCAL_HOSTNAME"],
-        "global_segment_size": args.segment_mib << 20,
-        "local_buffer_size": 64 << 20,
-    }
-    worker = load_connector("mooncake", role="worker", config=config, context=context).side
+    config = MooncakeConnector.Config(
+        master_server_address=os.environ["MC_MASTER_ADDR"],
+        metadata_server=os.environ["MC_METADATA_URL"],
+        local_hostname=os.environ["MC_LOCAL_HOSTNAME"],
+        global_segment_size=args.segment_mib << 20,
+        local_buffer_size=64 << 20,
+        timeout_s=30.0,
+    )
+    worker: Any = MooncakeConnector(config, role=KVConnectorRole.WORKER, context=context).side
     kv = {name: torch.randn((2 * n + 1, 2, bs, heads, dim)).half() for name in names}
     worker.register_kv_caches(kv)
-    client = worker.store._client  # the raw client the plugin uses
+    store = worker.guard.call("open", lambda store: store)  # the store the connector uses, and its client
+    client = store.call(lambda client: client)
     value_bytes = layers * kv[names[0]][0].numel() * 2
     staging = torch.randint(0, 255, (n, value_bytes), dtype=torch.uint8)
     client.register_buffer(staging.data_ptr(), staging.numel())
     ptrs, sizes = [staging[i].data_ptr() for i in range(n)], [value_bytes] * n
     times: dict[str, list[float]] = {}
-    for r in range(args.rounds):
-        plugin_keys = [f"plugin-{r}-{i}" for i in range(n)]
-        saves = MooncakeMetadata(saves=[BlockTransfer(k, 1 + i, 0) for i, k in enumerate(plugin_keys)])
-        loads = MooncakeMetadata(loads=[BlockTransfer(k, 1 + n + i, 0) for i, k in enumerate(plugin_keys)])
+    for r in range(args.rounds + 1):  # round 0 warms up (staging buffers, threads) and is not counted
+        hashes = [f"plugin-{r}-{i}".encode().ljust(32, b".") for i in range(n)]
+        saves = StoreMetadata(saves=[StoreBlock("s", 0, 1 + i, h) for i, h in enumerate(hashes)], load_async=False)
+        loads = StoreMetadata(loads=[StoreBlock("l", 0, 1 + n + i, h) for i, h in enumerate(hashes)], load_async=False)
         raw, single = [f"raw-{r}-{i}" for i in range(n)], [f"one-{r}-{i}" for i in range(n)]
-        multi = [f"multi-{r}-{i}" for i in range(n)]
-        # The parts the plugin passes for these blocks: the block's row in each layer's KV cache.
-        multi_ptrs = [[kv[name][1 + i].data_ptr() for name in names] for i in range(n)]
-        multi_sizes = [[kv[name][0].numel() * 2 for name in names]] * n
 
-        def plugin_save(meta: MooncakeMetadata = saves) -> None:
+        def plugin_save(meta: StoreMetadata = saves) -> None:
             worker.start_load_kv(meta)
             worker.wait_for_save()
-            worker.get_finished()
+            worker.get_finished(set())
 
         def per_block(call: Callable[[str, int, int], int], keys: list[str] = single) -> None:
             for key, ptr in zip(keys, ptrs, strict=True):
                 call(key, ptr, value_bytes)
 
         saves_and_loads: dict[str, Callable[[], Any]] = {
-            "save: plugin": plugin_save,
+            "save: store connector": plugin_save,
             "save: raw batch_put_from": partial(client.batch_put_from, raw, ptrs, sizes),
             "save: put_from per block": partial(per_block, client.put_from),
-            "save: raw batch_put_from_multi_buffers": partial(
-                client.batch_put_from_multi_buffers, multi, multi_ptrs, multi_sizes
-            ),
-            "load: plugin": partial(worker.start_load_kv, loads),
+            "load: store connector": partial(worker.start_load_kv, loads),
             "load: raw batch_get_into": partial(client.batch_get_into, raw, ptrs, sizes),
-            "load: raw batch_get_into_multi_buffers": partial(
-                client.batch_get_into_multi_buffers, multi, multi_ptrs, multi_sizes
-            ),
             "load: get_into per block": partial(per_block, client.get_into),
         }
         labels = list(saves_and_loads)
-        for label in _rotated(labels[:4], r) + _rotated(labels[4:], r):
-            times.setdefault(label, []).append(_timed(saves_and_loads[label]))
+        for label in _rotated(labels[:3], r) + _rotated(labels[3:], r):
+            seconds = _timed(saves_and_loads[label])
+            if r:
+                times.setdefault(label, []).append(seconds)
         stats = worker.get_kv_connector_stats()
         assert stats.get("blocks_saved") == n and stats.get("blocks_loaded") == n, stats
         assert worker.get_block_ids_with_load_errors() == set()
@@ -143,16 +139,13 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         f"{n} blocks x {value >> 10} KiB ({args.layers} layers x 16 tokens x 8 heads x 128 fp16, K+V) "
         f"= {n * value / 2**20:.0f} MiB per call, median of {args.rounds} rounds",
         "",
-        "| operation | GB/s | blocks/s | vs raw batched | vs raw multi-buffer |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| operation | GB/s | blocks/s | vs raw batched |",
+        "| --- | ---: | ---: | ---: |",
     ]
     for label, ts in times.items():
         seconds, op = statistics.median(ts), label.split(":")[0]
         contiguous = _ratio(times, "save: raw batch_put_from" if op == "save" else "load: raw batch_get_into", label)
-        multi = _ratio(times, f"{op}: raw batch_{'put_from' if op == 'save' else 'get_into'}_multi_buffers", label)
-        lines.append(
-            f"| {label} | {n * value / seconds / 1e9:.2f} | {n / seconds:,.0f} | {contiguous:.2f} | {multi:.2f} |"
-        )
+        lines.append(f"| {label} | {n * value / seconds / 1e9:.2f} | {n / seconds:,.0f} | {contiguous:.2f} |")
     return "\n".join(lines)
 
 

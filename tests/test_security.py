@@ -8,8 +8,7 @@ from hypothesis import strategies as st
 
 from kvconn import ConnectorContext, ConnectorHost, ConnectorNotFoundError
 from kvconn.hashing import hash_blocks, namespace_key
-
-kvconn_mooncake = pytest.importorskip("kvconn_mooncake.keys")
+from kvconn.store import BlockKeys
 
 BASE = ConnectorContext(model="model-a", dtype="float16", block_size=16, tp_rank=0, tp_size=2)
 OTHERS = [
@@ -27,7 +26,7 @@ def test_no_chosen_prompt_reaches_a_key_of_another_namespace(
     ours: list[int], theirs: list[int], other: ConnectorContext
 ) -> None:
     """Whatever prompt an attacker picks in one namespace, its keys never name a block of another."""
-    mine, foreign = kvconn_mooncake.BlockKeys(BASE), kvconn_mooncake.BlockKeys(other)
+    mine, foreign = BlockKeys(BASE), BlockKeys(other)
     our_keys = {mine.key(0, h) for h in hash_blocks(ours, 16)}
     their_keys = {foreign.key(0, h) for h in hash_blocks(theirs, 16)}
     assert not our_keys & their_keys

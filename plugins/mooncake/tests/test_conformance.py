@@ -1,6 +1,6 @@
 """The mooncake connector (embedded backend) passes every check of kvconn's conformance suite.
 
-Both with its defaults (prompt blocks only) and with ``save_decode_cache`` on.
+Both with its defaults (prompt blocks only) and with ``save_decode`` on.
 """
 
 from __future__ import annotations
@@ -20,5 +20,5 @@ class TestMooncakeEmbeddedDecodeCacheConformance(ConnectorConformance):
     config: ClassVar[dict[str, Any]] = {
         "backend": "embedded",
         "embedded_store": "conformance-decode",
-        "save_decode_cache": True,
+        "save_decode": True,
     }

@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 
-import kvconn_mooncake.backends as backends
+import kvconn_mooncake.connector
 from kvconn import ConnectorConfigError, SchedulerOutput, load_connector
 from kvconn.context import KVCacheGroupSpec
 from kvconn.reference import Engine
-from kvconn_mooncake import EmbeddedStore, MooncakeConnector, MooncakeMetadata
+from kvconn.store import StoreMetadata
+from kvconn_mooncake import EmbeddedStore, MooncakeConnector
 from kvconn_mooncake.codes import LEASE_EXPIRED, NOT_FOUND, RPC_FAIL
 
 
@@ -38,7 +39,7 @@ def test_engines_that_differ_never_share_blocks(scenarios: types.ModuleType, emb
 def test_store_too_small_skips_saves_and_counts_them(scenarios: types.ModuleType, embedded_config: dict) -> None:
     r = scenarios.store_full({**embedded_config, "embedded_capacity_bytes": 100 << 10})  # < one 128 KiB block
     assert r["same_tokens"]
-    assert r["stats"]["save_failed_store_full"] > 0 and r["stats"]["blocks_saved"] == 0
+    assert r["stats"]["save_failed_refused"] > 0 and r["stats"]["blocks_saved"] == 0
 
 
 class FaultyStore:
@@ -70,16 +71,16 @@ class FaultyStore:
 def faulty(monkeypatch: pytest.MonkeyPatch) -> FaultyStore:
     """Every embedded store the connector opens is this one (faults off until a test sets them)."""
     store = FaultyStore(EmbeddedStore(1 << 30))
-    monkeypatch.setattr(backends, "embedded_store", lambda name, capacity: store)
+    monkeypatch.setattr(kvconn_mooncake.connector, "embedded_store", lambda name, capacity: store)
     return store
 
 
 @pytest.mark.parametrize(
     ("code", "counter"),
     [
-        (LEASE_EXPIRED, "load_failed_lease_expired"),
-        (NOT_FOUND, "load_failed_not_found"),
-        (RPC_FAIL, "load_failed_rpc_fail"),
+        (LEASE_EXPIRED, "load_failed_missing"),  # what an expired lease left in the buffer is undefined
+        (NOT_FOUND, "load_failed_missing"),
+        (RPC_FAIL, "load_failed_store_off"),  # the store raised: it is off until a probe answers
     ],
 )
 def test_failed_loads_are_recomputed(
@@ -106,8 +107,8 @@ def test_master_down_means_no_saves_and_no_hits(
     faulty.all_code = RPC_FAIL
     r = scenarios.load_failures(embedded_config)
     assert r["same_tokens"]
-    assert r["first"]["blocks_saved"] == 0 and r["first"]["save_failed_rpc_fail"] > 0
-    assert r["stats"]["prompt_tokens_loaded"] == 0 and r["stats"]["scheduler_lookup_errors"] > 0
+    assert r["first"]["blocks_saved"] == 0 and r["first"]["save_failed_store_off"] > 0
+    assert r["stats"]["prompt_tokens_loaded"] == 0 and r["stats"]["scheduler_lookup_failed"] > 0
     faulty.all_code = None  # back: saves and hits resume
     r = scenarios.load_failures(embedded_config)
     assert r["same_tokens"] and r["first"]["blocks_saved"] > 0 and r["stats"]["prompt_tokens_loaded"] > 0
@@ -126,9 +127,9 @@ def test_lookup_is_memoised_and_has_no_side_effects(faulty: FaultyStore, embedde
     scheduler.shutdown()
 
 
-def _spy_metadata(engine: Engine) -> list[MooncakeMetadata]:
+def _spy_metadata(engine: Engine) -> list[StoreMetadata]:
     """The mooncake metadata of each step the engine schedules from now on."""
-    seen: list[MooncakeMetadata] = []
+    seen: list[StoreMetadata] = []
     schedule = engine.scheduler.schedule
 
     def spy() -> SchedulerOutput:
@@ -158,12 +159,12 @@ def test_no_save_on_a_load_step_and_held_blocks_saved_after_finish(
         assert reader.scheduler.held_requests == set() and scenarios.totals(reader)["blocks_saved"] == 2
 
 
-@pytest.mark.parametrize("save_decode_cache", [False, True])
-def test_decode_blocks_saved_only_when_asked(embedded_config: dict, save_decode_cache: bool) -> None:
-    config = {**embedded_config, "save_decode_cache": save_decode_cache}
+@pytest.mark.parametrize("save_decode", [False, True])
+def test_decode_blocks_saved_only_when_asked(embedded_config: dict, save_decode: bool) -> None:
+    config = {**embedded_config, "save_decode": save_decode}
     with Engine("mooncake", config) as engine:
         engine.generate([list(range(40))], max_tokens=30)  # 2 prompt blocks, 2 more filled in decode
-        assert engine.stats.blocks_saved == (4 if save_decode_cache else 2)
+        assert engine.stats.blocks_saved == (4 if save_decode else 2)
 
 
 def test_sliding_window_never_moves_the_null_block(embedded_config: dict) -> None:
@@ -187,7 +188,7 @@ def test_sliding_window_never_moves_the_null_block(embedded_config: dict) -> Non
     ("config", "message"),
     [
         ({"global_segment_size": 1024}, "field 'global_segment_size': expected int >= 16777216"),
-        ({"save_decode_cache": "often"}, "field 'save_decode_cache': expected bool"),
+        ({"save_decode": "often"}, "field 'save_decode': expected bool"),
         ({"backend": "redis"}, "field 'backend'"),
         ({"master_server_address": "no-port"}, "field 'master_server_address': expected 'host:port'"),
         ({"backend": "mooncake"}, "field 'master_server_address'"),
@@ -196,7 +197,7 @@ def test_sliding_window_never_moves_the_null_block(embedded_config: dict) -> Non
         # Bounds: each of these passed validation and failed at start (OverflowError) or never finished.
         ({"setup_timeout_s": 1e12}, "field 'setup_timeout_s': expected float <= 3600.0"),
         ({"retry_interval_s": float("inf")}, "field 'retry_interval_s': expected float <= 3600.0"),
-        ({"store_timeout_s": 0}, "field 'store_timeout_s': expected float > 0.0"),
+        ({"timeout_s": 0}, "field 'timeout_s': expected float > 0.0"),
         ({"global_segment_size": 2**70}, "field 'global_segment_size': expected int <= 17592186044416"),
         ({"embedded_capacity_bytes": 2**63}, "field 'embedded_capacity_bytes': expected int <= 17592186044416"),
         ({"integrity_secret": "short"}, "field 'integrity_secret': expected str of length >= 16"),
@@ -213,7 +214,7 @@ def test_environment_selects_the_real_store_and_errors_name_the_variable(monkeyp
         load_connector("mooncake", role="scheduler")
     monkeypatch.delenv("MOONCAKE_MASTER")
     connector = load_connector("mooncake", role="scheduler")
-    assert isinstance(connector, MooncakeConnector) and connector.side.backend == "embedded"
+    assert isinstance(connector, MooncakeConnector) and connector.backend == "embedded"
     assert connector.in_process_state  # decided by the side's store: the embedded one lives in this process
     connector.side.shutdown()
 

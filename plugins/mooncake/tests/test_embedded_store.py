@@ -1,11 +1,13 @@
-"""The embedded store keeps Mooncake's semantics: write-once, LRU eviction, codes."""
+"""The embedded store keeps Mooncake's semantics (write-once, LRU eviction, codes); as a BlockStore, the contract."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvconn_mooncake import EmbeddedStore, embedded_store
+from kvconn.store import BlockStore
+from kvconn.testing.store_conformance import StoreConformance
+from kvconn_mooncake import EmbeddedStore, MooncakeBlockStore, embedded_store
 from kvconn_mooncake.codes import INVALID_PARAMS, NOT_FOUND, OK, STORE_FULL
 
 
@@ -13,21 +15,25 @@ def _buf(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.uint8)
 
 
-def _put(store: EmbeddedStore, key: str, *parts: torch.Tensor) -> int:
-    return store.batch_put_from([key], [[p.data_ptr() for p in parts]], [[p.numel() for p in parts]])[0]
+class TestEmbeddedBlockStore(StoreConformance):
+    def make_store(self) -> BlockStore:
+        return MooncakeBlockStore.embedded(EmbeddedStore(1 << 24))
 
 
-def _get(store: EmbeddedStore, key: str, *parts: torch.Tensor) -> int:
-    return store.batch_get_into([key], [[p.data_ptr() for p in parts]], [[p.numel() for p in parts]])[0]
+def _put(store: EmbeddedStore, key: str, value: torch.Tensor) -> int:
+    return store.batch_put_from([key], [value.data_ptr()], [value.numel()])[0]
 
 
-def test_parts_round_trip_in_order() -> None:
+def _get(store: EmbeddedStore, key: str, out: torch.Tensor) -> int:
+    return store.batch_get_into([key], [out.data_ptr()], [out.numel()])[0]
+
+
+def test_values_round_trip() -> None:
     store = EmbeddedStore(1024)
-    assert _put(store, "k", _buf([1, 2, 3]), _buf([4, 5])) == OK
-    a, b = torch.zeros(2, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8)
-    assert _get(store, "k", a, b) == 5
-    assert a.tolist() == [1, 2] and b.tolist() == [3, 4, 5]
-    assert store.batch_is_exist(["k", "missing"]) == [1, 0]
+    assert _put(store, "k", _buf([1, 2, 3, 4, 5])) == OK
+    out = torch.zeros(5, dtype=torch.uint8)
+    assert _get(store, "k", out) == 5 and out.tolist() == [1, 2, 3, 4, 5]
+    assert store.batch_is_exist(["k", "missing"]) == [1, 0] and store.get_size("k") == 5
 
 
 def test_put_is_write_once() -> None:
@@ -71,5 +77,5 @@ def test_a_key_repeated_in_one_get_fails_after_the_first() -> None:
     store = EmbeddedStore(64)
     assert _put(store, "k", _buf([5, 6])) == OK
     a, b = torch.zeros(2, dtype=torch.uint8), torch.zeros(2, dtype=torch.uint8)
-    codes = store.batch_get_into(["k", "k"], [[a.data_ptr()], [b.data_ptr()]], [[2], [2]])
+    codes = store.batch_get_into(["k", "k"], [a.data_ptr(), b.data_ptr()], [2, 2])
     assert codes == [2, INVALID_PARAMS] and a.tolist() == [5, 6]

@@ -1,8 +1,9 @@
-"""The real backend's deadlines and recovery, against a stand-in client (no master, no root).
+"""The real backend behind the store layer's guard, against a stand-in client (no master, no root).
 
 The stand-in client blocks where a wedged master makes the real one block
 (until the test releases it), and a local listener answers the pre-flight
-probe as a master would. The real-store tests repeat this against
+probe as a master would. Deadlines, trip and recover are the guard's
+(kvconn.store); connecting, health and closing are the plugin's. The real-store tests repeat this against
 ``mooncake_master`` (``test_real_store.py``).
 """
 
@@ -17,9 +18,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
-from kvconn_mooncake.codes import OK, RPC_FAIL
+from kvconn.store import PartsStore, StoreGuard, StoreUnavailable
+from kvconn_mooncake.codes import OK
 from kvconn_mooncake.config import RealStoreSettings
-from kvconn_mooncake.mooncake_store import MooncakeStore, probe_master
+from kvconn_mooncake.mooncake_store import probe_master
+from kvconn_mooncake.store import open_real
 
 
 class StandInClient:
@@ -29,6 +32,7 @@ class StandInClient:
         self.wedged = threading.Event()
         self.released = threading.Event()
         self.calls: list[str] = []
+        self.closed = False
 
     def setup(self, *args: object) -> int:
         return OK
@@ -46,10 +50,15 @@ class StandInClient:
             self.released.wait(30)
         return [0] * len(keys)
 
+    def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        return [OK] * len(keys)
+
     def unregister_buffer(self, ptr: int) -> int:
         return OK
 
     def close(self) -> int:
+        assert not self.closed, "closed twice"
+        self.closed = True
         return OK
 
 
@@ -89,8 +98,31 @@ def _settings(master: str) -> RealStoreSettings:
     return RealStoreSettings(
         master_server_address=master, metadata_server="http://127.0.0.1:1/metadata", protocol="tcp",
         local_hostname="127.0.0.1", rdma_devices="", global_segment_size=16 << 20, local_buffer_size=0,
-        setup_timeout_s=2.0, retry_interval_s=0.05, store_timeout_s=0.2, max_backoff_s=0.1,
+        setup_timeout_s=2.0,
     )  # fmt: skip
+
+
+def _guard(settings: RealStoreSettings, client: StandInClient) -> StoreGuard:
+    """The store as a store connector's side holds it: opened lazily, on the guard's threads, within deadlines."""
+    open_store = lambda: open_real(settings, lambda: client, close_timeout_s=0.5)  # noqa: E731
+    return StoreGuard("mooncake", open_store, timeout_s=0.2, retry_interval_s=0.05, max_backoff_s=0.1)
+
+
+def _opened(guard: StoreGuard) -> StoreGuard:
+    """``guard`` once its store is open (connecting is not what these tests time: a loaded machine may be slow)."""
+    guard.result("open", guard.submit("open", lambda store: store), timeout=20.0)
+    return guard
+
+
+def _contains(guard: StoreGuard, keys: Sequence[bytes] = (b"a",)) -> list[bool]:
+    return guard.call("contains", lambda store: list(store.contains(keys)))
+
+
+def _answers(guard: StoreGuard) -> bool:
+    try:
+        return _contains(guard) == [False]
+    except StoreUnavailable:
+        return False
 
 
 def _eventually(condition: Callable[[], bool], seconds: float = 20.0) -> bool:
@@ -105,18 +137,21 @@ def _eventually(condition: Callable[[], bool], seconds: float = 20.0) -> bool:
 def test_a_call_past_its_deadline_degrades_fails_fast_and_recovers() -> None:
     client = StandInClient()
     with listener(MASTER_ANSWER) as master:
-        store = MooncakeStore(_settings(master), lambda: client)
-        store.register_buffer(1 << 20, 4096)
-        assert store.batch_is_exist(["a"]) == [0] and client.calls == ["register_buffer", "batch_is_exist"]
+        guard = _opened(_guard(_settings(master), client))
+        assert _contains(guard) == [False] and client.calls == ["batch_is_exist"]
         client.wedged.set()
-        assert store.batch_is_exist(["a", "b"]) == [RPC_FAIL, RPC_FAIL]  # past the deadline: degraded
-        assert store.batch_is_exist(["a"]) == [RPC_FAIL]  # tripped: fails fast, the client is not called
+        with pytest.raises(StoreUnavailable):
+            _contains(guard, [b"a", b"b"])  # past the deadline: degraded
+        with pytest.raises(StoreUnavailable):
+            _contains(guard)  # tripped: fails fast, the client is not called
         assert client.calls.count("batch_is_exist") == 2
         client.wedged.clear()
         client.released.set()  # the late call returns; the background probe then finds the store in time
-        assert _eventually(lambda: store.batch_is_exist(["a"]) == [0])
-        store.close()
-        assert store.batch_is_exist(["a"]) == [RPC_FAIL]  # never a call after close
+        assert _eventually(lambda: _answers(guard))
+        guard.close()
+        assert client.closed
+        with pytest.raises(StoreUnavailable):
+            _contains(guard)  # never a call after close
 
 
 @pytest.mark.parametrize(("answer", "problem"), [(b"", "no answer within"), (b"HTTP/1.1 400", "not a Mooncake master")])
@@ -125,36 +160,59 @@ def test_an_address_that_is_not_a_master_leaves_the_store_off(answer: bytes, pro
     with listener(answer) as address:
         reason = probe_master(*_settings(address).master_host_port, 0.2)
         assert reason is not None and problem in reason
-        store = MooncakeStore(dataclasses.replace(_settings(address), setup_timeout_s=0.3), lambda: client)
-        assert store.batch_is_exist(["a"]) == [RPC_FAIL] and client.calls == []  # setup was never attempted
-        store.close()
+        settings = dataclasses.replace(_settings(address), setup_timeout_s=0.1)
+        with pytest.raises(ConnectionError, match=problem):
+            open_real(settings, lambda: client, close_timeout_s=0.5)
+        guard = _guard(settings, client)
+        with pytest.raises(StoreUnavailable):
+            _contains(guard)
+        assert client.calls == [] and guard.trips == 1  # setup was never attempted; the store is off
+        guard.close()
 
 
 def test_a_store_started_before_its_master_connects_within_an_interval_of_it_coming_up() -> None:
-    """A refused connect ends at once: the next one is due retry_interval_s later, not after setup_timeout_s.
+    """A refused connect ends at once, and the guard's probe connects again within its backoff of the master.
 
     The master's port is bound but not listening while the store starts (connects are refused, as with
-    no master yet), then listens and answers. Before the fix the retry waited out the first attempt's
-    setup_timeout_s (60 s here) plus the interval; the 20 s wait below is far from both.
+    no master yet), then listens and answers; setup_timeout_s (60 s here) is never waited out.
     """
     client = StandInClient()
     port = socket.socket()
     port.bind(("127.0.0.1", 0))
     address = f"127.0.0.1:{port.getsockname()[1]}"
-    store = MooncakeStore(dataclasses.replace(_settings(address), setup_timeout_s=60.0), lambda: client)
-    assert store.batch_is_exist(["a"]) == [RPC_FAIL]  # off: nothing listens yet
+    guard = _guard(dataclasses.replace(_settings(address), setup_timeout_s=60.0), client)
+    with pytest.raises(StoreUnavailable):
+        _contains(guard)  # off: nothing listens yet
     with listener(MASTER_ANSWER, port):
         up = time.monotonic()
-        assert _eventually(lambda: store.batch_is_exist(["a"]) == [0])
-        print(f"first answer {time.monotonic() - up:.2f} s after the master came up (retry_interval_s 0.05)")
-    store.close()
+        assert _eventually(lambda: _answers(guard))
+        print(f"first answer {time.monotonic() - up:.2f} s after the master came up (max_backoff_s 0.1)")
+    guard.close()
 
 
-def test_closing_a_store_ends_its_caller_thread() -> None:
-    """One thread per store: `kvconn validate --config-factory` and engine restarts would otherwise pile them up."""
+def test_a_client_with_a_call_still_running_is_abandoned_not_closed() -> None:
+    """Any call after ``close()`` crashes the real client: a late call keeps it from being closed under it."""
+    client = StandInClient()
     with listener(MASTER_ANSWER) as master:
-        store = MooncakeStore(_settings(master), StandInClient)
-        assert store.batch_is_exist(["a"]) == [0] and store._caller.thread.is_alive()
-        store.close()
-    store._caller.thread.join(timeout=20)
-    assert not store._caller.thread.is_alive()
+        guard = _opened(_guard(_settings(master), client))
+        assert _contains(guard) == [False]
+        client.wedged.set()
+        with pytest.raises(StoreUnavailable):
+            _contains(guard)
+        guard.close()  # waits close_timeout_s for the late call, then abandons the client
+        assert not client.closed
+        client.released.set()
+
+
+def test_over_rdma_saves_are_staged_and_their_buffers_registered() -> None:
+    """In-place saves would hand rdma unregistered KV-cache memory: over rdma the store offers no put_parts."""
+    client = StandInClient()
+    with listener(MASTER_ANSWER) as master:
+        tcp = open_real(_settings(master), StandInClient, close_timeout_s=0.5)
+        rdma = open_real(dataclasses.replace(_settings(master), protocol="rdma"), lambda: client, close_timeout_s=0.5)
+        assert isinstance(tcp, PartsStore) and not isinstance(rdma, PartsStore)
+        buffer = bytearray(64)
+        assert rdma.put([b"k"], [memoryview(buffer)]) == rdma.put([b"k"], [memoryview(buffer)[:32]]) == [True]
+        assert client.calls.count("register_buffer") == 1  # once per buffer, whatever view of it a call uses
+        tcp.close()
+        rdma.close()

@@ -16,14 +16,14 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvconn import ConnectorConfigError
+from kvconn.store import StoreConfig
+from kvconn.store.config import MAX_SECONDS
 
 __all__ = ["ENV_VARS", "MooncakeConfig", "RealStoreSettings", "resolve_backend"]
 
 MiB = 1 << 20
 #: Upper bound of the byte sizes (16 TiB): beyond it a value is a typo, and Mooncake would fail at start.
 MAX_BYTES = 1 << 44
-#: Upper bound of the durations, in seconds: a longer wait is a typo (and ``1e12`` overflows a thread join).
-MAX_SECONDS = 3600.0
 
 #: Config field -> environment variable consulted when the field is unset.
 ENV_VARS = {
@@ -34,8 +34,8 @@ ENV_VARS = {
 }
 
 
-class MooncakeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Options of the ``mooncake`` connector."""
+class MooncakeConfig(StoreConfig, kw_only=True):
+    """Options of the ``mooncake`` connector (and every :class:`~kvconn.store.StoreConfig` option)."""
 
     backend: Annotated[
         Literal["auto", "mooncake", "embedded"],
@@ -80,45 +80,11 @@ class MooncakeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     setup_timeout_s: Annotated[
         float,
         msgspec.Meta(
-            description="give up connecting to the master after this long (the store degrades to off)",
+            description="give up connecting to the master after this long (the store is off until a probe connects)",
             gt=0,
             le=MAX_SECONDS,
         ),
     ] = 30.0
-    retry_interval_s: Annotated[
-        float,
-        msgspec.Meta(description="after a failed connect, wait this long before trying again", ge=0, le=MAX_SECONDS),
-    ] = 5.0
-    store_timeout_s: Annotated[
-        float,
-        msgspec.Meta(
-            description="deadline of one store call on the engine's path (plus 1 s per 256 MiB it moves); past it "
-            "the step degrades (no save / recompute) and the store is off until a background probe answers",
-            gt=0,
-            le=MAX_SECONDS,
-        ),
-    ] = 2.0
-    max_backoff_s: Annotated[
-        float,
-        msgspec.Meta(
-            description="longest wait between probes of a store that timed out (the wait doubles from "
-            "retry_interval_s up to this)",
-            gt=0,
-            le=MAX_SECONDS,
-        ),
-    ] = 60.0
-    integrity_secret: (
-        Annotated[
-            str,
-            msgspec.Meta(
-                description="shared secret (>= 16 characters) of the engines that share a store: every value "
-                "carries a keyed MAC (BLAKE2b) and values without a valid one are never loaded; unset: an XXH3-128 "
-                "checksum only",
-                min_length=16,
-            ),
-        ]
-        | None
-    ) = None
     embedded_store: Annotated[
         str,
         msgspec.Meta(description="name of the in-process store; connectors in one process with the same name share it"),
@@ -126,9 +92,22 @@ class MooncakeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     embedded_capacity_bytes: Annotated[
         int, msgspec.Meta(description="capacity of the embedded store (LRU eviction beyond)", ge=1, le=MAX_BYTES)
     ] = 1 << 30
-    save_decode_cache: Annotated[
-        bool, msgspec.Meta(description="keep saving blocks filled during decode (default: only the prompt's blocks)")
+    # Mooncake's own defaults for options every store connector has:
+    load_async: Annotated[
+        bool, msgspec.Meta(description="load on a worker thread while the engine runs other requests")
     ] = False
+    save_decode: Annotated[
+        bool, msgspec.Meta(description="save blocks filled during decode too (default: only the prompt's blocks)")
+    ] = False
+    max_backoff_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="longest wait between probes of a store that is off (doubling from retry_interval_s): a "
+            "master that comes back (its client reconnects by itself) is used again within it",
+            gt=0,
+            le=MAX_SECONDS,
+        ),
+    ] = 5.0
 
 
 @dataclass(frozen=True)
@@ -143,9 +122,6 @@ class RealStoreSettings:
     global_segment_size: int
     local_buffer_size: int
     setup_timeout_s: float
-    retry_interval_s: float
-    store_timeout_s: float
-    max_backoff_s: float
 
     @property
     def master_host_port(self) -> tuple[str, int]:
@@ -203,7 +179,4 @@ def resolve_backend(config: MooncakeConfig, env: Mapping[str, str] | None = None
         global_segment_size=config.global_segment_size,
         local_buffer_size=config.local_buffer_size,
         setup_timeout_s=config.setup_timeout_s,
-        retry_interval_s=config.retry_interval_s,
-        store_timeout_s=config.store_timeout_s,
-        max_backoff_s=config.max_backoff_s,
     )

@@ -10,8 +10,9 @@ destination smaller than the value is ``INVALID_PARAMS``. A key named twice in
 one batch get fails after its first copy (see ``batch_get_into``).
 
 Values are copied from and to raw host pointers (``ctypes.memmove``), exactly
-as Mooncake's client reads registered memory, so the connector's data path is
-the same for both backends. Callers must pass pointers to live host memory.
+as Mooncake's ``batch_put_from`` / ``batch_get_into`` read and write host
+memory, so :class:`~kvconn_mooncake.store.MooncakeBlockStore` drives both
+backends alike. Callers must pass pointers to live host memory.
 
 Stores are shared by name within a process (:func:`embedded_store`): the
 scheduler-side connector checks what the worker-side one wrote.
@@ -48,23 +49,39 @@ class EmbeddedStore:
     def __len__(self) -> int:
         return len(self._values)
 
-    def register_buffer(self, ptr: int, size: int) -> int:
-        return OK if ptr and size > 0 else INVALID_PARAMS
+    def health_check(self) -> int:
+        return 0  # in-process: always reachable
+
+    def get_size(self, key: str) -> int:
+        with self._lock:
+            value = self._values.get(key)
+        return NOT_FOUND if value is None else len(value)
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         with self._lock:
             return [int(key in self._values) for key in keys]
 
-    def batch_put_from(
-        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
-    ) -> list[int]:
+    def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         with self._lock:
             return [self._put(key, p, s) for key, p, s in zip(keys, ptrs, sizes, strict=True)]
 
-    def _put(self, key: str, ptrs: Sequence[int], sizes: Sequence[int]) -> int:
+    def batch_put_from_multi_buffers(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """Each value the concatenation of its parts (gathered into one buffer first, as the real client sends it)."""
+        values = []
+        for p, n in zip(ptrs, sizes, strict=True):
+            value = bytearray(sum(n))
+            offset = _address(value)
+            for ptr, size in zip(p, n, strict=True):
+                ctypes.memmove(offset, ptr, size)
+                offset += size
+            values.append(value)
+        return self.batch_put_from(keys, [_address(v) for v in values], [len(v) for v in values])
+
+    def _put(self, key: str, ptr: int, total: int) -> int:
         if key in self._values:
             return OK  # write-once, like Mooncake's put
-        total = sum(sizes)
         if total <= 0:
             return INVALID_PARAMS
         if total > self.capacity_bytes:
@@ -74,17 +91,12 @@ class EmbeddedStore:
             self.used_bytes -= len(evicted)
             self.evictions += 1
         value = bytearray(total)
-        base, offset = _address(value), 0
-        for ptr, size in zip(ptrs, sizes, strict=True):
-            ctypes.memmove(base + offset, ptr, size)
-            offset += size
+        ctypes.memmove(_address(value), ptr, total)
         self._values[key] = value
         self.used_bytes += total
         return OK
 
-    def batch_get_into(
-        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
-    ) -> list[int]:
+    def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         # Mooncake fills only one destination of a key named twice in a batch, yet reports success
         # for each: never rely on it. Here every repeat fails, so a caller that does is caught.
         codes, seen = [], set()
@@ -94,21 +106,15 @@ class EmbeddedStore:
                 seen.add(key)
         return codes
 
-    def _get(self, key: str, ptrs: Sequence[int], sizes: Sequence[int]) -> int:
+    def _get(self, key: str, ptr: int, size: int) -> int:
         value = self._values.get(key)
         if value is None:
             return NOT_FOUND
-        if len(value) > sum(sizes):
+        if len(value) > size:
             return INVALID_PARAMS
         self._values.move_to_end(key)
-        base, offset = _address(value), 0
-        for ptr, size in zip(ptrs, sizes, strict=True):
-            n = min(size, len(value) - offset)
-            if n <= 0:
-                break
-            ctypes.memmove(ptr, base + offset, n)
-            offset += n
-        return offset
+        ctypes.memmove(ptr, _address(value), len(value))
+        return len(value)
 
     def close(self) -> None:
         """Nothing to release: the store lives as long as the process (see :func:`embedded_store`)."""

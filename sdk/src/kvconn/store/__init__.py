@@ -14,7 +14,7 @@ from .guard import StoreGuard, StoreUnavailable
 from .integrity import HEADER_BYTES, Integrity
 from .keys import KEY_VERSION, BlockKeys
 from .metadata import StoreBlock, StoreMetadata
-from .protocol import BlockStore
+from .protocol import BlockStore, PartsStore
 from .scheduler import StoreScheduler
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "BlockKeys",
     "BlockStore",
     "Integrity",
+    "PartsStore",
     "StoreBlock",
     "StoreConfig",
     "StoreConnector",

@@ -69,6 +69,11 @@ class StoreGuard:
     def available(self) -> bool:
         return not self._tripped and not self._closed.is_set()
 
+    @property
+    def store(self) -> BlockStore | None:
+        """The store once opened (``None`` before): for what a caller may ask of its type, never to call it."""
+        return self._store
+
     def _store_now(self) -> BlockStore:
         with self._lock:
             if self._store is None:

@@ -52,17 +52,20 @@ class Integrity:
         self._key = secret.encode() if secret is not None else None
         self._flags = _FLAG_MAC if secret is not None else 0
 
-    def _tag(self, head: bytes, payload: memoryview) -> bytes:
+    def _tag(self, head: bytes, payload: Sequence[memoryview]) -> bytes:
         mac: Any = (
             xxhash.xxh3_128(head) if self._key is None else hashlib.blake2b(head, key=self._key, digest_size=_TAG)
         )
-        mac.update(payload)
+        for part in payload:
+            mac.update(part)
         return mac.digest()
 
-    def seal(self, key: bytes, layout: bytes, payload: memoryview) -> bytes:
-        """The header of the value ``key`` stores, ``payload`` following it."""
-        head = _HEAD.pack(_MAGIC, _VERSION, self._flags, 0, payload.nbytes, _digest(key), layout)
-        return head + self._tag(head, payload) + _PAD
+    def seal(self, key: bytes, layout: bytes, payload: memoryview | Sequence[memoryview]) -> bytes:
+        """The header of the value ``key`` stores, ``payload`` (one view, or parts in order) following it."""
+        parts = [payload] if isinstance(payload, memoryview) else payload
+        length = sum(part.nbytes for part in parts)
+        head = _HEAD.pack(_MAGIC, _VERSION, self._flags, 0, length, _digest(key), layout)
+        return head + self._tag(head, parts) + _PAD
 
     def verify(self, key: bytes, layout: bytes, value: memoryview) -> str | None:
         """Why ``value`` (header and payload, read under ``key``) must not be loaded; ``None`` if it may."""
@@ -79,7 +82,7 @@ class Integrity:
             return "other_key"
         if value_layout != layout:
             return "other_layout"
-        tag = self._tag(bytes(value[: _HEAD.size]), value[HEADER_BYTES:])
+        tag = self._tag(bytes(value[: _HEAD.size]), [value[HEADER_BYTES:]])
         return None if hmac.compare_digest(value[_HEAD.size : _HEAD.size + _TAG], tag) else "checksum"
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-__all__ = ["BlockStore"]
+__all__ = ["BlockStore", "PartsStore"]
 
 
 @runtime_checkable
@@ -54,4 +54,21 @@ class BlockStore(Protocol):
 
     def close(self) -> None:
         """Release connections; no call follows."""
+        ...
+
+
+@runtime_checkable
+class PartsStore(BlockStore, Protocol):
+    """A :class:`BlockStore` that also writes a value from several buffers (scatter-gather I/O).
+
+    Optional. With it the connector saves host KV caches without staging:
+    each value is the header, then the block's bytes in each layer, read in
+    place. The parts are views of the caller's memory, valid only during the
+    call; a call past its deadline may still read them while the engine
+    changes them, which the integrity tag (taken before the call) catches on
+    load.
+    """
+
+    def put_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> Sequence[bool]:
+        """As :meth:`BlockStore.put`, the value of ``keys[i]`` being the concatenation of ``parts[i]``."""
         ...

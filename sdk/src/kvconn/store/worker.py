@@ -32,7 +32,7 @@ from .config import StoreConfig
 from .guard import StoreUnavailable
 from .integrity import HEADER_BYTES, Integrity, layout_digest
 from .metadata import StoreBlock, StoreMetadata
-from .protocol import BlockStore
+from .protocol import BlockStore, PartsStore
 from .side import StoreSide
 
 __all__ = ["StoreWorker"]
@@ -83,6 +83,15 @@ class _Layout:
             else:
                 blocks = t.index_select(0, torch.from_numpy(ids).to(t.device)).view(len(block_ids), -1)
                 torch.from_numpy(columns).copy_(blocks.view(torch.uint8).cpu())
+
+    @property
+    def in_place(self) -> bool:
+        """Whether every layer's blocks can be read in place (host memory, one contiguous row a block)."""
+        return all(rows is not None for rows in self._rows)
+
+    def parts(self, block_id: int) -> list[memoryview]:
+        """Block ``block_id``'s bytes in each layer, as views of the KV caches (only when :attr:`in_place`)."""
+        return [memoryview(rows[block_id]) for rows in self._rows if rows is not None]
 
     def scatter(self, block_ids: list[int], rows: Any) -> None:
         """Copy verified payload rows (uint8 numpy, one row per block, from ``HEADER_BYTES``) into ``block_ids``."""
@@ -277,7 +286,12 @@ class StoreWorker(StoreSide):
     # ------------------------------------------------------------------ saves
 
     def wait_for_save(self) -> None:
-        """Save this step's blocks, each sealed, in one batched write-once put within the deadline."""
+        """Save this step's blocks, each sealed, in one batched write-once put within the deadline.
+
+        Through staging (gathered, then sealed in place), or, when the store
+        is a :class:`~kvconn.store.PartsStore` and the KV caches are host
+        memory, straight from the KV caches (:meth:`_save_in_place`).
+        """
         metadata = self._metadata
         if metadata is None or not metadata.saves:
             return
@@ -286,6 +300,9 @@ class StoreWorker(StoreSide):
         by_group: dict[int, dict[bytes, int]] = {}
         for b in blocks:
             by_group.setdefault(b.group, {}).setdefault(b.block_hash, b.block_id)  # a prefix computed twice: once
+        if isinstance(self.guard.store, PartsStore) and all(self._layouts[g].in_place for g in by_group):
+            self._save_in_place(by_group)
+            return
         keys: list[bytes] = []
         values: list[memoryview] = []
         buffers: list[bytearray] = []
@@ -307,10 +324,41 @@ class StoreWorker(StoreSide):
             self.stats.degraded("save_failed_store_off", len(keys), "saves failed (the store is off, late or raised)")
             return
         self._buffers.give(buffers)
-        saved = [len(v) - HEADER_BYTES for v, ok in zip(values, stored, strict=True) if ok]
+        self._count_saves([len(v) - HEADER_BYTES for v in values], stored)
+
+    def _save_in_place(self, by_group: Mapping[int, Mapping[bytes, int]]) -> None:
+        """Save straight from the KV caches: per value, its header, then the block's row in each layer.
+
+        No staging copy. The tags are taken before the put: if a put past its
+        deadline still reads a block the engine has changed since, the value it
+        stores fails verification, and never loads.
+        """
+        n = sum(len(ids) for ids in by_group.values())
+        headers = memoryview(bytearray(n * HEADER_BYTES))  # fresh: a late put may still read an old one
+        keys: list[bytes] = []
+        parts: list[list[memoryview]] = []
+        sizes: list[int] = []
+        for g, ids in by_group.items():
+            layout = self._layouts[g]
+            for block_hash, block_id in ids.items():
+                key, payload = self.keys.key(g, block_hash), layout.parts(block_id)
+                header = headers[len(keys) * HEADER_BYTES : (len(keys) + 1) * HEADER_BYTES]
+                header[:] = self.integrity.seal(key, layout.digest, payload)
+                keys.append(key)
+                parts.append([header, *payload])
+                sizes.append(layout.value_bytes)
+        try:
+            stored = list(self.guard.call("put", lambda store: store.put_parts(keys, parts)))  # type: ignore[attr-defined]
+        except StoreUnavailable:
+            self.stats.degraded("save_failed_store_off", len(keys), "saves failed (the store is off, late or raised)")
+            return
+        self._count_saves(sizes, stored)
+
+    def _count_saves(self, sizes: Sequence[int], stored: Sequence[bool]) -> None:
+        saved = [size for size, ok in zip(sizes, stored, strict=True) if ok]
         self.stats.count("blocks_saved", len(saved))
         self.stats.count("bytes_saved", sum(saved))
-        self.stats.degraded("save_failed_refused", len(keys) - len(saved), "the store refused values (full?)")
+        self.stats.degraded("save_failed_refused", len(sizes) - len(saved), "the store refused values (full?)")
 
     # ---------------------------------------------------------------- reports
 

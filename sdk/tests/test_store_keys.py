@@ -1,4 +1,4 @@
-"""Key namespaces: engines whose blocks differ in meaning never share a key."""
+"""Store key namespaces (kvconn.store.BlockKeys): engines whose blocks differ in meaning never share a key."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ from hypothesis import strategies as st
 
 from kvconn import ConnectorContext, KVCacheGroupSpec
 from kvconn.hashing import context_namespace
-from kvconn_mooncake import BlockKeys
-from kvconn_mooncake.integrity import secret_id
-from kvconn_mooncake.keys import KEY_VERSION
+from kvconn.store import KEY_VERSION, BlockKeys
+from kvconn.store.integrity import secret_id
 
 # Small domains, so that drawn contexts often agree on all fields but one; names with separators
 # (",", "/") probe encodings that join fields into one string.
@@ -53,8 +52,8 @@ def _meaning(context: ConnectorContext) -> dict[str, object]:
 def test_contexts_that_differ_in_any_field_never_share_a_key(
     a: ConnectorContext, b: ConnectorContext, secret_a: str | None, secret_b: str | None, block_hash: bytes
 ) -> None:
-    keys_a = BlockKeys(a, secret_id(secret_a))
-    keys_b = BlockKeys(b, secret_id(secret_b))
+    keys_a = BlockKeys(a, secret_id=secret_id(secret_a))
+    keys_b = BlockKeys(b, secret_id=secret_id(secret_b))
     for_a = {(g, keys_a.key(g, block_hash)) for g in range(len(a.kv_cache_groups))}
     for_b = {(g, keys_b.key(g, block_hash)) for g in range(len(b.kv_cache_groups))}
     shared = {key for _, key in for_a} & {key for _, key in for_b}
@@ -66,5 +65,6 @@ def test_contexts_that_differ_in_any_field_never_share_a_key(
 
 
 def test_the_namespace_is_the_sdks() -> None:
-    prefix = BlockKeys(DEFAULT).prefixes[0]
-    assert prefix == f"kvconn/{context_namespace(DEFAULT, KEY_VERSION, 0, '')}/"
+    prefix = BlockKeys(DEFAULT, "mine").prefixes[0]
+    assert prefix == f"kvconn/{context_namespace(DEFAULT, KEY_VERSION, 'mine', 0, '')}/".encode()
+    assert BlockKeys(DEFAULT, "yours").prefixes[0] != prefix  # the config's namespace separates runs
