@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from typing import ClassVar
 
 import msgspec
 import pytest
@@ -94,6 +95,8 @@ def test_module_paths_that_do_not_hold_a_connector(path: str, expected: str) -> 
 
 
 class TypedConfig(msgspec.Struct, forbid_unknown_fields=True):
+    renamed_fields: ClassVar[dict[str, str]] = {"pool": "pool_blocks"}
+
     pool_blocks: int = 8
     mode: str = "auto"
 
@@ -121,6 +124,8 @@ def test_config_is_validated_into_the_connectors_struct() -> None:
         load_connector(path, role="worker", config={"pool_blocks": "many"})
     with pytest.raises(ConnectorConfigError, match=r"unknown field 'pool_size'.*valid fields: pool_blocks, mode"):
         load_connector(path, role="worker", config={"pool_size": 1})
+    with pytest.raises(ConnectorConfigError, match=r"field 'pool' was renamed to 'pool_blocks': use the new name$"):
+        load_connector(path, role="worker", config={"pool": 1})
 
 
 @pytest.mark.parametrize(("cls", "why"), [("FutureApi", "newer than this SDK"), ("OtherMajor", "different major")])

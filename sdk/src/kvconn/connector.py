@@ -43,7 +43,8 @@ class KVConnector:
     and builds ``side``. One instance serves one role.
     """
 
-    #: msgspec Struct of the options; ``forbid_unknown_fields=True`` is advised.
+    #: msgspec Struct of the options; ``forbid_unknown_fields=True`` is advised. A ``renamed_fields``
+    #: ClassVar on it (old name -> new name) makes a config that uses an old name fail with the new one.
     Config: ClassVar[type[msgspec.Struct]] = NoConfig
     #: msgspec Struct subclass returned by ``build_connector_meta``.
     Metadata: ClassVar[type[KVConnectorMetadata]] = KVConnectorMetadata

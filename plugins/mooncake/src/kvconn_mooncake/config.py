@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
@@ -36,6 +36,9 @@ ENV_VARS = {
 
 class MooncakeConfig(StoreConfig, kw_only=True):
     """Options of the ``mooncake`` connector (and every :class:`~kvconn.store.StoreConfig` option)."""
+
+    #: Names before the move onto kvconn.store (a config that still uses one is told the new name).
+    renamed_fields: ClassVar[dict[str, str]] = {"store_timeout_s": "timeout_s", "save_decode_cache": "save_decode"}
 
     backend: Annotated[
         Literal["auto", "mooncake", "embedded"],

@@ -196,6 +196,13 @@ def _config_message(name: str, config_type: type[msgspec.Struct], detail: str) -
     # msgspec quotes names and types with backticks: quote names, leave types bare.
     what = what.replace("`", "" if what.startswith("Expected") else "'")
     if "unknown field" in what:
+        unknown = re.search(r"unknown field '([^']*)'", what)
+        renamed: Mapping[str, str] = getattr(config_type, "renamed_fields", {})
+        if unknown and unknown[1] in renamed:
+            return (
+                f"invalid config for connector {name!r}: field {unknown[1]!r} was renamed to "
+                f"{renamed[unknown[1]]!r}: use the new name"
+            )
         fields = ", ".join(f.name for f in msgspec.structs.fields(config_type)) or "none"
         return f"invalid config for connector {name!r}: {what.replace('Object contains ', '')}; valid fields: {fields}"
     where = f"field {path.lstrip('.')!r}" if path else "config"
