@@ -15,7 +15,10 @@ Loading: ``batch_is_exist`` on the chained-hash keys of the blocks after the
 local hit; the hit is the longest run of blocks present in every full-attention
 group, shortened until every sliding-window group has the blocks its window
 needs. Lookups are memoised for the step, as ``get_num_new_matched_tokens``
-may be asked again for the same request.
+may be asked again for the same request. A block whose load failed is not
+claimed again for :data:`FAILED_BLOCK_COOLDOWN_STEPS` steps: vLLM asks again at
+once after a failed load it sees as async (with several KV-cache groups, every
+load), and claiming the same bad value again would livelock the request.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ from .metadata import BlockTransfer, MooncakeMetadata
 __all__ = ["SchedulerSide"]
 
 
+#: Steps during which a block whose load failed is not claimed again (the store layer's default cooldown).
+FAILED_BLOCK_COOLDOWN_STEPS = 1000
+
+
 @dataclass
 class _Request:
     request: ConnectorRequest
@@ -62,6 +69,10 @@ class SchedulerSide(StoreSide):
         self._lookups: dict[str, tuple[tuple[int, int], int]] = {}  # this step's lookups
         self._final: dict[str, list[BlockTransfer]] = {}  # finished, saves not yet sent
         self._sending: set[str] = set()  # finished, saves sent, worker not done yet
+        self._committed: set[str] = set()  # requests whose load goes out in the next metadata
+        self._step = 0
+        self._loading: dict[str, list[tuple[int, bytes]]] = {}  # loads sent, not yet reported: (block id, hash)
+        self._cooling: dict[bytes, int] = {}  # block hash -> the step until which it is not claimed
 
     # ---------------------------------------------------------------- lookups
 
@@ -83,7 +94,10 @@ class SchedulerSide(StoreSide):
         return tokens, False
 
     def _lookup(self, hashes: Sequence[bytes], start: int, end: int) -> int:
-        """The end of the longest run of blocks from ``start`` that every group can load."""
+        """The end of the longest run of blocks from ``start`` that every group can load (none cooling)."""
+        end = next((i for i in range(start, end) if self._cooling.get(hashes[i], 0) > self._step), end)
+        if end <= start:
+            return start
         groups = range(len(self.groups))
         keys = [self.keys.key(g, hashes[i]) for g in groups for i in range(start, end)]
         codes = self.store.batch_is_exist(keys)
@@ -122,6 +136,11 @@ class SchedulerSide(StoreSide):
         last = first + num_external_tokens // bs
         loads = list(self._transfers(request, block_ids, first, last))
         self._requests[request.request_id] = _Request(request, saved_upto=last, loads=loads)
+        if loads:
+            self._committed.add(request.request_id)
+            self._loading[request.request_id] = [
+                (block_id, request.block_hashes[i]) for i, _, block_id in iter_block_ids(block_ids, first, last)
+            ]
 
     def _transfers(self, request: ConnectorRequest, table: BlockIds, start: int, end: int) -> Iterator[BlockTransfer]:
         hashes = request.block_hashes
@@ -138,15 +157,19 @@ class SchedulerSide(StoreSide):
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
     ) -> MooncakeMetadata:
+        self._step += 1
         self._lookups.clear()
         meta = MooncakeMetadata()
         loading: set[str] = set()
-        for req_id in scheduler_output.num_scheduled_tokens:
+        # Every committed load goes out now, its request scheduled this step or not (vLLM with several KV-cache
+        # groups holds a request back until its load is reported, see update_state_after_alloc's contract).
+        for req_id in self._committed:
             state = self._requests.get(req_id)
             if state is not None and state.loads:
                 meta.loads.extend(state.loads)
                 state.loads = []
                 loading.add(req_id)
+        self._committed.clear()
         for req_id, start, end in filled_blocks(scheduler_output, self.block_size):
             state = self._requests.get(req_id)
             if state is None:
@@ -182,6 +205,14 @@ class SchedulerSide(StoreSide):
         return True
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Loads end with the step their metadata went in (synchronous); their failed blocks start cooling."""
+        failed, until = connector_output.invalid_block_ids, self._step + FAILED_BLOCK_COOLDOWN_STEPS
+        for req_id in [r for r in self._loading if r not in self._committed]:  # sent: reported now
+            for block_id, block_hash in self._loading.pop(req_id):
+                if connector_output.failed or block_id in failed:
+                    self._cooling[block_hash] = until
+        if self._cooling:
+            self._cooling = {h: u for h, u in self._cooling.items() if u > self._step}
         self._sending -= connector_output.finished_sending
         if connector_output.failed:
             self._sending.clear()  # the host releases what a failed worker side held
