@@ -138,6 +138,7 @@ def _two_groups_run(connector: str, config: Any, fail_loads: str) -> tuple[Any, 
     return driver, [driver.generated("a"), driver.generated("b")]
 
 
+@pytest.mark.usefixtures("runner")
 @pytest.mark.parametrize("fail_loads", ["first", "persistent"])
 @pytest.mark.parametrize("connector", ["offload", "mooncake", "RemembersFailedLoads"])
 def test_a_failed_load_with_two_groups_is_recomputed_through_failed_recving(
