@@ -76,3 +76,10 @@ class OffByOneBlockLoadsConnector(ChunkedPrefillExampleConnector):
             if not request.is_store:
                 request.slot_mapping = request.slot_mapping + self._block_size
         return meta
+
+
+class SkipsLoadsConnector(ChunkedPrefillExampleConnector):
+    """A defect: claims its hits but its worker loads nothing (the request computes on whatever its blocks hold)."""
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None

@@ -107,6 +107,17 @@ def test_a_vllm_connector_loading_into_the_wrong_blocks_fails_the_round_trip_thr
     assert "large-blocks-reuse" in checks["KV040"]["message"] and "it ran on wrong KV" in checks["KV040"]["message"]
 
 
+def test_a_vllm_connector_whose_worker_skips_its_loads_passes_the_scenarios_and_fails_the_round_trip(
+    tmp_path: Path, fixtures: str
+) -> None:
+    report = run_native_conformance(
+        f"{fixtures}:SkipsLoadsConnector", config={"shared_storage_path": str(tmp_path)}, select="KV0[14]*"
+    )
+    statuses = {r.id: r.status for r in report.results}
+    assert statuses["KV010"] == statuses["KV011"] == "passed"  # only the KV the model reads shows it
+    assert statuses["KV040"] == "failed" and "it ran on wrong KV" in _failed(report)["KV040"]
+
+
 def test_metadata_holding_vllms_block_state_fails_kv021(tmp_path: Path, fixtures: str) -> None:
     report = run_native_conformance(
         f"{fixtures}:BlockStateInMetadataConnector", config={"shared_storage_path": str(tmp_path)}, select="KV021"
