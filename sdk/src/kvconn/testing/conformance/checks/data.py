@@ -101,6 +101,11 @@ PERSISTENT_FAILURE = DataRun(
     ),
     42,
 )
+#: The same with a full-attention and a sliding-window group: vLLM 0.33 takes such a failure per request
+#: (kvconn's adapter shows it every load as async), recomputes the whole request and asks the connector again.
+PERSISTENT_FAILURE_TWO_GROUPS = replace(
+    PERSISTENT_FAILURE, name="persistent-failure-two-groups", options={"kv_cache_groups": TWO_GROUPS}, seed=43
+)
 MID_BLOCK_CHUNKS = DataRun(
     "mid-block-chunks",
     {"max_num_batched_tokens": 24},
