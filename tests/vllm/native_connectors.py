@@ -65,3 +65,21 @@ class BlockStateInMetadataConnector(ChunkedPrefillExampleConnector):
         meta = super().build_connector_meta(scheduler_output)
         meta.block_state = scheduler_output.kv_connector_block_state  # type: ignore[attr-defined]
         return meta
+
+
+class OffByOneBlockLoadsConnector(ChunkedPrefillExampleConnector):
+    """A defect: loads each block of a hit into the block whose id follows (an off-by-one block id)."""
+
+    def build_connector_meta(self, scheduler_output: Any) -> ExampleConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        for request in meta.requests:
+            if not request.is_store:
+                request.slot_mapping = request.slot_mapping + self._block_size
+        return meta
+
+
+class SkipsLoadsConnector(ChunkedPrefillExampleConnector):
+    """A defect: claims its hits but its worker loads nothing (the request computes on whatever its blocks hold)."""
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None

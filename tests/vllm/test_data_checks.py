@@ -74,6 +74,21 @@ def test_the_livelocking_store_fails_under_vllm_and_its_correct_version_passes(
         assert "fix: stop claiming a block whose load failed" in result.message
 
 
+@pytest.mark.usefixtures("fixtures")
+@pytest.mark.parametrize(("connector", "failed"), [("ClaimsFailedBlocks", {"KV046"}), ("RemembersFailedLoads", set())])
+def test_a_sync_store_claiming_a_failed_block_livelocks_vllm_with_two_groups_and_its_correct_version_passes(
+    connector: str, failed: set[str]
+) -> None:
+    """With several KV-cache groups vLLM re-asks after a failed sync load too (the adapter shows it every load as
+    async to report the failure per request): KV046's two-group run catches a sync store that claims it again."""
+    report = run_conformance(LIVELOCK + connector, config={"load_async": False}, driver="vllm", select="KV04[06]")
+    assert {r.id for r in report.results if r.status == "failed"} == failed, report.results
+    if failed:
+        (result,) = (r for r in report.results if r.id == "KV046")
+        assert "'persistent-failure-two-groups', request 'b' never finishes" in result.message, result.message
+        assert "answering (64, False)" in result.message
+
+
 def _embedded_store(run: str) -> dict[str, str]:
     """Mooncake's embedded store lives as long as the process: a fresh one per run (KV041 then loses blocks too)."""
     return {"embedded_store": f"{run}-{uuid.uuid4().hex}"}

@@ -16,6 +16,7 @@ from kvconn import NULL_BLOCK_ID, BlockIds, KVCacheGroupSpec
 from kvconn_vllm.harness import VllmLoop, make_request, make_scheduler
 
 from .test_adapter import offered_tables, reuse_a_prefix_through
+from .test_data_checks import FIXTURES
 
 WINDOW = 32
 GROUPS = (KVCacheGroupSpec(("full.0", "full.1")), KVCacheGroupSpec(("swa.0",), sliding_window=WINDOW))
@@ -117,3 +118,52 @@ def test_the_two_groups_conformance_scenario_runs_through_vllm(connector: str) -
     sliding = [table[1] for record in trace.records for table in record.tables.values()]
     assert any(NULL_BLOCK_ID in t for t in sliding)  # the window freed blocks while the connector ran
     assert any(record.metadata is not None and record.offered for record in trace.records)
+
+
+def _two_groups_run(connector: str, config: Any, fail_loads: str) -> tuple[Any, list[list[int]]]:
+    """A then B (A's 64-token prefix) through vLLM's scheduler with two KV-cache groups and a failing load."""
+    from kvconn.reference import EngineShape
+    from kvconn.testing.conformance import DriverSpec
+    from kvconn_vllm.data_driver import VllmDataDriver
+
+    shape = EngineShape(enable_prefix_caching=False, kv_cache_groups=GROUPS)
+    driver = VllmDataDriver(DriverSpec(connector, config, shape), fail_loads=fail_loads, scrub_freed=True)  # type: ignore[arg-type]
+    prefix = list(range(5000, 5064))
+    for req_id, tail in (("a", [1, 2, 3]), ("b", [7, 8, 9, 10])):
+        driver.add_request(req_id, [*prefix, *tail], 6)
+        for _ in range(200):
+            if not driver.has_work():
+                break
+            driver.step()
+    return driver, [driver.generated("a"), driver.generated("b")]
+
+
+@pytest.mark.usefixtures("runner")
+@pytest.mark.parametrize("fail_loads", ["first", "persistent"])
+@pytest.mark.parametrize("connector", ["offload", "mooncake", "RemembersFailedLoads"])
+def test_a_failed_load_with_two_groups_is_recomputed_through_failed_recving(
+    connector: str, fail_loads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.33 raises on ``invalid_block_ids`` with several groups (``Scheduler._handle_invalid_blocks``):
+    the adapter reports the failed request in ``failed_recving`` instead, and vLLM recomputes it.
+
+    offload and mooncake load synchronously (vLLM sees their loads as async), the fixture asynchronously.
+    """
+    import uuid
+
+    from kvconn.reference import Engine
+
+    config = None
+    if connector == "mooncake":
+        config = {"embedded_store": uuid.uuid4().hex}
+    elif connector == "RemembersFailedLoads":
+        monkeypatch.syspath_prepend(str(FIXTURES))
+        connector = "kvconn_conformance_fixtures.livelock:RemembersFailedLoads"
+    driver, generated = _two_groups_run(connector, config, fail_loads)
+    assert driver.injected_failure, "no load failed: the test did not test recovery"
+    assert not driver.has_work()
+    with Engine(None, shape=driver.shape) as engine:
+        expected = engine.generate([[*range(5000, 5064), 1, 2, 3], [*range(5000, 5064), 7, 8, 9, 10]], max_tokens=6)
+    assert generated == expected  # B recomputed what failed: the reference engine's tokens
+    assert driver.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == driver.num_blocks - 1
+    driver.close()

@@ -6,6 +6,7 @@ vLLM 0.33 here (``.venv-vllm``); vLLM 0.29's ``MooncakeStoreConnector`` is in ``
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -66,6 +67,55 @@ def test_example_connector_with_the_fix_passes_every_check_that_applies(tmp_path
     assert trace.error is None
     first = [new for rec in trace.records for new in rec.output.scheduled_new_reqs if new.req_id == "r1"]
     assert first and first[0].num_computed_tokens == 64
+
+
+def test_example_connector_with_the_fix_passes_the_data_checks_loading_through_its_own_worker(
+    tmp_path: Path, fixtures: str
+) -> None:
+    """The data checks run the connector's own worker on the KV the model reads: its loads decide the tokens."""
+    from kvconn.testing.conformance.checks.data import data_runs
+
+    name = f"{fixtures}:ChunkedPrefillExampleConnector"
+    report = run_native_conformance(name, config={"shared_storage_path": str(tmp_path)}, select="KV04*")
+    assert {r.id: r.status for r in report.results} == {f"KV04{i}": "passed" for i in range(7)}, _failed(report)
+    runs = {case.name: result for case, result in data_runs(NativeSession(native_target(name), {
+        "shared_storage_path": str(tmp_path / "again")
+    }))}  # fmt: skip
+    assert runs["failed-load"].driver.injected_failure and runs["persistent-failure"].driver.injected_failure
+    # it reuses whole prompts only (up to their last full block): the runs sharing a part of one load nothing
+    loaded = {case: result.driver.stats.prompt_tokens_loaded for case, result in runs.items()}
+    assert loaded["chunked-reuse"] == 0 and loaded["large-blocks-reuse"] == 256 and loaded["mid-block-chunks"] > 0
+    assert "two-groups-reuse" not in runs  # not SupportsHMA: vLLM runs it with one KV-cache group only
+
+
+def test_a_vllm_connector_loading_into_the_wrong_blocks_fails_the_round_trip_through_the_cli(
+    tmp_path: Path, fixtures: str
+) -> None:
+    kvconn = shutil.which("kvconn", path=str(Path(sys.executable).parent))
+    assert kvconn is not None, "kvconn-cli is not installed in the vLLM venv"
+    config = json.dumps({"shared_storage_path": str(tmp_path)})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [kvconn, "validate", "--engine", "vllm", "--vllm-connector", f"{fixtures}:OffByOneBlockLoadsConnector",
+         "--config", config, "--check", "KV04*", "--json"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    (report,) = json.loads(result.stdout)["connectors"]
+    checks = {c["id"]: c for c in report["checks"]}
+    assert checks["KV040"]["status"] == "failed", checks["KV040"]
+    assert "large-blocks-reuse" in checks["KV040"]["message"] and "it ran on wrong KV" in checks["KV040"]["message"]
+
+
+def test_a_vllm_connector_whose_worker_skips_its_loads_passes_the_scenarios_and_fails_the_round_trip(
+    tmp_path: Path, fixtures: str
+) -> None:
+    report = run_native_conformance(
+        f"{fixtures}:SkipsLoadsConnector", config={"shared_storage_path": str(tmp_path)}, select="KV0[14]*"
+    )
+    statuses = {r.id: r.status for r in report.results}
+    assert statuses["KV010"] == statuses["KV011"] == "passed"  # only the KV the model reads shows it
+    assert statuses["KV040"] == "failed" and "it ran on wrong KV" in _failed(report)["KV040"]
 
 
 def test_metadata_holding_vllms_block_state_fails_kv021(tmp_path: Path, fixtures: str) -> None:

@@ -85,6 +85,12 @@ class KVConnectorSpec:
         It is ``0`` for every connector except the one chosen to load (the first
         that reported a hit). Do not keep ``block_ids`` beyond the step: tables
         change (preemption replaces them); read them again from the block state.
+
+        Send the committed load in the next ``build_connector_meta``, whether or
+        not ``request`` is scheduled in that step: an engine may hold it back
+        until the load is reported (vLLM with several KV-cache groups sees every
+        load as async, to recover a failed one per request), and then calls this
+        again for it with ``num_external_tokens`` ``0``.
         """
 
     @hookspec

@@ -16,12 +16,24 @@ at this boundary (:mod:`.translate`). What crosses processes is plain data:
 * workers -> scheduler: :class:`KVConnVllmWorkerMetadata` (vLLM's
   ``kv_connector_worker_meta``): one :class:`~.reports.WorkerReport` per worker.
 
-Load failures always reach vLLM as ``invalid_block_ids`` *in the step that
-ran on them*, because vLLM handles invalid blocks before it calls
+Load failures reach vLLM as ``invalid_block_ids`` *in the step that ran on
+them*, because vLLM handles invalid blocks before it calls
 ``update_connector_output``: the scheduler lists each connector's loads in the
 metadata, and a worker whose connector raised, or got no metadata, reports
 that connector's load blocks itself. vLLM then recomputes or fails the
 request according to ``kv_load_failure_policy`` (use ``"recompute"``).
+
+With several KV-cache groups, vLLM 0.33 takes no invalid blocks (block ids are
+unique only within a group: ``Scheduler._handle_invalid_blocks`` raises) and
+takes a failed load per request, in ``KVConnectorTransferResults.failed_recving``,
+for async loads only (``Scheduler._handle_failed_recving`` acts on requests in
+``WAITING_FOR_REMOTE_KVS``). So there every load is async to vLLM (a connector's
+sync load still runs in the worker step its metadata reaches, and ends with it),
+and a load that ended with a failed block is held back one step: the scheduler
+lists it in ``failed_loads``, and the workers report it in ``failed_recving``
+and ``finished_recving`` (both, as vLLM's ``KVOutputAggregator`` requires). vLLM
+then recomputes the request from its first token (``_update_waiting_for_remote_kv``
+frees its blocks and asks the connector again).
 """
 
 from __future__ import annotations
@@ -36,6 +48,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # vLLM 0.29: failed loads are invalid blocks only, with any number of groups
+    KVConnectorTransferResults = None
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvconn._plugins.manager import hook_object
@@ -43,7 +60,7 @@ from kvconn._plugins.registry import connector_roles
 from kvconn.block_state import KVConnectorBlockState, block_ids_in_range
 from kvconn.connector import KVConnectorRole as KVConnRole
 from kvconn.errors import ConnectorConfigError, KVConnError, WireError
-from kvconn.host import NO_LOAD, ConnectorHost, LoadPlan
+from kvconn.host import NO_LOAD, ConnectorHost, LoadPlan, StepUpdate
 from kvconn.host.wire import decode_metadata, encode_metadata
 from kvconn.metadata import KVConnectorMetadata as KVConnMetadata
 from kvconn.outputs import KVConnectorOutput
@@ -215,6 +232,9 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_loads: dict[str, LoadSpec] = {}
         self._tracker: TableTracker | None = None
         self._sliding = any(g.sliding_window is not None for g in self.context.kv_cache_groups)
+        # several groups under a vLLM with failed_recving: failed loads go per request (see the module docstring)
+        self._per_request = KVConnectorTransferResults is not None and len(self.context.kv_cache_groups) > 1
+        self._sent_sync: dict[str, list[int]] = {}  # sync loads vLLM sees as async, sent, ending this update
         # Metadata goes to workers only for connectors that run there (scheduler-only ones are left out).
         self._sent = {n for n, c in self.host.connectors.items() if KVConnRole.WORKER in connector_roles(type(c))}
         self._builders = [
@@ -229,6 +249,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         self._undecoded: list[str] = []
         self._report: WorkerReport | None = None
         self._invalid: set[int] = set()
+        self._failed_recving: set[str] = set()
         self._stats: dict[str, float] = {}
         self._saved = True  # no step open until metadata is bound
         self._late_layer_logged = False
@@ -248,7 +269,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             if num_tokens > cut:
                 num_tokens, plan = cut, LoadPlan(cut, False, plan.connector)
         self._plans[request.request_id] = (plan, num_computed_tokens)
-        return num_tokens, plan.load_async and num_tokens > 0
+        return num_tokens, (plan.load_async or self._per_request) and num_tokens > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Commit the planned load; vLLM's external tokens follow the block-aligned local hit."""
@@ -267,7 +288,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             if loading and plan.connector is not None:
                 self._loads[plan.connector][request.request_id] = load
             else:
-                self._failed_loads[request.request_id] = load
+                self._failed_loads[request.request_id] = (blocks_to_load, plan.load_async or self._per_request)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnVllmMetadata:
         self._step += 1
@@ -286,7 +307,9 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             if reqs:
                 loads[name] = dict(reqs)
                 for req_id in [r for r, (_, is_async) in reqs.items() if not is_async]:
-                    del reqs[req_id]  # sync loads complete within the step they are sent
+                    blocks, _ = reqs.pop(req_id)  # sync loads complete within the step they are sent
+                    if self._per_request:
+                        self._sent_sync[req_id] = blocks
         failed, self._failed_loads = self._failed_loads, {}
         # encoded holds only builders' metadata: one missing was dropped
         dropped = [n for n in self._builders if n not in encoded] if len(encoded) < len(self._builders) else []
@@ -357,11 +380,28 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             outputs, failed_recving = self._attribute(connector_output)
         update = self.host.update_connector_output(outputs)
+        ended = self._sent_sync
         for reqs in self._loads.values():
             for req_id in update.finished_recving:
-                reqs.pop(req_id, None)
+                load = reqs.pop(req_id, None)
+                if load is not None and self._per_request:
+                    ended[req_id] = load[0]
+        finished = self._hold_failed_loads(ended, update) if ended else update.finished_recving
         connector_output.finished_sending = update.finished_sending or None
-        connector_output.finished_recving = (update.finished_recving | failed_recving) or None
+        connector_output.finished_recving = (finished | failed_recving) or None
+
+    def _hold_failed_loads(self, ended: dict[str, list[int]], update: StepUpdate) -> set[str]:
+        """Several groups: the loads that ended this update are finished for vLLM, but those with a failed block.
+
+        Those are failed loads for the next step (the workers report them in
+        ``failed_recving``, which vLLM reads before this call). A block id
+        names a block only within its group, so a load holding the id of a
+        failed block in any group fails: a recompute, never wrong KV.
+        """
+        self._sent_sync = {}
+        failed = {r: (blocks, True) for r, blocks in ended.items() if not update.invalid_block_ids.isdisjoint(blocks)}
+        self._failed_loads.update(failed)
+        return (update.finished_recving | ended.keys()) - failed.keys()
 
     def _attribute(self, connector_output: Any) -> tuple[dict[str, KVConnectorOutput], set[str]]:
         """Without worker reports: vLLM's merged sets, each connector given what is its own.
@@ -468,11 +508,22 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
                     self._stats[f"{name}.{key}"] = self._stats.get(f"{name}.{key}", 0) + value
         self._report = WorkerReport(outputs, failed_async) if news else None
         self._bound = _UNBOUND
+        if self._per_request:  # vLLM takes these requests' failures, not blocks (see the module docstring)
+            self._failed_recving, self._invalid = failed_async, set()
         if _HAS_WORKER_META:
             return None, None
         sending = {r for out in outputs.values() for r in out.finished_sending}
         recving = {r for out in outputs.values() for r in out.finished_recving} | failed_async
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.33's report of a step's transfers: ``get_finished``'s, and the failed loads (several groups).
+
+        A failed load is in ``finished_recving`` too, as ``KVConnectorTransferResults`` requires.
+        """
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed_recving = self._failed_recving, set()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()) | failed, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid = self._invalid, set()

@@ -36,7 +36,7 @@ from kvconn.testing.conformance.failures import FailureMode, watch_data_run
 from .driver import VllmDriver
 from .harness import EOS_TOKEN_ID, HEAD_SIZE, NUM_KV_HEADS, VllmLoop, make_request
 
-__all__ = ["FREED", "ModelLoop", "VllmDataDriver"]
+__all__ = ["FREED", "DataRunMethods", "ModelLoop", "VllmDataDriver"]
 
 #: What a freed block holds once scrubbed: outside the model's KV range, unlike anything it writes.
 FREED = -5.0
@@ -47,10 +47,12 @@ VOCAB_SIZE = 32_000
 class ModelLoop(VllmLoop):
     """:class:`~.harness.VllmLoop` whose model is the reference model (see the module docstring)."""
 
-    def __init__(self, scheduler: Any, *, scrub_freed: bool = False, worker_config: Any = None) -> None:
+    def __init__(
+        self, scheduler: Any, *, scrub_freed: bool = False, worker_config: Any = None, worker: Any = None
+    ) -> None:
         import torch
 
-        super().__init__(scheduler, worker_config=worker_config)
+        super().__init__(scheduler, worker_config=worker_config, worker=worker)
         if VOCAB_SIZE > EOS_TOKEN_ID:  # sampling vLLM's EOS would end a request the reference engine continues
             raise AssertionError("the model's vocabulary must not reach vLLM's EOS token")
         self.model = ReferenceModel(
@@ -137,7 +139,47 @@ class ModelLoop(VllmLoop):
                 kv[free] = FREED
 
 
-class VllmDataDriver(VllmDriver):
+class DataRunMethods:
+    """What both vLLM data drivers add to their scheduler driver: requests kept for their tokens, load counts.
+
+    ``_committed`` counts a load the connector committed (``plan.num_tokens`` from ``request``'s computed
+    tokens); ``failures`` is the run's :class:`~kvconn.testing.conformance.failures.LoadFailures`, if any.
+    """
+
+    block_size: int
+    scheduler: Any
+    stats: EngineStats
+    failures: Any
+    _requests: dict[str, Any]
+    _loaded: dict[str, int]
+
+    def _committed(self, request: Any, plan: LoadPlan) -> None:
+        tokens = plan.num_tokens or 0
+        self._loaded[request.request_id] = tokens
+        start = request.num_computed_tokens
+        self.stats.prompt_tokens_loaded += max(0, min(start + tokens, len(request.prompt_token_ids)) - start)
+
+    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> None:
+        request = self._requests[req_id] = make_request(req_id, prompt, max_tokens, self.block_size)
+        self.scheduler.add_request(request)
+
+    def step(self, *, withhold: Iterable[str] = ()) -> StepRecord:
+        self._loaded = {}
+        record: StepRecord = super().step(withhold=frozenset(withhold))  # type: ignore[misc]
+        record.loaded = self._loaded
+        return record
+
+    def generated(self, req_id: str) -> list[int]:
+        """The tokens ``req_id`` generated so far."""
+        return list(self._requests[req_id].output_token_ids)
+
+    @property
+    def injected_failure(self) -> bool:
+        """Whether a load was made to fail (``fail_loads``)."""
+        return self.failures is not None and self.failures.failed > 0
+
+
+class VllmDataDriver(DataRunMethods, VllmDriver):
     """vLLM's scheduler and model-runner code with a model: the data checks' driver (see the module docstring).
 
     Keywords as :class:`~kvconn.testing.conformance.ReferenceDriver`'s:
@@ -184,28 +226,3 @@ class VllmDataDriver(VllmDriver):
                 self._committed(request, plan)
         elif (out := args[0].get(self.name)) is not None:
             self.stats.failed_load_blocks += len(out.invalid_block_ids)
-
-    def _committed(self, request: Any, plan: LoadPlan) -> None:
-        tokens = plan.num_tokens or 0
-        self._loaded[request.request_id] = tokens
-        start = request.num_computed_tokens
-        self.stats.prompt_tokens_loaded += max(0, min(start + tokens, len(request.prompt_token_ids)) - start)
-
-    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> None:
-        request = self._requests[req_id] = make_request(req_id, prompt, max_tokens, self.block_size)
-        self.scheduler.add_request(request)
-
-    def step(self, *, withhold: Iterable[str] = ()) -> StepRecord:
-        self._loaded = {}
-        record = super().step(withhold=frozenset(withhold))
-        record.loaded = self._loaded
-        return record
-
-    def generated(self, req_id: str) -> list[int]:
-        """The tokens ``req_id`` generated so far."""
-        return list(self._requests[req_id].output_token_ids)
-
-    @property
-    def injected_failure(self) -> bool:
-        """Whether a load was made to fail (``fail_loads``)."""
-        return self.failures is not None and self.failures.failed > 0

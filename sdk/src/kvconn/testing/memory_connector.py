@@ -6,9 +6,11 @@ suite's deliberately broken connectors change one thing in.
 
 Scheduler side: saves every full block on the step that fills it, reading the
 live table from the block state; reports prefix hits (the blocks whose every
-layer is in the store, with async loads up to the first whose async load
-failed before: a corrupt value stays in the store, and an engine asks again
-after a failed async load); loads sync or async (``load_async``). Worker side:
+layer is in the store, up to the first whose async load failed before: a
+corrupt value stays in the store, and an engine asks again after a failed
+async load; with several KV-cache groups, up to the first whose load failed,
+as vLLM then asks again after any); loads sync or async (``load_async``).
+Worker side:
 copies blocks to and from :data:`STORE`, a dict shared by every instance in
 the process, keyed by a namespace of the engine's model, dtype, block size
 and KV-cache groups (and ``store``), the layer and the block hash; a block
@@ -93,8 +95,9 @@ class MemoryConnector(KVConnector):
         self.requests: dict[str, ConnectorRequest] = {}
         self.saved_upto: dict[str, int] = {}  # blocks of each request already saved or loaded
         self.pending_loads: list[Transfer] = []
-        #: async loads in flight, per request: block id -> block hash; hashes whose async load failed
+        #: remembered loads in flight, per request: block id -> block hash; hashes whose load failed
         self.loads_in_flight: dict[str, dict[int, bytes]] = {}
+        self.sent_sync: set[str] = set()  # sync loads whose metadata went out: reported on the next update
         self.failed_hashes: set[bytes] = set()
         self.kv_caches: dict[str, Any] = {}
         self.failed: set[int] = set()
@@ -105,6 +108,11 @@ class MemoryConnector(KVConnector):
 
     def _injected_failure(self) -> None:
         raise RuntimeError(f"injected failure in {self.config.fail_hook}")
+
+    @property
+    def remembers_failures(self) -> bool:
+        """Whether a failed load is remembered: where the engine asks again after it (see the module docstring)."""
+        return self.config.load_async or len(self.context.kv_cache_groups) > 1
 
     def _saved(self, block_hash: bytes) -> bool:
         return all((self.namespace, layer, block_hash) in STORE for layer in self.layers)
@@ -129,7 +137,7 @@ class MemoryConnector(KVConnector):
         self.saved_upto[request.request_id] = last
         loads = self.transfers(request, block_ids, range(first, last))
         self.pending_loads += loads
-        if loads and self.config.load_async:
+        if loads and self.remembers_failures:
             self.loads_in_flight[request.request_id] = {t.block_id: t.block_hash for t in loads}
 
     def transfers(self, request: ConnectorRequest, block_ids: BlockIds, blocks: range) -> list[Transfer]:
@@ -141,6 +149,8 @@ class MemoryConnector(KVConnector):
     ) -> MemoryMetadata:
         meta = MemoryMetadata(loads=self.pending_loads)
         self.pending_loads = []
+        if not self.config.load_async and self.remembers_failures:
+            self.sent_sync.update(t.req_id for t in meta.loads)
         for filled in filled_blocks(scheduler_output, self.context.block_size):
             req_id = filled.req_id
             request = self.requests.get(req_id)
@@ -162,14 +172,17 @@ class MemoryConnector(KVConnector):
         return min(filled.end, len(request.block_hashes))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Remember the blocks whose async load failed (never claimed again); forget the loads that ended.
+        """Remember the blocks whose load failed (never claimed again); forget the loads that ended.
 
-        A failed sync load costs the request a recompute; a failed async load
-        with no valid prefix sends it back to be asked again, and claiming the
-        same bad block then would loop for ever.
+        A failed sync load costs the request a recompute (with one KV-cache
+        group); a failed async load with no valid prefix sends it back to be
+        asked again (so does any failed load under vLLM with several groups),
+        and claiming the same bad block then would loop for ever.
         """
         invalid, done = connector_output.invalid_block_ids, connector_output.finished_recving
         failed = connector_output.failed  # the worker side raised: every load in flight failed
+        done = done | self.sent_sync  # a sync load ends with the step its metadata went in
+        self.sent_sync = set()
         for req_id, hashes in list(self.loads_in_flight.items()):
             self.failed_hashes.update(h for b, h in hashes.items() if failed or b in invalid)
             if failed or req_id in done:

@@ -74,6 +74,11 @@ class Session:
     gets a fresh namespace for every run. ``config`` serves everything else.
     """
 
+    #: Whether every data run must load something (a kvconn plugin that saves and loads reuses any shared full
+    #: block); a vLLM connector may reuse only whole prompts (``ExampleConnector``), so its runs that claim
+    #: nothing are judged on their tokens alone, and a round trip must still load.
+    every_data_run_loads = True
+
     def __init__(
         self,
         connector: str,
