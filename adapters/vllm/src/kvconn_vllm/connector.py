@@ -186,6 +186,11 @@ def _tp_rank() -> int:
         return 0  # no distributed state (single process, tests)
 
 
+def _failed_loads(loads: dict[str, LoadSpec]) -> tuple[set[str], set[int]]:
+    """The async ones of loads that no connector will do, and all their blocks (reported invalid)."""
+    return {r for r, (_, is_async) in loads.items() if is_async}, {b for blocks, _ in loads.values() for b in blocks}
+
+
 class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
     """Hosts kvconn connectors for one vLLM role; see the module docstring.
 
@@ -461,8 +466,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             if out.failed or name in bound.dropped or name in self._undecoded:
                 out.failed = True  # the host recomputes its loads; vLLM learns it from the blocks below
                 out.invalid_block_ids |= {b for blocks, _ in loads.values() for b in blocks}
-        failed_async = {r for r, (_, is_async) in bound.failed_loads.items() if is_async}
-        self._invalid = {b for blocks, _ in bound.failed_loads.values() for b in blocks}
+        failed_async, self._invalid = _failed_loads(bound.failed_loads) if bound.failed_loads else (set(), set())
         # A step with nothing to report (the usual one) sends no report, unless the scheduler waits on a
         # transfer: vLLM calls update_connector_output only on a step with a forward or a report.
         news = bool(failed_async) or bound.report
