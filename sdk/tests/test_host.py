@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -127,6 +128,44 @@ def test_failed_worker_side_fails_its_loads_and_releases_its_delayed_frees() -> 
     update = host.update_connector_output({"a": KVConnectorOutput(failed=True)})
     assert update.invalid_block_ids == {5}
     assert update.finished_sending == {"done"}
+
+
+class Sleepy(Recorder):
+    def build_connector_meta(self) -> Named:
+        time.sleep(0.003)
+        return super().build_connector_meta()
+
+
+@pytest.mark.parametrize("beside", [False, True], ids=["alone", "beside-another"])
+def test_a_connector_alone_fails_and_stalls_exactly_as_one_beside_another(beside: bool) -> None:
+    """A hook only one connector implements is called without the loop over several: the same accounting."""
+
+    def host(**connectors: Recorder) -> ConnectorHost:
+        others = {"other": sched()} if beside else {}
+        return ConnectorHost({**connectors, **others}, role="scheduler", hook_budget_s=0.001, max_slow_calls=2)
+
+    def build(on: ConnectorHost) -> dict[str, KVConnectorMetadata]:
+        output = kvconn.SchedulerOutput(0, [], kvconn.CachedRequestData(), {}, 0)
+        return on.build_connector_meta(output, kvconn.KVConnectorBlockState(set(), dict))
+
+    lookup = host(bad=sched(hits=16, fail_in="get_num_new_matched_tokens"))
+    (request,) = create_requests(1, 40)
+    assert lookup.get_num_new_matched_tokens(request, 0) == LoadPlan(0, False, None)
+    assert lookup.error_counts == {("bad", "get_num_new_matched_tokens"): 1}
+
+    loader = host(bad=sched(hits=16, fail_in="build_connector_meta"))
+    request = Request("r", list(range(40)), 4, 16)
+    plan = loader.get_num_new_matched_tokens(request, 0)
+    assert plan == LoadPlan(16, False, "bad") and loader.update_state_after_alloc(request, ([5, 6, 7],), plan)
+    assert "bad" not in build(loader)
+    assert loader.update_connector_output({}).invalid_block_ids == {5}  # its load never went out: recomputed
+    assert loader.error_counts == {("bad", "build_connector_meta"): 1}
+
+    slow = Sleepy(role="scheduler")
+    stalled = host(slow=slow)
+    assert ["slow" in build(stalled) for _ in range(3)] == [True, False, False]  # the second overrun degrades it
+    assert stalled.slow_calls == {("slow", "build_connector_meta"): 2}
+    assert stalled.error_counts == {("slow", "build_connector_meta"): 1}
 
 
 class AsyncRecorder(Recorder):

@@ -121,6 +121,8 @@ class KVConnVllmMetadata(KVConnectorMetadata):
 
 #: A worker's metadata between steps (read, never changed).
 _UNBOUND = KVConnVllmMetadata()
+#: No request ids (shared, never changed: what a step without failed loads has).
+_NO_IDS: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -199,6 +201,11 @@ def _tp_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except (AssertionError, ImportError, RuntimeError):
         return 0  # no distributed state (single process, tests)
+
+
+def _failed_loads(loads: dict[str, LoadSpec]) -> tuple[set[str], set[int]]:
+    """The async ones of loads that no connector will do, and all their blocks (reported invalid)."""
+    return {r for r, (_, is_async) in loads.items() if is_async}, {b for blocks, _ in loads.values() for b in blocks}
 
 
 class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
@@ -293,7 +300,8 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnVllmMetadata:
         self._step += 1
         output = translate_scheduler_output(scheduler_output, self._step)
-        metadata = self.host.build_connector_meta(output, self._block_state(scheduler_output, output))
+        host = self.host
+        metadata = host.build_connector_meta(output, self._block_state(scheduler_output, output))
         encoded: dict[str, bytes] = {}
         for name, meta in metadata.items():
             if name not in self._sent:
@@ -302,6 +310,10 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
                 encoded[name] = encode_metadata(name, meta)
             except KVConnError as exc:  # its workers get no metadata and fail its loads
                 logger.warning("kvconn connector %r: metadata dropped this step: %s", name, exc)
+        # encoded holds only builders' metadata: one missing was dropped
+        dropped = [n for n in self._builders if n not in encoded] if len(encoded) < len(self._builders) else []
+        if not (self._failed_loads or any(self._loads.values())):  # no load in flight: the usual step
+            return KVConnVllmMetadata(encoded, {}, {}, dropped, report=host.awaits_reports)
         loads = {}
         for name, reqs in self._loads.items():
             if reqs:
@@ -311,9 +323,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
                     if self._per_request:
                         self._sent_sync[req_id] = blocks
         failed, self._failed_loads = self._failed_loads, {}
-        # encoded holds only builders' metadata: one missing was dropped
-        dropped = [n for n in self._builders if n not in encoded] if len(encoded) < len(self._builders) else []
-        return KVConnVllmMetadata(encoded, loads, failed, dropped, report=self.host.awaits_reports)
+        return KVConnVllmMetadata(encoded, loads, failed, dropped, report=host.awaits_reports)
 
     def _block_state(self, scheduler_output: Any, output: Any) -> KVConnectorBlockState:
         """vLLM's lazy block state (0.30+), or tables tracked from the outputs.
@@ -322,16 +332,16 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         that got new blocks this step (``block_ids``): its tables are vLLM's own and are used, the other
         scheduled requests' (the block-fill step's) come from the tracker.
         """
-        state = getattr(scheduler_output, "kv_connector_block_state", None)
-        snapshot: dict[str, Any] | None = None
-        if state is not None and not hasattr(state, "req_ids"):
-            snapshot, state = dict(state.block_ids), None
-        if state is not None and self._tracker is None:
+        state: Any = getattr(scheduler_output, "kv_connector_block_state", None)
+        if self._tracker is None and hasattr(state, "req_ids"):
             # vLLM builds the offered set and the hand-offs afresh each step for the connector and drops them after
             # build_connector_meta: they are wrapped, not copied.
             return KVConnectorBlockState(
                 state.req_ids, state.resolve_block_ids, getattr(state, "boundary_state_offloads", None)
             )
+        snapshot: dict[str, Any] | None = None
+        if state is not None and not hasattr(state, "req_ids"):
+            snapshot, state = dict(state.block_ids), None
         if self._tracker is None:
             if self._sliding:
                 logger.error(
@@ -373,19 +383,21 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         the host decided (e.g. a free delayed by two connectors waits for both).
         """
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        failed_recving: set[str] | frozenset[str]
         if isinstance(worker_meta, KVConnVllmWorkerMetadata):
             outputs, failed_recving = self._collector.collect(worker_meta.reports)
         elif worker_meta is None and _HAS_WORKER_META:  # no worker had anything to report
-            outputs, failed_recving = {}, set()
+            outputs, failed_recving = {}, _NO_IDS
         else:
             outputs, failed_recving = self._attribute(connector_output)
         update = self.host.update_connector_output(outputs)
         ended = self._sent_sync
-        for reqs in self._loads.values():
-            for req_id in update.finished_recving:
-                load = reqs.pop(req_id, None)
-                if load is not None and self._per_request:
-                    ended[req_id] = load[0]
+        if update.finished_recving:
+            for reqs in self._loads.values():
+                for req_id in update.finished_recving:
+                    load = reqs.pop(req_id, None)
+                    if load is not None and self._per_request:
+                        ended[req_id] = load[0]
         finished = self._hold_failed_loads(ended, update) if ended else update.finished_recving
         connector_output.finished_sending = update.finished_sending or None
         connector_output.finished_recving = (finished | failed_recving) or None
@@ -444,8 +456,9 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
         self._bound = connector_metadata if isinstance(connector_metadata, KVConnVllmMetadata) else _UNBOUND
         decoded: dict[str, KVConnMetadata] = {}
-        self._undecoded = []
-        for name, blob in self._bound.connectors.items():
+        if self._undecoded:
+            self._undecoded = []
+        for name, blob in self._bound.connectors.items() if self._readers else ():
             if name not in self._readers:
                 continue
             try:
@@ -493,8 +506,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             if out.failed or name in bound.dropped or name in self._undecoded:
                 out.failed = True  # the host recomputes its loads; vLLM learns it from the blocks below
                 out.invalid_block_ids |= {b for blocks, _ in loads.values() for b in blocks}
-        failed_async = {r for r, (_, is_async) in bound.failed_loads.items() if is_async}
-        self._invalid = {b for blocks, _ in bound.failed_loads.values() for b in blocks}
+        failed_async, self._invalid = _failed_loads(bound.failed_loads) if bound.failed_loads else (set(), set())
         # A step with nothing to report (the usual one) sends no report, unless the scheduler waits on a
         # transfer: vLLM calls update_connector_output only on a step with a forward or a report.
         news = bool(failed_async) or bound.report

@@ -222,11 +222,10 @@ def context_from_vllm(
     )
 
 
-def _resumed_flags(cached: Any) -> list[bool]:
-    """vLLM >= 0.11 has ``resumed_req_ids`` (a set); older ones a per-position list."""
-    resumed = getattr(cached, "resumed_req_ids", None)
+def _resumed_flags(cached: Any, resumed: Any) -> list[bool]:
+    """vLLM >= 0.11 has ``resumed_req_ids`` (a set, here non-empty); older ones a per-position list."""
     if resumed is not None:
-        return [req_id in resumed for req_id in cached.req_ids] if resumed else [False] * len(cached.req_ids)
+        return [req_id in resumed for req_id in cached.req_ids]
     return [bool(f) for f in getattr(cached, "resumed_from_preemption", [False] * len(cached.req_ids))]
 
 
@@ -243,20 +242,26 @@ def translate_scheduler_output(output: Any, step: int) -> SchedulerOutput:
     """
     cached = output.scheduled_cached_reqs
     n = len(cached.req_ids)
-    new_token_ids = [list(t) for t in cached.new_token_ids] if len(cached.new_token_ids) == n else [[]] * n
+    new_token_ids = [list(t) for t in cached.new_token_ids] if len(cached.new_token_ids) == n and n else [[]] * n
+    # The usual step (no new request, none resumed) builds no list comprehension.
+    resumed = getattr(cached, "resumed_req_ids", None)
+    flags = [False] * n if resumed is not None and not resumed else _resumed_flags(cached, resumed)
+    all_token_ids = getattr(cached, "all_token_ids", None)
     return SchedulerOutput(
         step=step,
         scheduled_new_reqs=[
             NewRequestData(r.req_id, list(r.prompt_token_ids or []), to_block_ids(r.block_ids), r.num_computed_tokens)
             for r in output.scheduled_new_reqs
-        ],
+        ]
+        if output.scheduled_new_reqs
+        else [],
         scheduled_cached_reqs=CachedRequestData(
             req_ids=ListView(cached.req_ids),
-            resumed_from_preemption=_resumed_flags(cached),
+            resumed_from_preemption=flags,
             new_token_ids=new_token_ids,
             new_block_ids=NewBlockIdsView(cached.new_block_ids),
             num_computed_tokens=ListView(cached.num_computed_tokens),
-            all_token_ids={k: list(v) for k, v in (getattr(cached, "all_token_ids", None) or {}).items()},
+            all_token_ids={k: list(v) for k, v in all_token_ids.items()} if all_token_ids else {},
         ),
         num_scheduled_tokens=MappingProxyType(output.num_scheduled_tokens),
         total_num_scheduled_tokens=int(output.total_num_scheduled_tokens),

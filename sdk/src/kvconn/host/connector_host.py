@@ -318,6 +318,11 @@ class ConnectorHost:
         self._metadata: dict[str, KVConnectorMetadata] = {}
         #: connectors out for the rest of the run: a failed register_kv_caches, max_slow_calls overruns in a row
         self._disabled: set[str] = set()
+        # A step's calls of hooks nobody implements are skipped whole (most steps of most connectors).
+        self._layered = any(self._impls.get(h) for h in ("start_load_kv", "save_kv_layer", "wait_for_layer_load"))
+        self._reporting = any(
+            self._impls.get(h) for h in ("get_finished", "get_block_ids_with_load_errors", "get_kv_connector_stats")
+        )
         self._plan_layers()
         self._monitors: list[_Monitor] = []
 
@@ -413,7 +418,7 @@ class ConnectorHost:
         that leaves out empty worker reports must still deliver one every step
         while this holds.
         """
-        return bool(self._sending) or any(map(self._in_flight, self.connectors))
+        return bool(self._sending) or any(self._loads.values()) or any(self._abandoned.values())
 
     def _in_flight(self, name: str) -> bool:
         """Whether connector ``name`` has a load (or an abandoned one) its workers have still to report."""
@@ -562,45 +567,65 @@ class ConnectorHost:
         hook: str,
         args: tuple[Any, ...] | Callable[[str], tuple[Any, ...]],
         check: Callable[[Any], Any] | None = None,
-    ) -> Iterator[tuple[str, Any]]:
+    ) -> Iterable[tuple[str, Any]]:
         """Call ``hook`` on every connector implementing it, in order; yield ``(name, result)`` of the successes.
 
         ``args`` are the spec's arguments in order, or a function of the
         connector's name returning them. ``check`` validates and converts a
         result; a :class:`BadHookAnswer` it raises is a failure of the hook.
         On the worker, a connector that raised earlier in the step sits out
-        the rest of it. A hook nobody implements costs no generator.
+        the rest of it. A hook nobody implements costs no generator, and one
+        implemented by a single connector (the usual host) is called at once,
+        its answer returned in a tuple: the same call, one layer less.
         """
-        return self._call_each(hook, args, check) if self._impls[hook] else iter(())
+        impls = self._impls[hook]
+        if not impls:
+            return ()
+        if len(impls) > 1:
+            return self._call_each(impls, hook, args, check)
+        name, call = impls[0]
+        if name in (self._failed_this_step if self.role is KVConnectorRole.WORKER else self._disabled):
+            return ()
+        result = self._call(name, call, hook, args, check)
+        return () if result is _FAILED else ((name, result),)
 
     def _call_each(
         self,
+        impls: list[_Impl],
         hook: str,
         args: tuple[Any, ...] | Callable[[str], tuple[Any, ...]],
         check: Callable[[Any], Any] | None,
     ) -> Iterator[tuple[str, Any]]:
         skip = self._failed_this_step if self.role is KVConnectorRole.WORKER else self._disabled
-        # One clock read per call: each call's time runs from the previous read, so it also holds the
-        # caller's bookkeeping between two yields (microseconds; the budget is in seconds).
-        started = perf_counter()
-        for name, call in self._impls[hook]:
-            if name in skip:
+        for name, call in impls:
+            if name in skip:  # read at each connector: one may fail while an earlier one's result is handled
                 continue
-            try:
-                result = call(*(args(name) if callable(args) else args))
-                if check is not None:
-                    result = check(result)
-            except Exception as exc:
-                self._fail(name, hook, exc)
-                result = _FAILED
-            now = perf_counter()
-            if now - started > self.hook_budget_s:
-                self._slow(name, hook, now - started)
-            else:
-                self._in_budget(name, hook)
-            started = now
+            result = self._call(name, call, hook, args, check)
             if result is not _FAILED:
                 yield name, result
+
+    def _call(
+        self,
+        name: str,
+        call: Callable[..., Any],
+        hook: str,
+        args: tuple[Any, ...] | Callable[[str], tuple[Any, ...]],
+        check: Callable[[Any], Any] | None,
+    ) -> Any:
+        """One connector's call of ``hook``, timed against the budget: its (checked) result, or ``_FAILED``."""
+        started = perf_counter()
+        try:
+            result = call(*(args(name) if callable(args) else args))
+            if check is not None:
+                result = check(result)
+        except Exception as exc:
+            self._fail(name, hook, exc)
+            result = _FAILED
+        if (elapsed := perf_counter() - started) > self.hook_budget_s:
+            self._slow(name, hook, elapsed)
+        elif self._slow_in_a_row:
+            self._in_budget(name, hook)
+        return result
 
     def _notify(self, hook: str, args: tuple[Any, ...] | Callable[[str], tuple[Any, ...]] = ()) -> None:
         """Call ``hook`` on every connector for its side effects (``args`` as for :meth:`_each`)."""
@@ -711,7 +736,8 @@ class ConnectorHost:
         scheduler_output.kv_connector_block_state = block_state
         self._failed_this_step.clear()
         try:
-            self._notify("on_block_state", (block_state, scheduler_output))
+            if self._impls["on_block_state"]:
+                self._notify("on_block_state", (block_state, scheduler_output))
             metadata: dict[str, KVConnectorMetadata] = {}
             for name, meta in self._each("build_connector_meta", (scheduler_output, block_state)):
                 if name in self._failed_this_step:
@@ -756,8 +782,10 @@ class ConnectorHost:
     def update_connector_output(self, outputs: Mapping[str, KVConnectorOutput]) -> StepUpdate:
         """Hand each connector its worker report and merge what the engine must do."""
         update = StepUpdate()
-        empty = KVConnectorOutput()
         self._step += 1
+        if not outputs and not self._impls["update_connector_output"] and not self.awaits_reports:
+            return update  # no report, nothing in flight, nobody to tell: the usual step
+        empty = KVConnectorOutput()
         self._notify("update_connector_output", lambda name: (outputs.get(name, empty),))
         for name in self.connectors:
             out = outputs.get(name, empty)
@@ -886,7 +914,8 @@ class ConnectorHost:
     def bind_connector_metadata(self, metadata: Mapping[str, KVConnectorMetadata] | None) -> None:
         """This step's metadata; a connector without an entry sits the step out."""
         self._metadata = dict(metadata or {})
-        self._plan_layers()
+        if self._layered:
+            self._plan_layers()
 
     def _plan_layers(self) -> None:
         """Decide once per step (and again when a connector fails) who takes part in the per-layer hooks.
@@ -917,7 +946,7 @@ class ConnectorHost:
                 self._fail(name, "start_load_kv", exc)
             if (elapsed := perf_counter() - started) > self.hook_budget_s:
                 self._slow(name, "start_load_kv", elapsed)
-            else:
+            elif self._slow_in_a_row:
                 self._in_budget(name, "start_load_kv")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -953,7 +982,8 @@ class ConnectorHost:
             self._in_budget(entry[0], hook)
 
     def wait_for_save(self) -> None:
-        self._notify("wait_for_save")
+        if self._impls["wait_for_save"]:
+            self._notify("wait_for_save")
 
     def get_finished(self, finished_req_ids: set[str]) -> dict[str, KVConnectorOutput]:
         """Collect each connector's report for this step and end the step.
@@ -962,17 +992,19 @@ class ConnectorHost:
         numeric stats) is a bad answer: that connector's step failed.
         """
         outputs = {name: KVConnectorOutput() for name in self.connectors}
-        for name, (sending, recving) in self._each("get_finished", (finished_req_ids,), _finished):
-            outputs[name].finished_sending, outputs[name].finished_recving = sending, recving
-        for name, errors in self._each("get_block_ids_with_load_errors", (), _block_ids):
-            outputs[name].invalid_block_ids = errors
-        for name, stats in self._each("get_kv_connector_stats", (), _stats):
-            outputs[name].stats = stats
+        if self._reporting:
+            for name, (sending, recving) in self._each("get_finished", (finished_req_ids,), _finished):
+                outputs[name].finished_sending, outputs[name].finished_recving = sending, recving
+            for name, errors in self._each("get_block_ids_with_load_errors", (), _block_ids):
+                outputs[name].invalid_block_ids = errors
+            for name, stats in self._each("get_kv_connector_stats", (), _stats):
+                outputs[name].stats = stats
         for name in self._failed_this_step:
             outputs[name].failed = True
         self._failed_this_step = set(self._disabled)
         self._metadata = {}
-        self._plan_layers()
+        if self._layered:
+            self._plan_layers()
         return outputs
 
     # ---------------------------------------------------------------------- both
