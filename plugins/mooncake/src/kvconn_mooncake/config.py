@@ -16,7 +16,7 @@ from typing import Annotated, ClassVar, Literal
 import msgspec
 
 from kvconn import ConnectorConfigError
-from kvconn.store import StoreConfig
+from kvconn.store import LoadAsync, MaxBackoff, SaveDecode, StoreConfig
 from kvconn.store.config import MAX_SECONDS
 
 __all__ = ["ENV_VARS", "MooncakeConfig", "RealStoreSettings", "resolve_backend"]
@@ -95,22 +95,11 @@ class MooncakeConfig(StoreConfig, kw_only=True):
     embedded_capacity_bytes: Annotated[
         int, msgspec.Meta(description="capacity of the embedded store (LRU eviction beyond)", ge=1, le=MAX_BYTES)
     ] = 1 << 30
-    # Mooncake's own defaults for options every store connector has:
-    load_async: Annotated[
-        bool, msgspec.Meta(description="load on a worker thread while the engine runs other requests")
-    ] = False
-    save_decode: Annotated[
-        bool, msgspec.Meta(description="save blocks filled during decode too (default: only the prompt's blocks)")
-    ] = False
-    max_backoff_s: Annotated[
-        float,
-        msgspec.Meta(
-            description="longest wait between probes of a store that is off (doubling from retry_interval_s): a "
-            "master that comes back (its client reconnects by itself) is used again within it",
-            gt=0,
-            le=MAX_SECONDS,
-        ),
-    ] = 5.0
+    # Mooncake's own defaults for options every store connector has (a master that comes back is used again
+    # within max_backoff_s: its client reconnects by itself):
+    load_async: LoadAsync = False
+    save_decode: SaveDecode = False
+    max_backoff_s: MaxBackoff = 5.0
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ write-once ``put``, ``get`` into caller-given buffers, ``close``);
 
 from __future__ import annotations
 
-from .config import StoreConfig
+from .config import LoadAsync, MaxBackoff, SaveDecode, StoreConfig
 from .connector import StoreConnector
 from .guard import StoreGuard, StoreUnavailable
 from .integrity import HEADER_BYTES, Integrity
@@ -23,7 +23,10 @@ __all__ = [
     "BlockKeys",
     "BlockStore",
     "Integrity",
+    "LoadAsync",
+    "MaxBackoff",
     "PartsStore",
+    "SaveDecode",
     "StoreBlock",
     "StoreConfig",
     "StoreConnector",

@@ -6,10 +6,18 @@ from typing import Annotated
 
 import msgspec
 
-__all__ = ["StoreConfig"]
+__all__ = ["LoadAsync", "MaxBackoff", "SaveDecode", "StoreConfig"]
 
 #: Upper bound of the durations, in seconds (a longer wait is a typo).
 MAX_SECONDS = 3600.0
+
+# The types of the options a store's Config may give another default (``load_async: LoadAsync = False``).
+LoadAsync = Annotated[bool, msgspec.Meta(description="load on a worker thread while the engine runs other requests")]
+SaveDecode = Annotated[bool, msgspec.Meta(description="save blocks filled during decode too (not only the prompt's)")]
+MaxBackoff = Annotated[
+    float,
+    msgspec.Meta(description="longest wait between probes (doubling from retry_interval_s)", gt=0, le=MAX_SECONDS),
+]
 
 
 class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -18,9 +26,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     namespace: Annotated[
         str, msgspec.Meta(description="a namespace of its own within the engine's (runs that must not share blocks)")
     ] = ""
-    load_async: Annotated[
-        bool, msgspec.Meta(description="load on a worker thread while the engine runs other requests")
-    ] = True
+    load_async: LoadAsync = True
     timeout_s: Annotated[
         float,
         msgspec.Meta(
@@ -33,10 +39,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     retry_interval_s: Annotated[
         float, msgspec.Meta(description="first wait before probing a store that is off", gt=0, le=MAX_SECONDS)
     ] = 1.0
-    max_backoff_s: Annotated[
-        float,
-        msgspec.Meta(description="longest wait between probes (doubling from retry_interval_s)", gt=0, le=MAX_SECONDS),
-    ] = 30.0
+    max_backoff_s: MaxBackoff = 30.0
     failed_block_cooldown_steps: Annotated[
         int,
         msgspec.Meta(
@@ -45,9 +48,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ge=1,
         ),
     ] = 1000
-    save_decode: Annotated[
-        bool, msgspec.Meta(description="save blocks filled during decode too (not only the prompt's)")
-    ] = True
+    save_decode: SaveDecode = True
     integrity_secret: (
         Annotated[
             str,
