@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvconn_cli.rounds import interleaved_rounds
+
 __all__ = ["Bench", "machine", "median_times", "parse_args", "round_times"]
 
 
@@ -50,22 +52,28 @@ def round_times(
 ) -> list[list[float]]:
     """Seconds per call of each of ``fns`` in each of ``repeat`` rounds, measured side by side.
 
-    Each function is calibrated to enough calls per round to last ``min_time``;
-    then the rounds are interleaved (one round of each, ``repeat`` times), so
-    a slow spell of a shared machine lands on every function alike, and round
-    ``i`` of one function can be compared with round ``i`` of another.
-    ``clock``: ``time.thread_time`` counts only this thread's CPU time, so the
-    time others' processes hold the CPU is left out (single-threaded code only).
+    Each function is calibrated to enough calls per round to last ``min_time``
+    (one batch: reading ``clock`` around every call of a microsecond function
+    would time the clock); then the rounds are interleaved, one batch of each
+    function per round, the order rotated each round
+    (:func:`kvconn_cli.rounds.interleaved_rounds`, the timer of ``kvconn
+    simulate`` too), so a slow spell of a shared machine lands on every
+    function alike, and round ``i`` of one function can be compared with round
+    ``i`` of another. ``clock``: ``time.thread_time`` counts only this
+    thread's CPU time, so the time others' processes hold the CPU is left out
+    (single-threaded code only).
     """
     numbers = [_calibrate(fn, min_time) for fn in fns]
-    rounds: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeat):
-        for fn, number, times in zip(fns, numbers, rounds, strict=True):
-            start = clock()
-            for _ in range(number):
-                fn()
-            times.append((clock() - start) / number)
-    return rounds
+
+    def batch(i: int, round_: int, sweep: int) -> float:
+        fn, number = fns[i], numbers[i]
+        start = clock()
+        for _ in range(number):
+            fn()
+        return (clock() - start) / number
+
+    rounds = interleaved_rounds(batch, len(fns), range(repeat), seconds=float)
+    return [[seconds for (seconds,) in run_rounds] for run_rounds in rounds]
 
 
 def _calibrate(fn: Callable[[], object], min_time: float) -> int:

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 from matplotlib.lines import Line2D
 
-from kvconn.reference.simulate import SIMULATE_SHAPE, Simulation, simulate
+from kvconn.reference.simulate import SIMULATE_SHAPE
 from kvconn.reference.workloads import make_workload
 from kvconn_cli.commands.simulate import setups_from_options
+from kvconn_cli.measure import Simulation, simulate
 from kvconn_cli.simulate_plot import draw_simulation, plot_simulation
 
 

@@ -2,9 +2,10 @@
 
 Each command lives in its own module under :mod:`kvconn_cli.commands` and
 exposes ``register(app)``; adding a command is one module plus one name in
-:data:`COMMAND_MODULES`. Command modules import only typer at module level and
-everything heavy (kvconn, rich, plugins) inside the command, so ``kvconn
---help`` and ``kvconn list`` start quickly.
+:data:`COMMAND_MODULES`. Command modules import only typer (and the CLI's
+standard-library-only modules, such as :mod:`kvconn_cli.rounds` for option
+defaults) at module level and everything heavy (kvconn, rich, plugins) inside
+the command, so ``kvconn --help`` and ``kvconn list`` start quickly.
 
 :func:`main` owns error presentation: a :class:`~kvconn_cli.errors.CLIError`
 becomes ``kvconn: error: <one line>`` with its exit code, a usage error click

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from kvconn._install import install_extra
-from kvconn.reference.simulate import RunResult, Simulation, describe_local_cache
+from kvconn.reference.simulate import RunResult
 
 from .errors import UsageError
+from .measure import Simulation, describe_local_cache
 
 __all__ = ["draw_simulation", "plot_simulation", "require_matplotlib"]
 

@@ -225,8 +225,9 @@ def test_every_simulate_round_starts_with_a_cold_embedded_store(embedded_config:
     Warm, the timed rounds saved nothing (the warm-up had stored every block) and loaded far more than a
     first run can: the comparison with a per-engine store such as offload's was skewed.
     """
-    from kvconn.reference.simulate import ConnectorSetup, simulate
+    from kvconn.reference.simulate import ConnectorSetup
     from kvconn.reference.workloads import make_workload
+    from kvconn_cli.measure import simulate
 
     work = make_workload("shared-prefix", 16, 0)
     (run,) = simulate(work, [ConnectorSetup(("mooncake",), embedded_config)], repeats=2).runs

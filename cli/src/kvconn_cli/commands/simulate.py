@@ -22,16 +22,18 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ..rounds import DEFAULT_MIN_ROUND_S, Clock
+
 if TYPE_CHECKING:
-    from kvconn.reference.simulate import ConnectorSetup, RunResult, Simulation
+    from kvconn.reference.simulate import ConnectorSetup
+
+    from ..measure import MeasuredRun, Simulation
 
 __all__ = [
-    "DEFAULT_MIN_ROUND_S",
     "MAX_NUM_BLOCKS",
     "MAX_REQUESTS",
     "MAX_ROUND_SECONDS",
     "MIN_NUM_BLOCKS",
-    "ClockName",
     "WorkloadName",
     "register",
     "setups_from_options",
@@ -45,8 +47,6 @@ MIN_NUM_BLOCKS, MAX_NUM_BLOCKS = 16, 1 << 16
 MAX_REQUESTS = 10_000
 #: Bound of --round-seconds (per run and round: a simulation lasts about runs x repeats times this).
 MAX_ROUND_SECONDS = 600.0
-#: kvconn.reference.simulate.DEFAULT_MIN_ROUND_S, repeated here so that --help does not import the SDK's engine
-DEFAULT_MIN_ROUND_S = 1.0
 
 
 class WorkloadName(str, enum.Enum):
@@ -55,13 +55,6 @@ class WorkloadName(str, enum.Enum):
     shared_prefix = "shared-prefix"
     multi_turn = "multi-turn"
     long_document = "long-document"
-
-
-class ClockName(str, enum.Enum):
-    """The clocks a simulation can time its rounds by (:data:`kvconn.reference.simulate.CLOCKS`)."""
-
-    cpu = "cpu"
-    wall = "wall"
 
 
 def simulate(
@@ -104,12 +97,12 @@ def simulate(
         typer.Option("--repeats", min=1, help="Timed rounds after one warm-up round (steps/s: min / median / max)."),
     ] = 3,
     clock: Annotated[
-        ClockName,
+        Clock,
         typer.Option(
             "--clock",
             help="Time rounds by this process's CPU time (steady when other work holds the cores) or wall time.",
         ),
-    ] = ClockName.cpu,
+    ] = "cpu",
     round_seconds: Annotated[
         float,
         typer.Option(
@@ -130,12 +123,12 @@ def simulate(
     """
     import kvconn
     from kvconn.reference.simulate import SIMULATE_SHAPE
-    from kvconn.reference.simulate import simulate as run_simulation
     from kvconn.reference.workloads import make_workload
 
     from ..config_input import read_config
     from ..errors import EXIT_FAILURE, ConnectorFailure, UsageError
     from ..logs import configure_logging, debug_from_env
+    from ..measure import simulate as run_simulation
     from ..output import error, note, print_json
     from ..unregistered import not_found
 
@@ -161,7 +154,7 @@ def simulate(
                 shape,
                 on_progress=progress.update,
                 repeats=repeats,
-                clock=clock.value,
+                clock=clock,
                 min_round_s=round_seconds,
             )
     except kvconn.ConnectorNotFoundError as exc:
@@ -237,7 +230,7 @@ def _quiet_failures(debug: bool) -> Iterator[None]:
         host_log.removeFilter(not_a_hook_failure)
 
 
-def _report_failures(runs: Sequence[RunResult]) -> None:
+def _report_failures(runs: Sequence[MeasuredRun]) -> None:
     """One warning line per (run, connector, hook) that failed: how often, and the first error."""
     from ..output import warn
 
@@ -342,7 +335,7 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def _verdict(run: RunResult, baseline: RunResult) -> str:
+def _verdict(run: MeasuredRun, baseline: MeasuredRun) -> str:
     if run is baseline:
         return "reference"
     return "[green]yes[/]" if run.verified else f"[bold red]NO ({len(run.mismatched)} requests differ)[/]"
@@ -352,8 +345,7 @@ def _render(result: Simulation) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from kvconn.reference.simulate import describe_local_cache
-
+    from ..measure import describe_local_cache
     from ..output import out_console, print_table
 
     console = out_console()
