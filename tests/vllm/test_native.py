@@ -73,7 +73,7 @@ def test_example_connector_with_the_fix_passes_the_data_checks_loading_through_i
     tmp_path: Path, fixtures: str
 ) -> None:
     """The data checks run the connector's own worker on the KV the model reads: its loads decide the tokens."""
-    from kvconn.testing.conformance.checks.data import data_runs
+    from kvconn.testing.conformance.runs import data_runs
 
     name = f"{fixtures}:ChunkedPrefillExampleConnector"
     report = run_native_conformance(name, config={"shared_storage_path": str(tmp_path)}, select="KV04*")

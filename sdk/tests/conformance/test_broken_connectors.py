@@ -18,8 +18,8 @@ from kvconn_conformance_fixtures import broken
 
 from kvconn.testing.conformance import ConnectorReport, Session, list_checks, run_conformance
 from kvconn.testing.conformance.catalog import get_check
-from kvconn.testing.conformance.checks.data import all_runs
 from kvconn.testing.conformance.results import NOT_RUN
+from kvconn.testing.conformance.runs import all_runs
 from kvconn.testing.conformance.session import METADATA_FIX
 from kvconn.testing.memory_connector import fresh_namespace
 

@@ -31,7 +31,7 @@ __all__ = ["LIVELOCK_FIX", "LOAD_SECONDS", "LOAD_STEPS", "REPEATS", "Convergence
 REPEATS = 3
 #: Steps an async load may stay in flight (vLLM waits for ever; the reference engine's runs never need this long).
 LOAD_STEPS = 64
-#: Seconds an async load may stay in flight, at least (data runs wait ~2 ms per idle step: see checks/data.py).
+#: Seconds an async load may stay in flight, at least (data runs wait ~2 ms per idle step: see runs.py).
 LOAD_SECONDS = 2.0
 
 LIVELOCK_FIX = (

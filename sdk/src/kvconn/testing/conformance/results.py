@@ -96,30 +96,32 @@ class ConnectorReport:
 
 
 class ConformanceFailure(AssertionError):
-    """Raised by a check: what was observed, and how to fix it."""
+    """Raised by a check: what was observed, and how to fix it.
 
-    def __init__(self, observed: str, fix: str) -> None:
-        super().__init__(f"observed {observed}; fix: {fix}")
+    ``fix`` is given when the check (or the diagnosis of a run) found the
+    mechanism, and so the fix for it; ``None`` leaves the check's own
+    (:attr:`~.catalog.Check.fix`) to complete the report (:meth:`report`).
+    """
+
+    def __init__(self, observed: str, fix: str | None = None) -> None:
+        super().__init__(f"observed {observed}" if fix is None else f"observed {observed}; fix: {fix}")
         self.observed = observed
         self.fix = fix
+
+    def report(self, default_fix: str) -> str:
+        """The failure's message, ``"observed ...; fix: ..."``, with ``default_fix`` when it names no fix."""
+        return f"observed {self.observed}; fix: {self.fix or default_fix}"
+
+
+#: The name checks outside the SDK (``kvconn_vllm.native``) raise: the same class.
+Violation = ConformanceFailure
 
 
 class CheckSkipped(Exception):
     """Raised by a check that cannot apply to this connector; the reason is the message."""
 
 
-class Violation(Exception):
-    """Raised by a check with what was observed; ``fix``, or the check's own when ``None``, completes the message.
-
-    ``fix`` is given when the diagnosis found the mechanism, and so the fix for it.
-    """
-
-    def __init__(self, observed: str, fix: str | None = None) -> None:
-        super().__init__(observed)
-        self.fix = fix
-
-
-class ScenarioBroken(Violation):
+class ScenarioBroken(ConformanceFailure):
     """The connector raised while a scenario or data run played: a root cause, reported by the first check that
     meets it; the checks that meet it later are not run.
 

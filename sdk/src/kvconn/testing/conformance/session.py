@@ -10,7 +10,7 @@ from ...errors import BlockStateSerializationError, ConnectorConfigError, Connec
 from ...host import BadHookAnswer
 from .catalog import Check, get_check
 from .driver import DriverFactory, get_driver
-from .results import NOT_RUN, CheckResult, CheckSkipped, ConformanceFailure, ScenarioBroken, Violation
+from .results import NOT_RUN, CheckResult, CheckSkipped, ConformanceFailure, ScenarioBroken
 from .scenarios import STANDARD, Scenario, Trace, run_scenario
 
 __all__ = ["ConfigFactory", "Session"]
@@ -62,8 +62,9 @@ _MISSING = {
 class Session:
     """Loads ``connector`` (raising the SDK's load errors) and runs checks against it.
 
-    Scenario traces and other expensive observations are computed on first
-    use and shared, so the whole suite costs each scenario once. Each check's
+    Scenario traces, data runs, their baselines (the tokens without the
+    connector) and other expensive observations are computed on first use and
+    shared (:meth:`memo`), so the whole suite costs each run once. Each check's
     result is kept too: a check runs after the checks it depends on, and is
     not run (skipped, ``"not run: ..."``) when one of them failed, so a root
     cause is reported once. The first check to meet a connector error in a
@@ -181,11 +182,9 @@ class Session:
             if self._root is not None:
                 return _not_run(check, self._root)
             self._root = check
-            return CheckResult(check.id, check.name, "failed", str(ConformanceFailure(str(exc), exc.fix or check.fix)))
+            return CheckResult(check.id, check.name, "failed", exc.report(check.fix))
         except ConformanceFailure as exc:
-            return CheckResult(check.id, check.name, "failed", str(exc))
-        except Violation as exc:
-            return CheckResult(check.id, check.name, "failed", str(ConformanceFailure(str(exc), exc.fix or check.fix)))
+            return CheckResult(check.id, check.name, "failed", exc.report(check.fix))
         except CheckSkipped as exc:
             return CheckResult(check.id, check.name, "skipped", str(exc))
         except Exception as exc:

@@ -1,7 +1,11 @@
-"""The checks, grouped by what they look at. Importing this package registers them."""
+"""The checks, grouped by what they look at; importing this package registers them.
+
+Only checks live here: the runs they read are :mod:`..scenarios` and :mod:`..runs`,
+and ``docs/checks.md`` lists every check by id.
+"""
 
 from __future__ import annotations
 
-from . import data, lifecycle, loading, recovery, tables, wire
+from . import data, lifecycle, packaging, recovery, tables, wire
 
-__all__ = ["data", "lifecycle", "loading", "recovery", "tables", "wire"]
+__all__ = ["data", "lifecycle", "packaging", "recovery", "tables", "wire"]

@@ -1,13 +1,13 @@
-"""KV030-KV032: request lifecycle: finishing, reporting, forgetting."""
+"""Request lifecycle: finishing, reporting, forgetting."""
 
 from __future__ import annotations
 
 from collections import Counter
 
 from ..catalog import IMPORTED, SCHEDULER_CHECK, check
-from ..results import CheckSkipped, ConformanceFailure, Violation
+from ..results import CheckSkipped, ConformanceFailure
+from ..runs import all_runs
 from ..session import Session
-from .data import all_runs
 
 
 @check(
@@ -30,12 +30,14 @@ def request_finished(session: Session) -> None:
     for trace in session.completed_traces():
         wrong = {r: trace.finished_calls.get(r, 0) for r in trace.request_ids if trace.finished_calls.get(r, 0) != 1}
         if wrong:
-            raise Violation(f"in {trace.where()}: request_finished calls per request {wrong} (expected 1 each)")
+            raise ConformanceFailure(
+                f"in {trace.where()}: request_finished calls per request {wrong} (expected 1 each)"
+            )
         if trace.stuck:
             held = "blocks were still held for the connector (request_finished delayed the free, finished_sending "
             stalled = trace.stalled
             if stalled is None or stalled.fix is None:
-                raise Violation(f"in {trace.where()}: after every request ended, {held}never released it)")
+                raise ConformanceFailure(f"in {trace.where()}: after every request ended, {held}never released it)")
             raise ConformanceFailure(f"in {trace.where()}: {stalled}", stalled.fix)
 
 
@@ -70,7 +72,7 @@ def get_finished_once(session: Session) -> None:
         loads, resumes = Counter[str](), Counter[str]()
         for record in records:
             if record.unexpected_reports:
-                raise Violation(f"in {where}, step {record.step}: {record.unexpected_reports[0]}")
+                raise ConformanceFailure(f"in {where}, step {record.step}: {record.unexpected_reports[0]}")
             loads.update(r for r, n in record.loaded.items() if n)
             resumes.update(record.preempted)
             out = record.connector_output
@@ -87,7 +89,7 @@ def get_finished_once(session: Session) -> None:
                 detail = ", ".join(
                     f"{r!r} {n} times for {m} {per}{'s' if m != 1 else ''}" for r, (n, m) in over.items()
                 )
-                raise Violation(f"in {where}: {kind} reported {detail}: more than once per {per}")
+                raise ConformanceFailure(f"in {where}: {kind} reported {detail}: more than once per {per}")
 
 
 @check(
@@ -110,9 +112,11 @@ def no_leaks(session: Session) -> None:
     for trace in session.completed_traces():
         leaked = {role: n for role, n in trace.tracked.items() if n}
         if leaked:
-            raise Violation(f"in {trace.where()}: after every request ended, get_num_tracked_requests says {leaked}")
+            raise ConformanceFailure(
+                f"in {trace.where()}: after every request ended, get_num_tracked_requests says {leaked}"
+            )
         reported = reported or bool(trace.tracked)
         if trace.leak:
-            raise Violation(f"in {trace.where()}: after every request ended: {trace.leak}")
+            raise ConformanceFailure(f"in {trace.where()}: after every request ended: {trace.leak}")
     if not reported:
         raise CheckSkipped("the connector does not implement get_num_tracked_requests; the engine itself is empty")

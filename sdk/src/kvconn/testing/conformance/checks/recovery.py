@@ -1,4 +1,4 @@
-"""KV046: a load that fails every time ends, recomputed, instead of looping for ever.
+"""Recovery: a load that fails every time ends, recomputed, instead of looping for ever.
 
 The one-off failure of KV041 lets a connector forget what failed. A corrupt
 value that stays in the store does not: every load of that block fails. An
@@ -12,9 +12,10 @@ from __future__ import annotations
 from ..catalog import check
 from ..convergence import LIVELOCK_FIX
 from ..driver import ScenarioUnsupported
-from ..results import Violation
+from ..results import ConformanceFailure
+from ..runs import PERSISTENT_FAILURE, PERSISTENT_FAILURE_TWO_GROUPS, data_run
 from ..session import Session
-from .data import PERSISTENT_FAILURE, PERSISTENT_FAILURE_TWO_GROUPS, UNTIDY_DATA_CHECK, _compare, data_run
+from .data import UNTIDY_DATA_CHECK, compare_tokens
 
 
 @check("KV046", "persistent-load-failure", fix=LIVELOCK_FIX, **UNTIDY_DATA_CHECK)
@@ -38,5 +39,7 @@ def persistent_load_failure(session: Session) -> None:
         except ScenarioUnsupported:
             continue
         if not result.driver.injected_failure:
-            raise Violation(f"in the {case.name!r} run the connector loaded nothing, so no load could be made to fail")
-        _compare(case, result, " (every load of its first shared block failed)")
+            raise ConformanceFailure(
+                f"in the {case.name!r} run the connector loaded nothing, so no load could be made to fail"
+            )
+        compare_tokens(session, case, result, " (every load of its first shared block failed)")

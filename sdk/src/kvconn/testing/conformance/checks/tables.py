@@ -1,4 +1,4 @@
-"""KV010-KV014: the scheduler side: scenarios, block tables, offered requests, laziness."""
+"""The scheduler side: scenarios, block tables, offered requests, laziness, read-only tables."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from ..analysis import StepView, live_ids, step_views
 from ..catalog import SCHEDULER_CHECK, check
 from ..diagnose import shifted_pairing, transfer_kind
 from ..observe import hashed_blocks
-from ..results import CheckSkipped, ConformanceFailure, Violation
+from ..results import CheckSkipped, ConformanceFailure
+from ..runs import Run, all_runs
 from ..scenarios import BLOCK_FILL_CHUNK, OFFERED_ONLY, Trace
 from ..session import Session
-from .data import Run, all_runs
 
 
 def _views(session: Session, trace: Trace) -> list[StepView]:
@@ -57,7 +57,9 @@ def block_fill(session: Session) -> None:
     traces = session.completed_traces()
     fill = session.trace(BLOCK_FILL_CHUNK)
     if fill.error:
-        raise Violation(f"on the block-fill step of a chunked prefill ({BLOCK_FILL_CHUNK.description}): {fill.error}")
+        raise ConformanceFailure(
+            f"on the block-fill step of a chunked prefill ({BLOCK_FILL_CHUNK.description}): {fill.error}"
+        )
     for trace in [*traces, fill]:
         views = _views(session, trace)
         tracked = {r for v in views for r in v.grow if v.refs.get(r)}
@@ -66,13 +68,13 @@ def block_fill(session: Session) -> None:
             for req_id in sorted(view.fill):
                 refs = view.refs.get(req_id)
                 if refs is None and req_id in tracked:
-                    raise Violation(
+                    raise ConformanceFailure(
                         f"in {trace.where()}, step {record.step}: {req_id} filled a block without allocating one, "
                         "and the metadata carries nothing for it, while it does on the steps its table grows"
                     )
                 stale = {b for ids in refs or () for b in ids} - live_ids(record.tables.get(req_id)) - {0}
                 if stale:
-                    raise Violation(
+                    raise ConformanceFailure(
                         f"in {trace.where()}, step {record.step} (the block-fill step of {req_id}): the metadata "
                         f"carries blocks {sorted(stale)} for it, not in its live table {record.tables.get(req_id)}"
                     )
@@ -111,7 +113,7 @@ def stale_tables(session: Session) -> None:
                 if stale:
                     old = stale & before.get(req_id, set())
                     why = f"from its table before preemption {sorted(before[req_id])}" if old else "not in it"
-                    raise Violation(
+                    raise ConformanceFailure(
                         f"in {trace.where()}, step {record.step}: the metadata carries blocks {sorted(stale)} for "
                         f"{req_id}, whose live table is {record.tables.get(req_id)} ({why})"
                     )
@@ -155,8 +157,8 @@ def _check_positions(run: Run) -> None:
                 if req_id not in preempted or transfer_kind(path) == "load":
                     shifted = shifted_pairing(where, path, req_id, block_id, index, table)
                     if shifted is not None:
-                        raise ConformanceFailure(shifted.observed, shifted.fix or "")
-                raise Violation(
+                        raise ConformanceFailure(shifted.observed, shifted.fix)
+                raise ConformanceFailure(
                     f"in {run.where}, step {record.step}: the metadata pairs block {block_id} with the hash of "
                     f"block {index} of {req_id}, but position {index} of its live table {table} holds {here}"
                 )
@@ -181,11 +183,11 @@ def offered_only(session: Session) -> None:
     trace = session.trace(OFFERED_ONLY)
     if trace.error:
         withheld = ", ".join(sorted(OFFERED_ONLY.withhold))
-        raise Violation(f"with {withheld} scheduled but not offered, the connector raised: {trace.error}")
+        raise ConformanceFailure(f"with {withheld} scheduled but not offered, the connector raised: {trace.error}")
     for record in trace.records:
         bypass = sorted(set(record.resolved) - record.offered)
         if bypass:
-            raise Violation(f"step {record.step}: tables of {bypass} were resolved though not offered")
+            raise ConformanceFailure(f"step {record.step}: tables of {bypass} were resolved though not offered")
 
 
 @check(
@@ -208,7 +210,7 @@ def lazy_resolve(session: Session) -> None:
             record = trace.records[view.index]
             bypass = sorted(set(record.resolved) - record.offered)
             if bypass:
-                raise Violation(
+                raise ConformanceFailure(
                     f"in {trace.where()}, step {record.step}: tables of {bypass} were resolved though not offered"
                 )
             loose = {b for ids in view.refs.get(None, ()) for b in ids}
@@ -217,7 +219,7 @@ def lazy_resolve(session: Session) -> None:
             }
             unused = sorted(set(record.resolved) - acted)
             if unused:
-                raise Violation(
+                raise ConformanceFailure(
                     f"in {trace.where()}, step {record.step}: resolved the tables of {unused} "
                     f"({len(set(record.resolved))} of {len(record.offered)} offered) but its metadata uses none of them"
                 )
@@ -244,4 +246,4 @@ def read_only_tables(session: Session) -> None:
     for where, records, _ in all_runs(session):
         for record in records:
             if record.mutated:
-                raise Violation(f"in {where}, step {record.step}, the connector changed {record.mutated[0]}")
+                raise ConformanceFailure(f"in {where}, step {record.step}, the connector changed {record.mutated[0]}")

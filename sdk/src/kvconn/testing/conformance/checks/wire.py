@@ -1,11 +1,11 @@
-"""KV020-KV022: the metadata on the wire."""
+"""The metadata on the wire."""
 
 from __future__ import annotations
 
 from ....host.wire import encode_metadata
 from ..catalog import SCHEDULER_CHECK, check
 from ..observe import non_plain_data
-from ..results import ScenarioBroken, Violation
+from ..results import ConformanceFailure, ScenarioBroken
 from ..scenarios import Arrival, Scenario, Trace, prompt
 from ..session import METADATA_FIX, Session
 
@@ -30,12 +30,12 @@ def metadata_roundtrip(session: Session) -> None:
             if record.metadata is None:
                 continue
             if record.decoded != record.metadata:
-                raise Violation(
+                raise ConformanceFailure(
                     f"in {trace.where()}, step {record.step}: built {record.metadata!r} but the worker decoded "
                     f"{record.decoded!r}"
                 )
             if record.encoded is not None and encode_metadata(session.connector, record.metadata) != record.encoded:
-                raise Violation(
+                raise ConformanceFailure(
                     f"in {trace.where()}, step {record.step}: the metadata changed after build_connector_meta "
                     f"returned it (now {record.metadata!r})"
                 )
@@ -55,7 +55,7 @@ def metadata_plain(session: Session) -> None:
         for record in trace.records:
             found = non_plain_data(record.metadata) if record.metadata is not None else []
             if found:
-                raise Violation(f"in {trace.where()}, step {record.step}: {'; '.join(found[:3])}")
+                raise ConformanceFailure(f"in {trace.where()}, step {record.step}: {'; '.join(found[:3])}")
 
 
 SMALL_CACHE, LARGE_CACHE = 32, 8192
@@ -103,13 +103,13 @@ def metadata_size(session: Session) -> None:
     small_bytes, large_bytes = _total(small), _total(large)
     allowance = small_bytes // 4 + 16 * len(large.records)
     if large_bytes > small_bytes + allowance:
-        raise Violation(
+        raise ConformanceFailure(
             f"{small_bytes} metadata bytes over {len(small.records)} steps with a {SMALL_CACHE}-block cache, "
             f"{large_bytes} bytes with {LARGE_CACHE} blocks, for the same requests and block ids"
         )
     early, late = (_total(small, steps) for steps in (EARLY_STEPS, LATE_STEPS))
     if late > early + early // 4 + 16 * len(LATE_STEPS):
-        raise Violation(
+        raise ConformanceFailure(
             f"{early} metadata bytes over steps {EARLY_STEPS.start}-{EARLY_STEPS.stop - 1} of a steady stream of "
             f"like requests, {late} bytes over steps {LATE_STEPS.start}-{LATE_STEPS.stop - 1}: it grows with history"
         )

@@ -1,4 +1,4 @@
-"""KV001-KV005: finding, importing and configuring the connector."""
+"""Packaging and import: finding, importing and configuring the connector, and its hooks' names."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ....errors import ConnectorConfigError, KVConnError
 from ....host import ConnectorHost
 from ....metadata import KVConnectorMetadata
 from ..catalog import check
-from ..results import ConformanceFailure, Violation
+from ..results import ConformanceFailure
 from ..session import Session
 
 
@@ -41,7 +41,7 @@ def found(session: Session) -> None:
     }
     if len(targets) > 1:
         listed = ", ".join(f"{target} (from {dist})" for target, dist in sorted(targets))
-        raise Violation(f"{len(targets)} entry points named {session.connector!r}: {listed}")
+        raise ConformanceFailure(f"{len(targets)} entry points named {session.connector!r}: {listed}")
 
 
 @check(
@@ -61,22 +61,22 @@ def imports(session: Session) -> None:
     cls = session.cls
     metadata = getattr(cls, "Metadata", KVConnectorMetadata)
     if not (isinstance(metadata, type) and issubclass(metadata, KVConnectorMetadata)):
-        raise Violation(f"Metadata is {metadata!r}, not a KVConnectorMetadata subclass")
+        raise ConformanceFailure(f"Metadata is {metadata!r}, not a KVConnectorMetadata subclass")
     config = getattr(cls, "Config", None)
     if config is not None and not (isinstance(config, type) and issubclass(config, msgspec.Struct)):
-        raise Violation(f"Config is {config!r}, not a msgspec Struct")
+        raise ConformanceFailure(f"Config is {config!r}, not a msgspec Struct")
     roles = connector_roles(cls)
     if not roles:
-        raise Violation("roles is empty: the connector serves no side of the engine")
+        raise ConformanceFailure("roles is empty: the connector serves no side of the engine")
     for attr in ("saves", "loads"):
         if not isinstance(getattr(cls, attr, False), bool):
-            raise Violation(f"{attr} is {getattr(cls, attr)!r}, not a bool")
+            raise ConformanceFailure(f"{attr} is {getattr(cls, attr)!r}, not a bool")
     for role in roles:
         instance = _instantiate(session, role)
         try:
             host = ConnectorHost({session.connector: instance}, role=role)
         except KVConnError as exc:  # pluggy refused a hook implementation, say
-            raise Violation(" ".join(str(exc).split())) from None
+            raise ConformanceFailure(" ".join(str(exc).split())) from None
         host.shutdown()
 
 
@@ -97,13 +97,13 @@ def api_version(session: Session) -> None:
     cls = session.cls
     owners = [klass for klass in cls.__mro__ if "api_version" in vars(klass)]
     if not owners or owners[0] is KVConnector:
-        raise Violation(
+        raise ConformanceFailure(
             f"{cls.__qualname__} does not declare api_version (it inherits {getattr(cls, 'api_version', None)!r} "
             "from kvconn.KVConnector)"
         )
     expression = _declared_expression(owners[0], "api_version")
     if expression is not None and not (isinstance(expression, ast.Constant) and isinstance(expression.value, str)):
-        raise Violation(
+        raise ConformanceFailure(
             f"{owners[0].__qualname__} declares api_version = {ast.unparse(expression)}, which follows the SDK it "
             f"runs on (now {getattr(cls, 'api_version', None)!r}), not the version it was written against"
         )
@@ -162,7 +162,7 @@ def hook_names(session: Session) -> None:
         try:
             side = side_class(cls, role.value)  # a path is imported here: the checks run the connector anyway
         except KVConnError as exc:
-            raise Violation(str(exc)) from None
+            raise ConformanceFailure(str(exc)) from None
         owner = cls if side is None else side
         _check_spelling(owner)
         hooks = set(implemented_hooks(owner, by_name=side is not None or None))
@@ -170,7 +170,7 @@ def hook_names(session: Session) -> None:
             needed = _NEEDED_HOOKS[(attr, role)]
             if getattr(cls, attr, False) and not hooks & set(needed):
                 by = "" if side is None else f"its {role.value}_side {side.__qualname__} "
-                raise Violation(
+                raise ConformanceFailure(
                     f"{cls.__qualname__} declares {attr} = True but {by}implements none of {', '.join(needed)} "
                     f"for its {role.value} side"
                 )
@@ -204,7 +204,9 @@ def _check_spelling(owner: type) -> None:
         definer = next(klass for klass in mro if name in vars(klass))
         hook_owner = next((klass for klass in mro if near[0] in vars(klass)), None)
         if hook_owner is None:
-            raise Violation(f"{owner.__qualname__}.{name} is not a hook and is never called: did you mean {near[0]}?")
+            raise ConformanceFailure(
+                f"{owner.__qualname__}.{name} is not a hook and is never called: did you mean {near[0]}?"
+            )
         if mro.index(hook_owner) > mro.index(definer):
             raise ConformanceFailure(
                 f"{definer.__qualname__}.{name} is not a hook and is never called: it misspells {near[0]}, so "
@@ -230,13 +232,13 @@ def config_defaults(session: Session) -> None:
     except ConnectorConfigError as exc:
         required = [f.name for f in msgspec.structs.fields(getattr(session.cls, "Config", NoConfig)) if f.required]
         if not required:
-            raise Violation(f"an empty config is rejected: {exc}") from None
+            raise ConformanceFailure(f"an empty config is rejected: {exc}") from None
         options = ", ".join(f"`{name}`" for name in required)
         example = ", ".join(f'"{name}": ...' for name in required)
         default = "them defaults" if len(required) > 1 else "it a default"
         given = session.config is not None and set(required) <= set(session.config)
         or_pass = " (the config under test gives it)" if given else f" or pass --config '{{{example}}}'"
-        raise Violation(
+        raise ConformanceFailure(
             f"connector {session.connector} needs option{'s' if len(required) > 1 else ''} {options}; give "
             f"{default} (engines load connectors with no options){or_pass}"
         ) from None
@@ -268,7 +270,7 @@ def bad_config(session: Session) -> None:
     for field in msgspec.structs.fields(config_type):
         wrong = next((v for v in _WRONG_VALUES if not _accepts(field.type, v)), None)
         if wrong is None:
-            raise Violation(f"config field {field.name!r} accepts any value (type {field.type!r})")
+            raise ConformanceFailure(f"config field {field.name!r} accepts any value (type {field.type!r})")
         _expect_rejected(cls, name, {field.name: wrong}, f"{field.name}={wrong!r}")
 
 
@@ -285,7 +287,7 @@ def _expect_rejected(cls: type, name: str, config: dict[str, Any], what: str) ->
         build_config(cls, config, name=name)
     except ConnectorConfigError:
         return
-    raise Violation(f"a config with {what} was accepted")
+    raise ConformanceFailure(f"a config with {what} was accepted")
 
 
 def _instantiate(session: Session, role: KVConnectorRole, config: Any = None) -> Any:

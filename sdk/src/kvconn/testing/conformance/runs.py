@@ -1,0 +1,372 @@
+"""Data runs: phases of requests, judged on the tokens they generate.
+
+Beside :mod:`.scenarios` (a script of arrivals and aborts played through a
+scheduler driver, judged on its steps: :class:`~.scenarios.Scenario` ->
+:func:`~.scenarios.run_scenario` -> :class:`~.scenarios.Trace`), a
+:class:`DataRun` needs the worker side and a model: it plays on the driver's
+data driver (its factory's ``data_driver``, e.g. vLLM's real scheduler and
+model-runner code on a model with the reference model's property), or on the
+reference engine for a driver without one (:func:`data_run` ->
+:class:`DataResult`). First requests compute and save prefixes; later
+requests sharing them (their local blocks gone: prefix caching is off) must
+load them through the connector, and every token must equal a run without the
+connector (:func:`expected_tokens`). The reference model's next token depends
+on the KV it reads, so a wrong, stale or missing block changes the output.
+Every freed block is overwritten at once, so a save or load that touches a
+block it should not leaves garbage, not a lucky leftover copy of the right KV.
+
+:func:`all_runs` gives the steps of every run, scenarios and data runs, to the
+checks that read them all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
+
+from ...reference import Engine, EngineShape
+from .diagnose import Diagnosis, capture_warnings, diagnose_error, stall
+from .driver import DataDriver, DriverSpec, ScenarioUnsupported, StepRecord
+from .failures import FailureMode
+from .reference import ReferenceDriver
+from .results import ScenarioBroken
+from .scenarios import IDLE_STEP_S, MAX_STEPS, TWO_GROUPS, prompt
+from .session import Session
+
+__all__ = [
+    "FAILED_LOAD",
+    "FILL_STEP_ENDS",
+    "LOST_BLOCKS",
+    "MID_BLOCK_CHUNKS",
+    "PERSISTENT_FAILURE",
+    "PERSISTENT_FAILURE_TWO_GROUPS",
+    "PREEMPTED_SAVES",
+    "ROUND_TRIPS",
+    "DataResult",
+    "DataRun",
+    "Follow",
+    "Req",
+    "Run",
+    "all_runs",
+    "data_driver",
+    "data_run",
+    "data_runs",
+    "expected_tokens",
+]
+
+
+@dataclass(frozen=True)
+class Follow:
+    """A prompt: ``blocks`` full blocks of ``source``'s prompt and output, then ``suffix`` tokens of its own."""
+
+    source: str
+    blocks: int
+    suffix: int
+
+
+@dataclass(frozen=True)
+class Req:
+    req_id: str
+    prompt: tuple[int, ...] | Follow
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class DataRun:
+    """Phases of requests; a phase's requests run together to completion before the next phase starts.
+
+    Prefix caching is off and every freed block is overwritten at once, so a
+    request reuses another's KV only through the connector, and a save or a
+    load that touches the wrong block leaves garbage where the KV should be.
+    """
+
+    name: str
+    options: Mapping[str, Any]
+    phases: tuple[tuple[Req, ...], ...]
+    seed: int
+
+
+def _reuse(
+    name: str, options: Mapping[str, Any], a: tuple[int, int], shared_blocks: int, b_suffix: int, *, seed: int
+) -> DataRun:
+    """``a`` (prompt length, max tokens) runs alone, then ``b``: ``shared_blocks`` of ``a``'s blocks and a suffix.
+
+    ``a`` generates past the shared blocks' end, so the last shared block is
+    filled by a decode step (a block-fill step).
+    """
+    phases = ((Req("a", prompt(a[0], seed), a[1]),), (Req("b", Follow("a", shared_blocks, b_suffix), 4),))
+    return DataRun(name, options, phases, seed)
+
+
+ROUND_TRIPS = (
+    # b's prompt has two full blocks past the shared ones that nobody saved: a hit must stop at the shared ones
+    _reuse("chunked-reuse", {"max_num_batched_tokens": 32}, (53, 12), shared_blocks=4, b_suffix=39, seed=11),
+    _reuse("two-groups-reuse", {"kv_cache_groups": TWO_GROUPS}, (60, 6), shared_blocks=4, b_suffix=9, seed=12),
+    _reuse(
+        "large-blocks-reuse", {"block_size": 256, "num_blocks": 16}, (262, 8), shared_blocks=1, b_suffix=10, seed=13
+    ),
+)
+
+
+def _shared_twice(name: str, seed: int) -> DataRun:
+    """``a`` runs alone; then ``b``, and after it ``b1``, share its first four blocks (the loads a check fails)."""
+    share = Follow("a", 4, 5)
+    return DataRun(name, {}, ((Req("a", prompt(70, seed), 3),), (Req("b", share, 4),), (Req("b1", share, 4),)), seed)
+
+
+#: The connector's first load fails, once.
+FAILED_LOAD = _shared_twice("failed-load", 14)
+#: Every load of ``a``'s first block fails, as a corrupt value that stays in the store: ``b``, then ``b1``, share it.
+PERSISTENT_FAILURE = _shared_twice("persistent-failure", 42)
+#: The same with a full-attention and a sliding-window group: vLLM 0.33 takes such a failure per request
+#: (kvconn's adapter shows it every load as async), recomputes the whole request and asks the connector again.
+PERSISTENT_FAILURE_TWO_GROUPS = replace(
+    PERSISTENT_FAILURE, name="persistent-failure-two-groups", options={"kv_cache_groups": TWO_GROUPS}, seed=43
+)
+MID_BLOCK_CHUNKS = DataRun(
+    "mid-block-chunks",
+    {"max_num_batched_tokens": 24},
+    (
+        (Req("a0", prompt(70, 15), 3), Req("a1", prompt(45, 16), 3), Req("a2", prompt(37, 17), 3)),
+        (Req("b0", Follow("a0", 4, 5), 3), Req("b1", Follow("a1", 2, 9), 3), Req("b2", Follow("a2", 2, 3), 3)),
+    ),
+    15,
+)
+PREEMPTED_SAVES = DataRun(
+    "preempted-saves",
+    {"num_blocks": 14},
+    (
+        tuple(Req(f"a{i}", prompt(30, 20 + i), 40) for i in range(4)),
+        tuple(Req(f"b{i}", Follow(f"a{i}", 4, 5), 3) for i in range(4)),
+    ),
+    20,
+)
+FILL_STEP_ENDS = DataRun(
+    "fill-step-saves",
+    {},
+    (
+        # a0 and a1 finish on the step that fills their last block; a2 keeps the engine stepping after that
+        (Req("a0", prompt(13, 30), 4), Req("a1", prompt(45, 31), 4), Req("a2", prompt(20, 32), 30)),
+        (Req("b0", Follow("a0", 1, 3), 3), Req("b1", Follow("a1", 3, 4), 3)),
+    ),
+    30,
+)
+
+
+LOST_BLOCKS = DataRun("lost-blocks", {}, ((Req("a", prompt(70, 40), 3),), (Req("b", Follow("a", 4, 5), 3),)), 40)
+
+
+class _Player:
+    """Add requests and run them to completion; the same calls on an engine (the baseline) or a driver."""
+
+    def __init__(
+        self,
+        add: Callable[[str, Sequence[int], int], None],
+        step: Callable[[], object],
+        busy: Callable[[], bool],
+        phase_done: Callable[[], None] = lambda: None,
+        stalled: Callable[[str], Exception] = RuntimeError,
+    ):
+        self.add, self._step, self._busy, self._phase_done, self._stalled = add, step, busy, phase_done, stalled
+
+    def finish(self) -> None:
+        for _ in range(MAX_STEPS):
+            if not self._busy():
+                self._phase_done()
+                return
+            self._step()
+        raise self._stalled(f"requests still unfinished after {MAX_STEPS} steps")
+
+
+def _play(case: DataRun, run: _Player, generated: Callable[[str], list[int]], block_size: int) -> dict[str, list[int]]:
+    """Every phase of ``case`` through ``run``, each to completion; returns each request's generated tokens."""
+    prompts: dict[str, tuple[int, ...]] = {}
+    for phase in case.phases:
+        for index, req in enumerate(phase):
+            tokens = req.prompt
+            if isinstance(tokens, Follow):
+                shared = (prompts[tokens.source] + tuple(generated(tokens.source)))[: tokens.blocks * block_size]
+                if len(shared) < tokens.blocks * block_size:
+                    raise RuntimeError(f"data run {case.name!r} is misconfigured: {tokens.source!r} is too short")
+                tokens = prompt(len(shared) + tokens.suffix, case.seed + 1 + index, shared)
+            prompts[req.req_id] = tokens
+            run.add(req.req_id, tokens, req.max_tokens)
+        run.finish()
+    return {req_id: generated(req_id) for req_id in prompts}
+
+
+def expected_tokens(session: Session, case: DataRun, shape: EngineShape) -> dict[str, list[int]]:
+    """The tokens without a connector, on the reference engine with the data driver's ``shape``.
+
+    One run per case and shape, kept by ``session``: the model is
+    deterministic, and its tokens depend only on the prompts and the KV
+    shape, never on the engine that schedules them (a data driver's model has
+    the reference model's KV and sampling), so every engine is held to the
+    same tokens.
+    """
+    return session.memo(f"expected:{case.name}:{shape!r}", lambda: _baseline(case, shape))
+
+
+def _shape(case: DataRun) -> EngineShape:
+    """The engine of a data run: no prefix cache (blocks are scrubbed when freed), and the case's options."""
+    return EngineShape.from_options(**{"enable_prefix_caching": False, **case.options})
+
+
+def _baseline(case: DataRun, shape: EngineShape) -> dict[str, list[int]]:
+    engine = Engine(None, shape=shape)
+    requests: dict[str, Any] = {}
+
+    def add(req_id: str, tokens: Sequence[int], max_tokens: int) -> None:
+        requests[req_id] = engine.add_request(tokens, max_tokens, request_id=req_id)
+
+    run = _Player(add, engine.step, engine.scheduler.has_work)
+    return _play(case, run, lambda r: list(requests[r].output_token_ids), engine.scheduler.block_size)
+
+
+@dataclass
+class DataResult:
+    """What a data run showed: the tokens, the engine's stats, every step's record."""
+
+    tokens: dict[str, list[int]]
+    driver: DataDriver
+    records: list[StepRecord]
+    #: what was logged at WARNING or above while it ran (a connector's own store errors, say)
+    warnings: list[str] = field(default_factory=list)
+
+
+def data_run(
+    session: Session,
+    case: DataRun,
+    *,
+    fail_loads: FailureMode | None = None,
+    lose_blocks: bool = False,
+    worker_process: bool = False,
+) -> DataResult:
+    """``case`` through the data driver with the connector, once per session; raises :class:`ScenarioBroken`.
+
+    ``lose_blocks`` and ``worker_process``: see :func:`_with_connector`. Raises
+    :class:`~..driver.ScenarioUnsupported` for a run the driver's engine cannot play.
+    """
+    result = session.memo(
+        f"data:{case.name}:{worker_process}",
+        lambda: _with_connector(session, case, fail_loads, lose_blocks, worker_process),
+    )
+    if isinstance(result, Diagnosis):
+        raise ScenarioBroken(result.observed, result.fix)
+    if isinstance(result, ScenarioUnsupported):
+        raise result
+    return result
+
+
+def data_driver(session: Session) -> Callable[..., DataDriver]:
+    """The session's driver's data driver (``factory.data_driver``), or the reference engine's."""
+    found: Callable[..., DataDriver] = getattr(session.factory, "data_driver", ReferenceDriver)
+    return found
+
+
+def data_runs(session: Session) -> list[tuple[DataRun, DataResult]]:
+    """Every data run this connector takes part in (none unless it saves and loads).
+
+    A run in which the connector raised is left out: the data check it
+    belongs to reports it, with the fix for that check.
+    """
+    if not {"saves", "loads"} <= session.capabilities:
+        return []
+    cases: list[tuple[DataRun, FailureMode | None]] = [
+        (case, None) for case in (*ROUND_TRIPS, MID_BLOCK_CHUNKS, PREEMPTED_SAVES, FILL_STEP_ENDS)
+    ]
+    runs = []
+    for case, fail_loads in [*cases, (FAILED_LOAD, "first"), (PERSISTENT_FAILURE, "persistent")]:
+        try:
+            runs.append((case, data_run(session, case, fail_loads=fail_loads)))
+        except (ScenarioBroken, ScenarioUnsupported):
+            continue
+    return runs
+
+
+class Run(NamedTuple):
+    """One run's steps, for the checks that read them all: where it was, its records, its block size."""
+
+    where: str
+    records: list[StepRecord]
+    block_size: int
+
+
+def all_runs(session: Session) -> list[Run]:
+    """Every run: the standard scenarios, then the data runs."""
+    runs = [Run(trace.where(), trace.records, trace.block_size) for trace in session.completed_traces()]
+    return runs + [
+        Run(f"data run {case.name!r}", result.records, result.driver.block_size) for case, result in data_runs(session)
+    ]
+
+
+def _with_connector(
+    session: Session,
+    case: DataRun,
+    fail_loads: FailureMode | None,
+    lose_blocks: bool = False,
+    worker_process: bool = False,
+) -> DataResult | Diagnosis | ScenarioUnsupported:
+    """Play ``case``; with ``lose_blocks`` the phases after the first run on an engine whose worker side has
+    a fresh (empty) store while its scheduler side still sees the first phase's; with ``worker_process`` too,
+    that worker side runs in a process of its own (same config), where a store in process memory is empty."""
+    spec = DriverSpec(session.connector, session.config_for(case.name), _shape(case))
+    factory = data_driver(session)
+    try:
+        drivers = [factory(spec, fail_loads=fail_loads, scrub_freed=True)]
+    except ScenarioUnsupported as exc:  # e.g. two KV-cache groups for a vLLM connector that is not SupportsHMA
+        return exc
+    if lose_blocks and worker_process:
+        try:  # the other process runs the reference worker, with the first phase's KV shape (it decides the tokens)
+            drivers.append(ReferenceDriver(replace(spec, shape=drivers[0].shape), worker_process=True))
+        except RuntimeError as exc:  # the worker side did not start there
+            drivers[0].close()
+            return Diagnosis(
+                f"the connector's worker side did not start in another process: {exc}",
+                "make the connector importable in a new interpreter (an installed plugin or a module on "
+                "PYTHONPATH) and its worker side start there from its config alone, as vLLM's workers do",
+            )
+    elif lose_blocks:
+        emptied = session.config_for(f"{case.name}-emptied")
+        drivers.append(factory(spec, scrub_freed=True, worker_config=emptied))
+    phase, owner, records = [0], dict[str, DataDriver](), list[StepRecord]()
+
+    def current() -> DataDriver:
+        return drivers[min(phase[0], len(drivers) - 1)]
+
+    def add(req_id: str, tokens: Sequence[int], max_tokens: int) -> None:
+        owner[req_id] = current()
+        current().add_request(req_id, tokens, max_tokens)
+
+    def next_phase() -> None:
+        phase[0] += 1
+
+    def step() -> None:
+        records.append(current().step())
+        if not records[-1].output.total_num_scheduled_tokens:
+            # A step that schedules nothing (waiting on a load) takes microseconds: give the connector's
+            # I/O threads real time, as scenarios do, before the convergence bounds call the load stuck.
+            time.sleep(IDLE_STEP_S)
+
+    warnings = capture_warnings()
+    try:
+        run = _Player(
+            add,
+            step,
+            lambda: current().has_work(),
+            next_phase,
+            lambda what: stall(current(), what),
+        )
+        try:
+            tokens = _play(case, run, lambda r: owner[r].generated(r), spec.shape.block_size)
+            return DataResult(tokens, drivers[-1], records, warnings.messages)
+        except ScenarioBroken as exc:  # the run stopped: the connector would keep the engine from finishing
+            return Diagnosis(f"in data run {case.name!r}, {exc.observed}", exc.fix)
+        except Exception as exc:
+            return diagnose_error(exc, current(), f"data run {case.name!r}, step {len(records)}", case.name)
+    finally:
+        warnings.close()
+        for driver in drivers:
+            driver.close()
