@@ -21,8 +21,9 @@ Seams, none of them in vLLM's scheduler or model runner:
 * **the worker.** The connector's own worker runs through vLLM's
   ``KVConnectorModelRunnerMixin`` on fake KV tensors (:class:`.harness.VllmLoop`).
   A worker that cannot run without CUDA is replaced by a stand-in worker
-  connector that reports completions as the real one does (:data:`STAND_IN_WORKERS`),
-  and the report says so.
+  connector that reports completions as the real one does, or runs on a stand-in
+  at a seam of its own (``OffloadingConnector``: an ``OffloadingSpec``,
+  :mod:`.offloading_standin`) (:data:`STAND_IN_WORKERS`), and the report says so.
 * **the wire.** Metadata crosses as vLLM's ``MessageQueue`` sends it, with
   ``pickle``; a pickler that watches every object (:func:`pickled_engine_objects`)
   reports the block state, the cache manager, a request or the scheduler
@@ -570,7 +571,7 @@ class NativeSession(Session):
 
     Serves both roles. A vLLM connector does not say whether it saves and
     loads: the data checks run on it (their data runs need both) unless its
-    worker is a stand-in (:data:`STAND_IN_WORKERS`).
+    worker is a stand-in that moves no KV (:data:`STAND_IN_WORKERS`).
     """
 
     def __init__(self, target: NativeTarget, config: Mapping[str, Any] | None = None) -> None:
