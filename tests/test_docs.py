@@ -250,6 +250,10 @@ def _resolve(dotted: str) -> bool:
     for cut in range(len(parts), 0, -1):
         try:
             obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError as exc:
+            if exc.name == "vllm" and cut == len(parts) and importlib.util.find_spec(dotted) is not None:
+                return True  # a kvconn_vllm module that imports vLLM at its top (absent here): it exists
+            continue
         except ImportError:
             continue
         for attr in parts[cut:]:

@@ -1,4 +1,4 @@
-"""vLLM connectors (``KVConnectorBase_V1`` subclasses) for the ``--vllm-connector`` tests: a fix and a defect.
+"""vLLM connectors (``KVConnectorBase_V1`` subclasses) for the ``--vllm-connector`` tests: fixes and defects.
 
 Imported by ``"native_connectors:Class"`` once the test puts this directory on ``sys.path``.
 """
@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnector,
     ExampleConnectorMetadata,
     align_to_block_size,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
 
 class ChunkedPrefillExampleConnector(ExampleConnector):
@@ -83,3 +86,60 @@ class SkipsLoadsConnector(ChunkedPrefillExampleConnector):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None
+
+
+class FailedLoadAwareOffloadingConnector(OffloadingConnector):
+    """vLLM's ``OffloadingConnector`` that stops claiming a request's hit once a load into its blocks failed.
+
+    vLLM 0.33's ``OffloadingConnector`` has no failed-load path (vLLM issue 39732): its worker asserts that
+    every transfer succeeded (``OffloadingConnectorWorker.get_finished``), and its scheduler side ignores
+    ``invalid_block_ids`` and ``failed_recving``, so when vLLM reports a failed load and asks again
+    (``Scheduler._update_waiting_for_remote_kv``), it claims the same blocks, which fail again. Here a
+    request whose loaded blocks came back in ``invalid_block_ids``, or that came back in ``failed_recving``
+    (several KV-cache groups), is offered nothing more: vLLM recomputes it.
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._loading: dict[str, set[int]] = {}  # request -> the blocks of its load in flight
+        self._failed: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        tokens, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return (0, False) if request.request_id in self._failed and tokens else (tokens, load_async)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if num_external_tokens:
+            self._loading[request.request_id] = {b for group in blocks.get_block_ids() for b in group}
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        failed = set(connector_output.invalid_block_ids or ())
+        self._failed |= {req_id for req_id, blocks in self._loading.items() if blocks & failed}
+        self._failed |= set(connector_output.failed_recving or ())  # several KV-cache groups: per request
+        for req_id in connector_output.finished_recving or ():
+            self._loading.pop(req_id, None)
+        super().update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        self._forget(request.request_id)
+        return super().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        self._forget(request.request_id)
+        return super().request_finished_all_groups(request, block_ids)
+
+    def _forget(self, req_id: str) -> None:
+        self._loading.pop(req_id, None)
+        self._failed.discard(req_id)
+
+
+class RotatedLoadsOffloadingConnector(FailedLoadAwareOffloadingConnector):
+    """A defect: each load lands in the request's blocks rotated by one (the right blocks, the wrong positions)."""
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        for job in meta.load_jobs.values():
+            spec = job.dst_spec
+            job.dst_spec = GPULoadStoreSpec(list(np.roll(spec.block_ids, 1)), spec.group_sizes, spec.block_indices)
+        return meta

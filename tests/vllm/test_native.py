@@ -140,3 +140,55 @@ def test_an_unknown_vllm_connector_is_a_load_error_naming_the_known_ones() -> No
     assert "ExampleConnector" in report.load_error and "pkg.mod" not in report.load_error
     not_one = run_native_conformance("kvconn.errors:KVConnError")
     assert not_one.load_error is not None and "not a KVConnectorBase_V1 subclass" in not_one.load_error
+
+
+def test_offloading_connector_runs_on_the_stand_in_spec_and_fails_only_the_persistent_load_failure() -> None:
+    """vLLM's own OffloadingConnector (scheduler, manager, worker half) on the stand-in spec, every check.
+
+    Its one failure is real: it has no failed-load path (vLLM issue 39732), so it claims a failed block again.
+    """
+    report = run_native_conformance("OffloadingConnector")
+    assert report.load_error is None
+    assert set(_failed(report)) == {"KV046"}, _failed(report)
+    assert "claimed that block again" in _failed(report)["KV046"]
+    statuses = {r.id: r.status for r in report.results}
+    assert all(statuses[f"KV0{i}"] == "passed" for i in (10, 11, 12, 14, 15, 21, 22, 30, 31, 40, 41, 42, 43, 44, 45))
+    assert any("CPUStandInOffloadingSpec" in n and "needs CUDA or XPU" in n for n in report.notes), report.notes
+
+
+def test_offloading_connector_with_a_failed_load_path_passes_every_check_loading_through_the_stand_in(
+    fixtures: str,
+) -> None:
+    """The data checks ran real copies: the round trips loaded from the stand-in's CPU chunks, two groups too."""
+    from kvconn.testing.conformance.checks.data import PERSISTENT_FAILURE_TWO_GROUPS, data_run, data_runs
+
+    name = f"{fixtures}:FailedLoadAwareOffloadingConnector"
+    report = run_native_conformance(name)
+    assert report.load_error is None and report.ok, _failed(report)
+    assert {r.id for r in report.results if r.status == "passed"} >= {f"KV04{i}" for i in range(7)}
+    session = NativeSession(native_target(name))
+    runs = {case.name: result for case, result in data_runs(session)}
+    assert runs["two-groups-reuse"].driver.stats.prompt_tokens_loaded > 0  # SupportsHMA: its two-group run too
+    # with two groups the injected failure reaches vLLM per request (failed_recving), and vLLM recovers
+    two_groups = data_run(session, PERSISTENT_FAILURE_TWO_GROUPS, fail_loads="persistent")
+    assert two_groups.driver.injected_failure and two_groups.driver.stats.failed_load_blocks > 0
+    assert all(result.driver.stats.prompt_tokens_loaded > 0 for result in runs.values()), {
+        case: result.driver.stats.prompt_tokens_loaded for case, result in runs.items()
+    }
+
+
+def test_an_offloading_connector_loading_into_rotated_blocks_fails_the_round_trip(fixtures: str) -> None:
+    report = run_native_conformance(f"{fixtures}:RotatedLoadsOffloadingConnector", select="KV0[14]*")
+    statuses = {r.id: r.status for r in report.results}
+    assert statuses["KV010"] == statuses["KV012"] == "passed"  # the right blocks: only the KV the model reads shows it
+    assert statuses["KV040"] == "failed" and "it ran on wrong KV" in _failed(report)["KV040"]
+
+
+def test_a_users_own_offloading_spec_replaces_the_stand_in() -> None:
+    """With spec_name in --config the user's spec runs (here vLLM's CPUOffloadingSpec, which needs a GPU)."""
+    report = run_native_conformance(
+        "OffloadingConnector", config={"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 24}, select="KV010"
+    )
+    (result,) = report.results
+    assert result.status == "failed" and "only supported on CUDA-alike and XPU GPUs" in result.message
+    assert not report.notes

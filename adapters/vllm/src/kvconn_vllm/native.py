@@ -21,8 +21,9 @@ Seams, none of them in vLLM's scheduler or model runner:
 * **the worker.** The connector's own worker runs through vLLM's
   ``KVConnectorModelRunnerMixin`` on fake KV tensors (:class:`.harness.VllmLoop`).
   A worker that cannot run without CUDA is replaced by a stand-in worker
-  connector that reports completions as the real one does (:data:`STAND_IN_WORKERS`),
-  and the report says so.
+  connector that reports completions as the real one does, or runs on a stand-in
+  at a seam of its own (``OffloadingConnector``: an ``OffloadingSpec``,
+  :mod:`.offloading_standin`) (:data:`STAND_IN_WORKERS`), and the report says so.
 * **the wire.** Metadata crosses as vLLM's ``MessageQueue`` sends it, with
   ``pickle``; a pickler that watches every object (:func:`pickled_engine_objects`)
   reports the block state, the cache manager, a request or the scheduler
@@ -178,9 +179,27 @@ def plain_view(obj: object, block_size: int) -> object:
     """``obj`` as the plain data the block-id analysis reads: dataclasses and objects as dicts, tensors as lists.
 
     A field named for slots (vLLM's ``slot_mapping``) holds ``block * block_size + offset``: it becomes the block
-    ids it covers, so the checks compare them with the live tables.
+    ids it covers, so the checks compare them with the live tables. vLLM's KV-offloading specs are read by type
+    (:func:`_offloading_spec`).
     """
     return _plain(obj, block_size, "", set())
+
+
+def _offloading_spec(obj: object) -> dict[str, Any] | None:
+    """A spec of vLLM's KV offloading (``vllm.v1.kv_offload.base.LoadStoreSpec``) as plain data; ``None`` if not one.
+
+    ``GPULoadStoreSpec.block_ids`` are the engine's blocks (its ``block_indices``, each group's position in the
+    request, become ``first_block_index``); any other spec addresses the offloaded medium (``CPULoadStoreSpec``:
+    chunks of the CPU cache), so its ids become ``offloaded_chunk_index``, which the block-id analysis leaves out.
+    """
+    names = {(k.__module__, k.__name__) for k in type(obj).__mro__}
+    base = "vllm.v1.kv_offload.base"
+    if (base, "LoadStoreSpec") not in names:
+        return None
+    ids = getattr(obj, "block_ids", None)
+    if (base, "GPULoadStoreSpec") not in names:
+        return {"offloaded_chunk_index": ids}
+    return {"block_ids": ids, "group_sizes": obj.group_sizes, "first_block_index": obj.block_indices}  # type: ignore[attr-defined]
 
 
 def _plain(obj: object, block_size: int, name: str, seen: set[int]) -> object:
@@ -201,6 +220,9 @@ def _plain(obj: object, block_size: int, name: str, seen: set[int]) -> object:
         }
     if isinstance(obj, (list, tuple, set, frozenset)):
         return [_plain(i, block_size, name, seen) for i in obj]
+    spec = _offloading_spec(obj)
+    if spec is not None:
+        return _plain(spec, block_size, name, seen)
     if is_dataclass(obj) and not isinstance(obj, type):
         items = {f.name: getattr(obj, f.name) for f in fields(obj)}
     else:
@@ -270,16 +292,48 @@ def _mooncake_store_stand_in() -> type:
 
 @dataclass(frozen=True)
 class StandIn:
-    """A stand-in worker: why the real one cannot run here, the stand-in's class, and config it needs."""
+    """A stand-in for a worker that cannot run here: why, what stands in, and the config it needs.
+
+    ``worker`` builds a worker connector that replaces the connector's own
+    (it moves no KV: the data checks do not apply). ``None``: the connector's
+    own worker runs, on a stand-in that ``config`` plugs in at a seam vLLM
+    offers (``moves_kv``: it copies real KV, so the data checks apply).
+    """
 
     why: str
-    worker: Callable[[], type]
+    worker: Callable[[], type] | None
     #: config defaults under the stand-in (a user's config wins), with what they leave out
     config: Mapping[str, Any] = field(default_factory=dict)
     leaves_out: str = ""
+    #: the report's words for what stands in (default: the stand-in worker's class name)
+    describes: str = ""
+    moves_kv: bool = False
+    #: config keys with which a user picks their own instead (then the stand-in is not used)
+    overridden_by: tuple[str, ...] = ()
+
+    def note(self) -> str:
+        """The report's ``note:`` line."""
+        what = self.describes or (
+            f"a stand-in ({self.worker().__name__}) that reports completions as the real one does"
+            if self.worker is not None
+            else "a stand-in"
+        )
+        return (
+            f"worker: {what}; the real one cannot run here: {self.why}"
+            + ("" if self.moves_kv else "; the checks judge the scheduler side")
+            + (f"; {self.leaves_out}" if self.leaves_out else "")
+        )
 
 
-#: Connector class names whose worker cannot run here, and the stand-in worker used instead.
+#: ``OffloadingConnector``'s config for its stand-in spec (:mod:`.offloading_standin`); ``cpu_bytes_to_use``:
+#: room for every block the conformance runs save, so nothing is evicted.
+_OFFLOADING_STAND_IN = {
+    "spec_name": "CPUStandInOffloadingSpec",
+    "spec_module_path": "kvconn_vllm.offloading_standin",
+    "cpu_bytes_to_use": 32 * 1024 * 1024,
+}
+
+#: Connector class names whose worker cannot run here, and what stands in for it.
 STAND_IN_WORKERS: dict[str, StandIn] = {
     "MooncakeStoreConnector": StandIn(
         "its worker copies through torch.cuda.Event and a MooncakeDistributedStore (CUDA and a Mooncake master)",
@@ -287,14 +341,28 @@ STAND_IN_WORKERS: dict[str, StandIn] = {
         {"enable_lookup": False},
         "lookups go to the real worker's ZMQ lookup server, so enable_lookup is off: saves are judged, loads are not",
     ),
+    "OffloadingConnector": StandIn(
+        "CPUOffloadingSpec.get_worker needs CUDA or XPU (its CPUOffloadingWorker copies through CUDA streams "
+        "and events)",
+        None,
+        _OFFLOADING_STAND_IN,
+        describes="vLLM's own OffloadingConnector worker and CPUOffloadingManager, on a stand-in spec "
+        "(CPUStandInOffloadingSpec, kvconn_vllm.offloading_standin, plugged in by spec_name and spec_module_path "
+        "as vLLM's own tests plug in theirs): vLLM's CPUOffloadingSpec whose worker makes CPUOffloadingWorker's "
+        "block copies on the CPU, at submission",
+        moves_kv=True,
+        overridden_by=("spec_name", "spec_module_path"),
+    ),
 }
 
 
-def stand_in_for(cls: type) -> StandIn | None:
-    """The stand-in worker of ``cls`` (or of the vLLM connector it subclasses), if its worker needs one."""
+def stand_in_for(cls: type, config: Mapping[str, Any] | None = None) -> StandIn | None:
+    """What stands in for the worker of ``cls`` (or of the vLLM connector it subclasses) under the user's
+    ``config``, if its worker needs a stand-in and the config does not pick its own."""
     for klass in cls.__mro__:
         if klass.__name__ in STAND_IN_WORKERS and klass.__module__.startswith("vllm."):
-            return STAND_IN_WORKERS[klass.__name__]
+            stand_in = STAND_IN_WORKERS[klass.__name__]
+            return None if any(key in (config or {}) for key in stand_in.overridden_by) else stand_in
     return None
 
 
@@ -384,7 +452,7 @@ class NativeDriver(VllmSchedulerMethods):
         self._finished_calls: Counter[str] = Counter()
         self._engine_objects: list[str] = []
         class_name = _observed_class(target.cls, self)
-        stand_in = stand_in_for(target.cls)
+        stand_in = stand_in_for(target.cls, spec.config)
         transfer = {
             "kv_connector": class_name,
             "kv_connector_module_path": __name__,
@@ -394,7 +462,8 @@ class NativeDriver(VllmSchedulerMethods):
             max_model_len=2048, num_kv_heads=VLLM_TEST_SHAPE.num_kv_heads, head_dim=VLLM_TEST_SHAPE.head_dim
         )
         self.scheduler = make_scheduler(None, shape=self.shape, transfer_fields=transfer)
-        worker_cls = self._worker_class(stand_in.worker() if stand_in is not None else target.cls)
+        stand_in_worker = stand_in.worker if stand_in is not None else None
+        worker_cls = self._worker_class(stand_in_worker() if stand_in_worker is not None else target.cls)
         config = self.scheduler.vllm_config
         worker = worker_cls(config, KVConnectorRole.WORKER, self.scheduler.kv_cache_config)
         self.loop = self._make_loop(worker)
@@ -502,7 +571,7 @@ class NativeSession(Session):
 
     Serves both roles. A vLLM connector does not say whether it saves and
     loads: the data checks run on it (their data runs need both) unless its
-    worker is a stand-in (:data:`STAND_IN_WORKERS`).
+    worker is a stand-in that moves no KV (:data:`STAND_IN_WORKERS`).
     """
 
     def __init__(self, target: NativeTarget, config: Mapping[str, Any] | None = None) -> None:
@@ -514,16 +583,17 @@ class NativeSession(Session):
         self.factory = _NativeFactory(target)
         self.cls = target.cls
         self.config_error = None
-        self.stand_in = stand_in_for(target.cls)
+        self.stand_in = stand_in_for(target.cls, self.config)
         self.every_data_run_loads = False  # see Session.every_data_run_loads
-        self.capabilities = frozenset({"scheduler", "worker", *(("saves", "loads") if self.stand_in is None else ())})
+        moves_kv = self.stand_in is None or self.stand_in.moves_kv
+        self.capabilities = frozenset({"scheduler", "worker", *(("saves", "loads") if moves_kv else ())})
         self._memo = {}
         self._results = {}
         self._root = None
 
     def _run(self, check: Check) -> CheckResult:
         reason = NOT_APPLICABLE.get(check.id)
-        if reason is None and self.stand_in is not None and "saves" in check.requires:
+        if reason is None and "saves" in check.requires and "saves" not in self.capabilities:
             reason = _STAND_IN_DATA
         if reason is not None:
             return CheckResult(check.id, check.name, "skipped", f"does not apply to a vLLM connector: {reason}")
@@ -579,12 +649,8 @@ def run_native_conformance(
         target = native_target(name)
     except Exception as exc:
         return ConnectorReport(name, [], load_error=str(exc))
-    report = run_session(NativeSession(target, config), select=select, on_result=on_result)
-    stand_in = stand_in_for(target.cls)
-    if stand_in is not None:
-        report.notes.append(
-            f"worker: a stand-in ({stand_in.worker().__name__}) that reports completions as the real one does, which "
-            f"cannot run here: {stand_in.why}; the checks judge the scheduler side"
-            + (f"; {stand_in.leaves_out}" if stand_in.leaves_out else "")
-        )
+    session = NativeSession(target, config)
+    report = run_session(session, select=select, on_result=on_result)
+    if session.stand_in is not None:
+        report.notes.append(session.stand_in.note())
     return report

@@ -19,7 +19,7 @@ the vLLM calls translated into kvconn's shapes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kvconn.host import CallOutcome, LoadPlan
@@ -65,6 +65,7 @@ class SchedulerCalls:
     def __init__(self, name: str, point: MonitorPoint) -> None:
         self.name, self.point = name, point
         self._plans: dict[str, tuple[int, bool]] = {}  # request -> (local hit, load_async) of its last lookup
+        self._loading: dict[str, set[int]] = {}  # request -> the blocks of its last load
 
     def matched(self, request: Any, num_computed_tokens: int, result: tuple[int | None, bool]) -> None:
         tokens, load_async = result
@@ -79,22 +80,37 @@ class SchedulerCalls:
         local, load_async = self._plans.pop(request.request_id, (request.num_computed_tokens, False))
         plan = LoadPlan(num_external_tokens, load_async, self.name if num_external_tokens else None)
         view = VllmRequestView(request, num_computed_tokens=local)
-        self.point.notify("update_state_after_alloc", (view, to_block_ids(blocks.get_block_ids()), plan), True)
+        block_ids = to_block_ids(blocks.get_block_ids())
+        if num_external_tokens:
+            self._loading[request.request_id] = {b for group in block_ids for b in group}
+        self.point.notify("update_state_after_alloc", (view, block_ids, plan), True)
 
     def reported(self, connector_output: Any) -> None:
+        """A request in ``failed_recving`` (vLLM's per-request failed load, with several KV-cache groups) is
+        reported as the blocks of its load, kvconn's shape for a failed load."""
+        invalid = set(connector_output.invalid_block_ids or ())
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            invalid |= self._loading.get(req_id, set())
         out = KVConnectorOutput(
-            finished_recving=set(connector_output.finished_recving or ()),
-            invalid_block_ids=set(connector_output.invalid_block_ids or ()),
+            finished_recving=set(connector_output.finished_recving or ()), invalid_block_ids=invalid
         )
         self.point.notify("update_connector_output", ({self.name: out},), None)
 
 
-def observed_worker(cls: Any, name: str, point: MonitorPoint) -> type:
+def observed_worker(
+    cls: Any, name: str, point: MonitorPoint, owners: Callable[[set[int], set[str]], set[str]] | None = None
+) -> type:
     """A subclass of the worker ``cls`` whose ``wait_for_layer_load`` and ``get_finished`` ``point`` watches.
 
     What the monitors add to the step's report as invalid blocks (an injected
     failed load) is reported in ``get_block_ids_with_load_errors`` with the
-    connector's own.
+    connector's own. With several KV-cache groups vLLM takes no invalid
+    blocks (``Scheduler._handle_invalid_blocks`` raises): given ``owners``
+    (``owners(blocks, finished_recving)``: the requests among those whose
+    tables hold ``blocks``), a failed async load is reported per request, in
+    ``get_transfer_results``' ``failed_recving``, as vLLM asks of such a
+    connector; a sync one still goes in ``get_block_ids_with_load_errors``
+    (vLLM has no other way for it).
     """
 
     class ObservedWorker(cls):
@@ -111,6 +127,15 @@ def observed_worker(cls: Any, name: str, point: MonitorPoint) -> type:
             )
             self._injected = frozenset(outputs[name].invalid_block_ids)
             return sending, recving
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+            results = cls.get_transfer_results(self, finished_req_ids)  # through get_finished above
+            if owners is not None and self._injected:
+                failed = owners(set(self._injected), set(results.finished_recving))
+                if failed:
+                    results.failed_recving |= failed
+                    self._injected = frozenset()
+            return results
 
         def get_block_ids_with_load_errors(self) -> set[int]:
             injected, self._injected = self._injected, frozenset()
@@ -159,7 +184,16 @@ class NativeDataDriver(DataRunMethods, NativeDriver):
         )
 
     def _worker_class(self, cls: type) -> type:
-        return observed_worker(cls, self.calls.name, self._worker_point)
+        owners = self._owners if len(self.shape.kv_cache_groups) > 1 else None
+        return observed_worker(cls, self.calls.name, self._worker_point, owners)
+
+    def _owners(self, blocks: set[int], req_ids: set[str]) -> set[str]:
+        """The requests among ``req_ids`` whose tables hold any of ``blocks`` (where a failure was injected).
+
+        Read from vLLM's scheduler, which still holds a request whose async load the worker reports done.
+        """
+        manager = self.scheduler.kv_cache_manager
+        return {r for r in req_ids if any(blocks & set(table) for table in manager.get_block_ids(r))}
 
     def _make_loop(self, worker: Any) -> Any:
         return ModelLoop(self.scheduler, scrub_freed=self._scrub_freed, worker=worker)
