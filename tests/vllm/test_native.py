@@ -160,7 +160,7 @@ def test_offloading_connector_with_a_failed_load_path_passes_every_check_loading
     fixtures: str,
 ) -> None:
     """The data checks ran real copies: the round trips loaded from the stand-in's CPU chunks, two groups too."""
-    from kvconn.testing.conformance.checks.data import PERSISTENT_FAILURE_TWO_GROUPS, data_run, data_runs
+    from kvconn.testing.conformance.runs import PERSISTENT_FAILURE_TWO_GROUPS, data_run, data_runs
 
     name = f"{fixtures}:FailedLoadAwareOffloadingConnector"
     report = run_native_conformance(name)
