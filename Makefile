@@ -42,9 +42,11 @@ demo: install
 	scripts/with-redis-server.sh $(VENV)/bin/kvconn validate --all
 	$(VENV)/bin/kvconn simulate --workload shared-prefix --connector offload --connector mooncake
 
+# lint-imports: the layering contracts in pyproject.toml ([tool.importlinter]); it reads the installed packages.
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: install
 	$(VENV)/bin/mypy $(addprefix -p ,$(PACKAGES))

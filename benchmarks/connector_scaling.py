@@ -43,7 +43,7 @@ from kvconn import (
     KVConnectorRole,
     SchedulerOutput,
 )
-from kvconn._plugins.manager import hook_object
+from kvconn.introspection import hook_object
 from kvconn.outputs import CachedRequestData
 from kvconn_dummy import DummyConnector, DummyMetadata
 

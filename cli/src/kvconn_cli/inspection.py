@@ -22,9 +22,7 @@ from typing import Any
 import msgspec
 
 import kvconn
-from kvconn._plugins.manager import implemented_hooks
-from kvconn._plugins.registry import connector_roles
-from kvconn._plugins.sides import ROLE_HOOKS, declared_side
+from kvconn.introspection import connector_roles, declared_side, implemented_hooks
 
 __all__ = [
     "ConfigField",
@@ -200,14 +198,18 @@ def describe(name: str) -> ConnectorDetails:
         config_doc=_doc(config_type) if config_type is not kvconn.NoConfig else "",
         config=config_fields(config_type),
         hooks=_hooks(cls),
-        sides={role: _path(side) for role in ROLE_HOOKS if (side := declared_side(cls, role)) is not None},
-        lazy_sides=[role for role in ROLE_HOOKS if isinstance(declared_side(cls, role), str)],
+        sides={role: _path(side) for role in _ROLES if (side := declared_side(cls, role)) is not None},
+        lazy_sides=[role for role in _ROLES if isinstance(declared_side(cls, role), str)],
     )
+
+
+#: The role values, in the order ``kvconn info`` shows the sides.
+_ROLES = [role.value for role in kvconn.KVConnectorRole]
 
 
 def _hooks(cls: type) -> list[str]:
     """The hooks of ``cls`` and of its sides declared as classes; a side's path is not imported (torch, say)."""
-    sides = [side for role in ROLE_HOOKS if isinstance(side := declared_side(cls, role), type)]
+    sides = [side for role in _ROLES if isinstance(side := declared_side(cls, role), type)]
     return sorted(
         {*implemented_hooks(cls), *(hook for side in sides for hook in implemented_hooks(side, by_name=True))}
     )

@@ -20,7 +20,7 @@ from urllib.request import url2pathname
 
 import kvconn
 from kvconn._install import pip_install
-from kvconn._plugins.registry import ENTRY_POINT_GROUP
+from kvconn.introspection import ENTRY_POINT_GROUP
 
 from .errors import UsageError
 from .inspection import plugin_output_to_stderr

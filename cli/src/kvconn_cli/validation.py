@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import kvconn
-from kvconn._plugins.registry import build_config
+from kvconn.introspection import build_config
 
 from .errors import UsageError
 from .inspection import import_connector_class, one_line, reason

@@ -55,13 +55,12 @@ except ImportError:  # vLLM 0.29: failed loads are invalid blocks only, with any
     KVConnectorTransferResults = None
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvconn._plugins.manager import hook_object
-from kvconn._plugins.registry import connector_roles
 from kvconn.block_state import KVConnectorBlockState, block_ids_in_range
 from kvconn.connector import KVConnectorRole as KVConnRole
 from kvconn.errors import ConnectorConfigError, KVConnError, WireError
 from kvconn.host import NO_LOAD, ConnectorHost, LoadPlan, StepUpdate
 from kvconn.host.wire import decode_metadata, encode_metadata
+from kvconn.introspection import connector_roles, hook_object
 from kvconn.metadata import KVConnectorMetadata as KVConnMetadata
 from kvconn.outputs import KVConnectorOutput
 

@@ -1,4 +1,4 @@
-"""The offload connector's options (validated by ``kvconn._plugins.registry.build_config``)."""
+"""The offload connector's options (validated by ``kvconn.introspection.build_config``)."""
 
 from __future__ import annotations
 
