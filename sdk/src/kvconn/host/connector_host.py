@@ -115,11 +115,16 @@ class ConnectorHost(HostCore, Monitored):
         """``role`` as a role, defaulting to (and required to match) the one ``cls`` serves."""
         if role is None:
             if cls.serves is None:
-                raise TypeError("ConnectorHost needs role=: 'scheduler' or 'worker'")
+                raise TypeError(
+                    "ConnectorHost needs role='scheduler' or role='worker' (or build a SchedulerHost or a WorkerHost)"
+                )
             return cls.serves
         role = KVConnectorRole(role)
         if cls.serves is not None and role is not cls.serves:
-            raise ValueError(f"{cls.__name__} serves the {cls.serves.value} role, not {role.value}")
+            raise ValueError(
+                f"{cls.__name__} serves the {cls.serves.value} role, not {role.value}: build a "
+                f"ConnectorHost(..., role={role.value!r}) or leave role out"
+            )
         return role
 
     def _init_role(self) -> None:

@@ -1,11 +1,13 @@
 """The dispatch core both host roles share: registering connectors, calling their hooks, failure accounting.
 
 Why the host calls implementations itself rather than through pluggy's hook
-caller (``pm.hook.<name>(...)``, which runs ``_multicall``): pluggy's
-``_multicall`` calls every implementation inside one loop and lets the first
-exception end the whole hook call, discarding the results of the others;
-its ``firstresult`` stops at the first non-``None`` answer. The host needs
-the opposite for each connector on its own (per-connector isolation):
+caller (``pm.hook.<name>(...)``, which runs ``pluggy._execution._multicall``):
+``_multicall`` calls every implementation inside one loop, last registered
+first, and lets the first exception end the whole hook call, discarding the
+results of the others; its ``firstresult`` stops at the first non-``None``
+answer. The host needs the opposite, each connector on its own
+(per-connector isolation), in the order the connectors were given (the
+priority order: the first with a hit loads):
 
 * one ``try`` per connector, so a connector that raises loses its work for
   that step and the others' results still count (routing needs every
@@ -27,7 +29,8 @@ pluggy still does what it is for: validating each implementation against
 its hookspec at registration (``check_pending``, ``PluginValidationError``)
 and listing the implementations of a hook (``get_hookimpls``); the host
 adapts each to the spec's positional order once (:func:`_positional`) and
-calls it directly, which is also the cheapest call Python has.
+calls it directly, with no hook caller or result object in between (the
+host's calls run every step, some once per layer).
 """
 
 from __future__ import annotations
