@@ -492,3 +492,20 @@ def test_a_monitor_sees_arguments_given_by_keyword_in_order() -> None:
 def test_monitoring_a_call_the_host_does_not_have_is_refused() -> None:
     with pytest.raises(ValueError, match=r"cannot monitor \['pm'\]"):
         scheduler_host().add_monitor(calls=["pm"])
+
+
+def test_a_host_built_by_role_is_that_roles_class_and_a_roles_class_refuses_the_other_role() -> None:
+    from kvconn.host import SchedulerHost, WorkerHost
+
+    scheduler = ConnectorHost({"a": Recorder(role="scheduler")}, role="scheduler")
+    worker = ConnectorHost.from_names(f"{__name__}:Marked", role=kvconn.KVConnectorRole.WORKER)
+    assert type(scheduler) is SchedulerHost and type(worker) is WorkerHost
+    assert isinstance(scheduler, ConnectorHost) and isinstance(worker, ConnectorHost)
+    assert not hasattr(scheduler, "start_load_kv") and not hasattr(worker, "get_num_new_matched_tokens")
+    assert (
+        type(WorkerHost.from_names(f"{__name__}:Marked")) is WorkerHost and worker.role is kvconn.KVConnectorRole.WORKER
+    )
+    with pytest.raises(TypeError, match="role='scheduler' or role='worker'"):
+        ConnectorHost({"a": Recorder(role="scheduler")})
+    with pytest.raises(ValueError, match="SchedulerHost serves the scheduler role, not worker"):
+        SchedulerHost({"a": Recorder(role="scheduler")}, role="worker")

@@ -427,7 +427,7 @@ def test_without_worker_reports_each_connector_gets_only_its_own_loads(test_conn
     """vLLM without worker metadata merges every connector's sets; the adapter splits them back by load."""
     from types import SimpleNamespace
 
-    from kvconn.host.connector_host import _Load
+    from kvconn.host.scheduler_host import _Load
 
     first, second = f"{test_connectors}:HandoffConnector", f"{test_connectors}:SlowHandoffConnector"
     adapter = make_scheduler([first, second]).connector

@@ -58,7 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvconn.block_state import KVConnectorBlockState, block_ids_in_range
 from kvconn.connector import KVConnectorRole as KVConnRole
 from kvconn.errors import ConnectorConfigError, KVConnError, WireError
-from kvconn.host import NO_LOAD, ConnectorHost, LoadPlan, StepUpdate
+from kvconn.host import NO_LOAD, ConnectorHost, LoadPlan, SchedulerHost, StepUpdate, WorkerHost
 from kvconn.host.wire import decode_metadata, encode_metadata
 from kvconn.introspection import connector_roles, hook_object
 from kvconn.metadata import KVConnectorMetadata as KVConnMetadata
@@ -229,6 +229,11 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             context=self.context,
             **options,
         )
+        # The same host as its role's class, for that role's calls (the other role's attribute is never set).
+        if isinstance(self.host, WorkerHost):
+            self._worker_host = self.host
+        elif isinstance(self.host, SchedulerHost):
+            self._scheduler_host = self.host
         _refuse_split_in_process_state(self.host, vllm_config)
         route_logs_to_vllm({type(c).__module__.partition(".")[0] for c in self.host.connectors.values()})
         # scheduler side
@@ -263,7 +268,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        plan = self.host.get_num_new_matched_tokens(VllmRequestView(request), num_computed_tokens)
+        plan = self._scheduler_host.get_num_new_matched_tokens(VllmRequestView(request), num_computed_tokens)
         num_tokens = plan.num_tokens
         if num_tokens is None:
             return None, False
@@ -286,7 +291,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             plan, local_hit = NO_LOAD, request.num_computed_tokens
         view = VllmRequestView(request, num_computed_tokens=local_hit)
-        loading = self.host.update_state_after_alloc(view, block_ids, plan)
+        loading = self._scheduler_host.update_state_after_alloc(view, block_ids, plan)
         if num_external_tokens:
             end = local_hit + num_external_tokens
             blocks_to_load = block_ids_in_range(block_ids, local_hit, end, self.context.block_size)
@@ -299,7 +304,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnVllmMetadata:
         self._step += 1
         output = translate_scheduler_output(scheduler_output, self._step)
-        host = self.host
+        host = self._scheduler_host
         metadata = host.build_connector_meta(output, self._block_state(scheduler_output, output))
         encoded: dict[str, bytes] = {}
         for name, meta in metadata.items():
@@ -372,7 +377,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hybrid KV cache manager: the request's table in every group."""
         self._plans.pop(request.request_id, None)
-        return self.host.request_finished(VllmRequestView(request), to_block_ids(block_ids)), None
+        return self._scheduler_host.request_finished(VllmRequestView(request), to_block_ids(block_ids)), None
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Hand each connector its report, then make vLLM act on the host's merged decision.
@@ -389,7 +394,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             outputs, failed_recving = {}, _NO_IDS
         else:
             outputs, failed_recving = self._attribute(connector_output)
-        update = self.host.update_connector_output(outputs)
+        update = self._scheduler_host.update_connector_output(outputs)
         ended = self._sent_sync
         if update.finished_recving:
             for reqs in self._loads.values():
@@ -427,7 +432,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         sending = set(connector_output.finished_sending or ())
         recving = set(connector_output.finished_recving or ())
         invalid = set(connector_output.invalid_block_ids or ())
-        loads, blocks = self.host.pending_loads(), self.host.pending_load_blocks()
+        loads, blocks = self._scheduler_host.pending_loads(), self._scheduler_host.pending_load_blocks()
         outputs = {
             name: KVConnectorOutput(
                 finished_sending=set(sending),
@@ -441,7 +446,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
     # --------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self.host.register_kv_caches(check_kv_caches(kv_caches, self.context))
+        self._worker_host.register_kv_caches(check_kv_caches(kv_caches, self.context))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Begin the step, and start its loads here: kvconn's worker step contract.
@@ -465,15 +470,15 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             except WireError as exc:
                 logger.warning("%s; it sits this step out on this worker", exc)
                 self._undecoded.append(name)
-        self.host.bind_connector_metadata(decoded)
+        self._worker_host.bind_connector_metadata(decoded)
         self._saved = False
-        self.host.start_load_kv()
+        self._worker_host.start_load_kv()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Nothing to do: the step's loads started when its metadata was bound."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.host.wait_for_layer_load(layer_name)
+        self._worker_host.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         if self._saved:  # a layer after the step's wait_for_save (vLLM's draft model): outside the contract
@@ -483,13 +488,13 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
                     "vLLM saved layer %r after the step's wait_for_save; such layers are not saved", layer_name
                 )
             return
-        self.host.save_kv_layer(layer_name, kv_layer)
+        self._worker_host.save_kv_layer(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
         """Once a step: vLLM calls it after ``get_finished`` too when a draft model runs (deferred finalize)."""
         if not self._saved:
             self._saved = True
-            self.host.wait_for_save()
+            self._worker_host.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Collect the step's reports; the merged sets go to vLLM only without worker metadata.
@@ -498,7 +503,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         vLLM defers its ``wait_for_save`` past this call.
         """
         self.wait_for_save()
-        outputs = self.host.get_finished(set(finished_req_ids))
+        outputs = self._worker_host.get_finished(set(finished_req_ids))
         bound = self._bound
         for name, loads in bound.loads.items():
             out = outputs.setdefault(name, KVConnectorOutput())

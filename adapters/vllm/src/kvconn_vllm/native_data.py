@@ -22,8 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from kvconn.host import CallOutcome, LoadPlan
-from kvconn.host.connector_host import MonitorAfter
+from kvconn.host import CallOutcome, LoadPlan, MonitorAfter
 from kvconn.outputs import KVConnectorOutput
 from kvconn.reference.stats import EngineStats
 from kvconn.testing.conformance.driver import DriverSpec

@@ -1,30 +1,25 @@
 """What an engine drives: the connector host and the wire between scheduler and workers.
 
 * :mod:`.connector_host` — :class:`ConnectorHost`, the only caller of hooks:
-  routing across several connectors, the failure policy, checks of each
-  hook's answer, and monitors (``add_monitor``) for tools that observe it.
+  constructing it by role builds a :class:`SchedulerHost`
+  (:mod:`.scheduler_host`: routing lookups and loads, the transfers in
+  flight) or a :class:`WorkerHost` (:mod:`.worker_host`: caches, metadata,
+  the per-layer hooks, each step's report). Both share :mod:`.dispatch`
+  (registration, calling hooks, the failure policy), :mod:`.answers`
+  (checks of each hook's answer) and :mod:`.monitors` (``add_monitor``,
+  for tools that observe a host).
 * :mod:`.wire` — msgpack encoding of ``SchedulerOutput`` / ``ModelRunnerOutput``
   and of each connector's metadata, for engines whose workers run elsewhere.
 """
 
 from __future__ import annotations
 
-from .connector_host import (
-    DEFAULT_HOOK_BUDGET_S,
-    DEFAULT_MAX_SLOW_CALLS,
-    DEFAULT_STALL_STEPS,
-    MONITORED_CALLS,
-    NO_LOAD,
-    STEP_CALLS,
-    BadHookAnswer,
-    CallOutcome,
-    ConnectorHost,
-    LoadPlan,
-    MonitorAfter,
-    MonitorBefore,
-    OnError,
-    StepUpdate,
-)
+from .answers import BadHookAnswer
+from .connector_host import ConnectorHost
+from .dispatch import DEFAULT_HOOK_BUDGET_S, DEFAULT_MAX_SLOW_CALLS, DEFAULT_STALL_STEPS, OnError
+from .monitors import MONITORED_CALLS, STEP_CALLS, CallOutcome, MonitorAfter, MonitorBefore
+from .scheduler_host import NO_LOAD, LoadPlan, SchedulerHost, StepUpdate
+from .worker_host import WorkerHost
 
 __all__ = [
     "DEFAULT_HOOK_BUDGET_S",
@@ -40,5 +35,7 @@ __all__ = [
     "MonitorAfter",
     "MonitorBefore",
     "OnError",
+    "SchedulerHost",
     "StepUpdate",
+    "WorkerHost",
 ]

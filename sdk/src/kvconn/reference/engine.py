@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-from ..connector import KVConnectorRole
 from ..context import ConnectorContext
-from ..host import DEFAULT_HOOK_BUDGET_S, DEFAULT_MAX_SLOW_CALLS, DEFAULT_STALL_STEPS, ConnectorHost, OnError
+from ..host import (
+    DEFAULT_HOOK_BUDGET_S,
+    DEFAULT_MAX_SLOW_CALLS,
+    DEFAULT_STALL_STEPS,
+    ConnectorHost,
+    OnError,
+    SchedulerHost,
+    WorkerHost,
+)
 from ..host.wire import (
     decode_model_runner_output,
     decode_scheduler_output,
@@ -29,6 +36,8 @@ from .stats import EngineStats
 from .worker import ReferenceWorker
 
 __all__ = ["Engine"]
+
+_Host = TypeVar("_Host", bound=ConnectorHost)
 
 
 class Engine:
@@ -81,22 +90,23 @@ class Engine:
             num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_dim,
         )
-        self.scheduler_host: ConnectorHost | None = None
-        self.worker_host: ConnectorHost | None = None
+        self.scheduler_host: SchedulerHost | None = None
+        self.worker_host: WorkerHost | None = None
         if connector:
-            self.scheduler_host, self.worker_host = (
-                ConnectorHost.from_names(
+
+            def host(cls: type[_Host], role_config: Any) -> _Host:
+                return cls.from_names(
                     connector,
-                    role=role,
-                    config=worker_config if role is KVConnectorRole.WORKER and worker_config is not None else config,
+                    config=role_config,
                     context=self.context,
                     on_error=on_error,
                     stall_steps=stall_steps,
                     hook_budget_s=hook_budget_s,
                     max_slow_calls=max_slow_calls,
                 )
-                for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
-            )
+
+            self.scheduler_host = host(SchedulerHost, config)
+            self.worker_host = host(WorkerHost, config if worker_config is None else worker_config)
         self.scheduler = Scheduler(shape, host=self.scheduler_host, context=self.context)
         self.worker = ReferenceWorker(
             self.context,

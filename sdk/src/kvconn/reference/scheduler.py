@@ -18,7 +18,7 @@ from typing import cast
 
 from ..block_state import KVConnectorBlockState
 from ..context import ConnectorContext
-from ..host import NO_LOAD, ConnectorHost, LoadPlan
+from ..host import NO_LOAD, LoadPlan, SchedulerHost
 from ..outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from .block_pool import Block
 from .kv_cache_manager import KVCacheManager
@@ -48,7 +48,7 @@ class Scheduler:
         self,
         config: EngineShape | None = None,
         *,
-        host: ConnectorHost | None = None,
+        host: SchedulerHost | None = None,
         context: ConnectorContext | None = None,
         **options: object,
     ) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..context import ConnectorContext
-from ..host import ConnectorHost
+from ..host import WorkerHost
 from ..outputs import ModelRunnerOutput, SchedulerOutput
 from .model import VOCAB_SIZE, ReferenceModel, check_dtype, prefix_hashes
 
@@ -49,7 +49,7 @@ class ReferenceWorker:
         context: ConnectorContext,
         *,
         num_blocks: int,
-        host: ConnectorHost | None = None,
+        host: WorkerHost | None = None,
         num_kv_heads: int = 2,
         head_dim: int = 8,
         vocab_size: int = VOCAB_SIZE,

@@ -6,9 +6,8 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..connector import KVConnectorRole
 from ..context import ConnectorContext
-from ..host import ConnectorHost, OnError
+from ..host import OnError, SchedulerHost
 from ..outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from ..reference.request import Request
 from ..reference.scheduler import Scheduler
@@ -44,13 +43,7 @@ def create_scheduler(
     context = context or ConnectorContext(
         block_size=engine_shape.block_size, kv_cache_groups=engine_shape.kv_cache_groups
     )
-    host = (
-        ConnectorHost.from_names(
-            connector, role=KVConnectorRole.SCHEDULER, config=config, context=context, on_error=on_error
-        )
-        if connector
-        else None
-    )
+    host = SchedulerHost.from_names(connector, config=config, context=context, on_error=on_error) if connector else None
     return Scheduler(engine_shape, host=host, context=context)
 
 

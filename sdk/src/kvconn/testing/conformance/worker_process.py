@@ -18,9 +18,8 @@ from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ...connector import KVConnectorRole
 from ...context import ConnectorContext
-from ...host import ConnectorHost
+from ...host import WorkerHost
 from ...host.wire import (
     decode_model_runner_output,
     decode_scheduler_output,
@@ -91,8 +90,7 @@ def _serve(recv: Connection, send: Connection) -> None:
 
     try:
         connector, config, context, shape = pickle.loads(recv.recv_bytes())
-        host = ConnectorHost.from_names(connector, role=KVConnectorRole.WORKER, config=config, context=context,
-                                        on_error="raise")  # fmt: skip
+        host = WorkerHost.from_names(connector, config=config, context=context, on_error="raise")
         worker = ReferenceWorker(
             context, num_blocks=shape.num_blocks, host=host, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim
         )

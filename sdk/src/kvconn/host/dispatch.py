@@ -1,0 +1,283 @@
+"""The dispatch core both host roles share: registering connectors, calling their hooks, failure accounting.
+
+Why the host calls implementations itself rather than through pluggy's hook
+caller (``pm.hook.<name>(...)``, which runs ``pluggy._execution._multicall``):
+``_multicall`` calls every implementation inside one loop, last registered
+first, and lets the first exception end the whole hook call, discarding the
+results of the others; its ``firstresult`` stops at the first non-``None``
+answer. The host needs the opposite, each connector on its own
+(per-connector isolation), in the order the connectors were given (the
+priority order: the first with a hit loads):
+
+* one ``try`` per connector, so a connector that raises loses its work for
+  that step and the others' results still count (routing needs every
+  answer: the first *hit* loads, every connector may save);
+* failure accounting per (connector, hook): the error is logged once with
+  the plugin's name, counted (:attr:`HostCore.error_counts`), its first
+  message kept (:attr:`HostCore.first_errors`), and under
+  ``on_error="raise"`` raised as :class:`~kvconn.errors.ConnectorError`
+  naming the connector and the hook;
+* each call timed against ``hook_budget_s`` and put down to its connector
+  (:attr:`HostCore.slow_calls`), degrading a connector slow too often in a row;
+* the answer checked per connector (:mod:`.answers`), a bad one handled as
+  the hook raising;
+* a connector that failed (or was degraded) sitting out what follows, and
+  arguments that differ per connector (the loader gets its tokens, the
+  others 0).
+
+pluggy still does what it is for: validating each implementation against
+its hookspec at registration (``check_pending``, ``PluginValidationError``)
+and listing the implementations of a hook (``get_hookimpls``); the host
+adapts each to the spec's positional order once (:func:`_positional`) and
+calls it directly, with no hook caller or result object in between (the
+host's calls run every step, some once per layer).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from time import perf_counter
+from typing import Any, ClassVar, Literal
+
+import pluggy
+
+from .._plugins.manager import KVConnPluginManager
+from .._plugins.sides import check_side
+from ..connector import KVConnectorRole
+from ..context import ConnectorContext
+from ..errors import ConnectorError, ConnectorLoadError
+from ..metadata import KVConnectorMetadata
+from .answers import BadHookAnswer
+
+__all__ = ["DEFAULT_HOOK_BUDGET_S", "DEFAULT_MAX_SLOW_CALLS", "DEFAULT_STALL_STEPS", "HostCore", "OnError"]
+
+logger = logging.getLogger("kvconn.host")
+
+OnError = Literal["degrade", "raise"]
+#: (connector name, a callable taking the hook's arguments positionally, in spec order)
+_Impl = tuple[str, Callable[..., Any]]
+#: a hook's arguments in spec order, or a function of the connector's name returning them
+Args = tuple[Any, ...] | Callable[[str], tuple[Any, ...]]
+
+#: Steps a connector may keep a request waiting on it (asking to be asked again, a
+#: delayed free) before the host gives up on it and degrades the connector.
+DEFAULT_STALL_STEPS = 128
+#: Seconds one hook call may take before the host warns (once per connector and hook) and counts it.
+DEFAULT_HOOK_BUDGET_S = 1.0
+#: Calls of one hook in a row over the budget after which a connector is degraded for the rest of the run:
+#: a single slow call (a page fault storm, a store's own deadline) is only counted.
+DEFAULT_MAX_SLOW_CALLS = 3
+
+_FAILED = object()  # what _call returns for a call that raised
+
+
+def _positional(function: Callable[..., Any], argnames: Sequence[str], spec: Sequence[str]) -> Callable[..., Any]:
+    """Adapt an implementation taking a subset of the spec's arguments to all of them, in spec order.
+
+    An implementation that takes every argument in order is called as it is (no extra frame).
+    """
+    positions = [spec.index(a) for a in argnames]
+    if positions == list(range(len(spec))):
+        return function
+    if not positions:
+        return lambda *args: function()
+    if len(positions) == 1:
+        (i,) = positions
+        return lambda *args: function(args[i])
+    pick = operator.itemgetter(*positions)
+    return lambda *args: function(*pick(args))
+
+
+class HostCore:
+    """Connectors of one role, their hook implementations in order, and the calls with their failure policy.
+
+    A role's host subclasses this with ``hooks`` (the hooks called in that
+    role) and sets ``_skip``: the set of connectors its dispatch passes over
+    (the scheduler: those degraded for the run; the worker: also those that
+    failed earlier in the step). Arguments as for :class:`~kvconn.ConnectorHost`.
+    """
+
+    #: the hooks this role calls
+    hooks: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(
+        self,
+        connectors: Mapping[str, object] | Sequence[tuple[str, object]],
+        *,
+        role: KVConnectorRole | str,
+        context: ConnectorContext | None,
+        on_error: OnError,
+        stall_steps: int,
+        hook_budget_s: float | None,
+        max_slow_calls: int | None,
+    ) -> None:
+        if on_error not in ("degrade", "raise"):
+            raise ValueError(f"on_error must be 'degrade' or 'raise', not {on_error!r}")
+        if stall_steps < 1:
+            raise ValueError(f"stall_steps must be >= 1, got {stall_steps}")
+        if max_slow_calls is not None and max_slow_calls < 1:
+            raise ValueError(
+                f"max_slow_calls must be >= 1 (or None: never degrade a slow connector), got {max_slow_calls}"
+            )
+        self.stall_steps = stall_steps
+        self.hook_budget_s = math.inf if hook_budget_s is None else hook_budget_s
+        self.max_slow_calls = math.inf if max_slow_calls is None else max_slow_calls
+        items = list(connectors.items() if isinstance(connectors, Mapping) else connectors)
+        self.role = KVConnectorRole(role)
+        self.context = context or ConnectorContext()
+        self.on_error: OnError = on_error
+        self.connectors: dict[str, object] = {}
+        #: each connector's ``Metadata`` class (what its workers decode)
+        self.metadata_types: dict[str, type[KVConnectorMetadata]] = {}
+        self._pm = KVConnPluginManager()
+        for name, connector in items:
+            self._register(name, connector)
+        order = {name: i for i, name in enumerate(self.connectors)}
+        self._impls: dict[str, list[_Impl]] = {}
+        for hook in self.hooks:
+            caller = getattr(self._pm.hook, hook)
+            spec = caller.spec.argnames
+            impls = sorted(caller.get_hookimpls(), key=lambda i: order[i.plugin_name])
+            self._impls[hook] = [(i.plugin_name, _positional(i.function, i.argnames, spec)) for i in impls]
+        self.error_counts: Counter[tuple[str, str]] = Counter()
+        #: the first error of each (connector, hook), as ``"Type: message"``
+        self.first_errors: dict[tuple[str, str], str] = {}
+        #: hook calls longer than ``hook_budget_s``, per (connector, hook)
+        self.slow_calls: Counter[tuple[str, str]] = Counter()
+        self._slow_in_a_row: dict[tuple[str, str], int] = {}  # reset by a call within the budget
+        self._failed_this_step: set[str] = set()
+        #: connectors out for the rest of the run: a failed register_kv_caches, max_slow_calls overruns in a row
+        self._disabled: set[str] = set()
+        self._skip: set[str] = self._disabled
+
+    def _register(self, name: str, connector: object) -> None:
+        if name in self.connectors:
+            raise ConnectorLoadError(f"connector {name!r} is given twice: each connector needs a distinct name")
+        check_side(name, connector, self.role.value)
+        try:
+            self._pm.register_connector(connector, name=name)  # its side for this role, if it declares one
+            self._pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise ConnectorLoadError(f"connector {name!r} has an invalid hook implementation: {exc}") from exc
+        self.connectors[name] = connector
+        self.metadata_types[name] = getattr(connector, "Metadata", KVConnectorMetadata)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.connectors)
+
+    def implementers(self, hook: str) -> list[str]:
+        """The connectors implementing ``hook``, in order: an engine need not prepare what no connector reads."""
+        return [name for name, _ in self._impls.get(hook, ())]
+
+    @property
+    def degraded_events(self) -> int:
+        """How many hook calls failed and were degraded."""
+        return sum(self.error_counts.values())
+
+    # Every hook call goes through _each (or a worker's per-layer loops): one
+    # ``try`` per connector, arguments passed positionally in spec order.
+
+    def _fail(self, name: str, hook: str, exc: Exception) -> None:
+        """Account for connector ``name`` failing in ``hook``: it loses its work for this step (or it raises)."""
+        if self.on_error == "raise":
+            raise ConnectorError(name, hook, exc) from exc
+        key = (name, hook)
+        if not self.error_counts[key]:
+            self.first_errors[key] = f"{type(exc).__name__}: {exc}"
+            logger.warning(
+                "connector %r failed in %s; its work for this step is dropped (degraded): %s: %s",
+                name, hook, type(exc).__name__, exc, exc_info=None if isinstance(exc, BadHookAnswer) else exc,
+                extra={"kvconn_hook_failure": key},
+            )  # fmt: skip
+        self.error_counts[key] += 1
+        self._failed_this_step.add(name)
+
+    def _slow(self, name: str, hook: str, seconds: float) -> None:
+        """Count a hook call over the time budget; warn about the first per (connector, hook).
+
+        The ``max_slow_calls``-th in a row degrades the connector for the rest of the run.
+        """
+        key = (name, hook)
+        if not self.slow_calls[key]:
+            logger.warning(
+                "connector %r took %.3f s in %s, over the hook budget of %.3f s: the engine waited for it "
+                "(warned once; counted in slow_calls)",
+                name, seconds, hook, self.hook_budget_s,
+            )  # fmt: skip
+        self.slow_calls[key] += 1
+        in_a_row = self._slow_in_a_row[key] = self._slow_in_a_row.get(key, 0) + 1
+        if in_a_row >= self.max_slow_calls and name not in self._disabled:
+            self._disabled.add(name)
+            self._fail(
+                name,
+                hook,
+                TimeoutError(
+                    f"{in_a_row} calls in a row took longer than the hook budget of {self.hook_budget_s:g} s "
+                    f"(the last {seconds:.3f} s): degraded for the rest of the run, the engine no longer calls it"
+                ),
+            )
+
+    def _in_budget(self, name: str, hook: str) -> None:
+        """A call within the budget ends a run of slow ones."""
+        if self._slow_in_a_row:
+            self._slow_in_a_row.pop((name, hook), None)
+
+    def _each(self, hook: str, args: Args, check: Callable[[Any], Any] | None = None) -> Iterable[tuple[str, Any]]:
+        """Call ``hook`` on every connector implementing it, in order; yield ``(name, result)`` of the successes.
+
+        ``args`` are the spec's arguments in order, or a function of the
+        connector's name returning them. ``check`` validates and converts a
+        result; a :class:`~.answers.BadHookAnswer` it raises is a failure of
+        the hook. A connector in ``_skip`` is not called. A hook nobody
+        implements costs no generator, and one implemented by a single
+        connector (the usual host) is called at once, its answer returned in
+        a tuple: the same call, one layer less.
+        """
+        impls = self._impls[hook]
+        if not impls:
+            return ()
+        if len(impls) > 1:
+            return self._call_each(impls, hook, args, check)
+        name, call = impls[0]
+        if name in self._skip:
+            return ()
+        result = self._call(name, call, hook, args, check)
+        return () if result is _FAILED else ((name, result),)
+
+    def _call_each(
+        self, impls: list[_Impl], hook: str, args: Args, check: Callable[[Any], Any] | None
+    ) -> Iterator[tuple[str, Any]]:
+        for name, call in impls:
+            if name in self._skip:  # read at each connector: one may fail while an earlier one's result is handled
+                continue
+            result = self._call(name, call, hook, args, check)
+            if result is not _FAILED:
+                yield name, result
+
+    def _call(
+        self, name: str, call: Callable[..., Any], hook: str, args: Args, check: Callable[[Any], Any] | None
+    ) -> Any:
+        """One connector's call of ``hook``, timed against the budget: its (checked) result, or ``_FAILED``."""
+        started = perf_counter()
+        try:
+            result = call(*(args(name) if callable(args) else args))
+            if check is not None:
+                result = check(result)
+        except Exception as exc:
+            self._fail(name, hook, exc)
+            result = _FAILED
+        if (elapsed := perf_counter() - started) > self.hook_budget_s:
+            self._slow(name, hook, elapsed)
+        elif self._slow_in_a_row:
+            self._in_budget(name, hook)
+        return result
+
+    def _notify(self, hook: str, args: Args = ()) -> None:
+        """Call ``hook`` on every connector for its side effects (``args`` as for :meth:`_each`)."""
+        for _ in self._each(hook, args):
+            pass
