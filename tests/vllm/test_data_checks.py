@@ -102,6 +102,28 @@ def test_shipped_connectors_pass_the_data_checks_under_vllm(connector: str, fact
     assert report.failed == 0 and report.passed == 7, report.results
 
 
+@pytest.mark.usefixtures("runner")
+def test_the_redis_connector_passes_every_check_under_vllm_against_a_real_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The shipped store connector over a real redis-server (the plugin's own test helper starts it)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "plugins" / "redis" / "tests"))
+    from redis_server import RedisServer, require_redis_server
+
+    from kvconn_redis import fresh_namespace
+
+    require_redis_server()
+    server = RedisServer().start()
+    try:
+        report = run_conformance(
+            "redis", driver="vllm", config_factory=lambda run: {**fresh_namespace(run), "url": server.url}
+        )
+    finally:
+        server.stop()
+    assert report.load_error is None
+    assert report.failed == 0 and report.skipped == 0 and report.passed == 25, report.results
+
+
 def test_kvconn_validate_engine_vllm_fails_the_livelocking_store() -> None:
     kvconn = shutil.which("kvconn", path=str(Path(sys.executable).parent))
     assert kvconn is not None, "kvconn-cli is not installed in the vLLM venv"
