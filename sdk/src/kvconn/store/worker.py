@@ -19,7 +19,7 @@ recomputes them), a failed save is skipped; both are counted and logged once.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -318,13 +318,9 @@ class StoreWorker(StoreSide):
                 value[:HEADER_BYTES] = self.integrity.seal(key, layout.digest, value[HEADER_BYTES:])
                 keys.append(key)
                 values.append(value)
-        try:
-            stored = list(self.guard.call("put", lambda store: store.put(keys, values)))
-        except StoreUnavailable:  # the buffers are dropped: a late put may still be reading them
-            self.stats.degraded("save_failed_store_off", len(keys), "saves failed (the store is off, late or raised)")
-            return
-        self._buffers.give(buffers)
-        self._count_saves([len(v) - HEADER_BYTES for v in values], stored)
+        sizes = [len(v) - HEADER_BYTES for v in values]
+        if self._put(lambda store: store.put(keys, values), sizes):
+            self._buffers.give(buffers)  # else dropped: a late put may still be reading them
 
     def _save_in_place(self, by_group: Mapping[int, Mapping[bytes, int]]) -> None:
         """Save straight from the KV caches: per value, its header, then the block's row in each layer.
@@ -347,18 +343,20 @@ class StoreWorker(StoreSide):
                 keys.append(key)
                 parts.append([header, *payload])
                 sizes.append(layout.value_bytes)
-        try:
-            stored = list(self.guard.call("put", lambda store: store.put_parts(keys, parts)))  # type: ignore[attr-defined]
-        except StoreUnavailable:
-            self.stats.degraded("save_failed_store_off", len(keys), "saves failed (the store is off, late or raised)")
-            return
-        self._count_saves(sizes, stored)
+        self._put(lambda store: store.put_parts(keys, parts), sizes)  # type: ignore[attr-defined]
 
-    def _count_saves(self, sizes: Sequence[int], stored: Sequence[bool]) -> None:
+    def _put(self, put: Callable[[BlockStore], Sequence[bool]], sizes: Sequence[int]) -> bool:
+        """One batched put within the deadline (value ``i`` holds ``sizes[i]`` payload bytes), counted; False: off."""
+        try:
+            stored = list(self.guard.call("put", put))
+        except StoreUnavailable:
+            self.stats.degraded("save_failed_store_off", len(sizes), "saves failed (the store is off, late or raised)")
+            return False
         saved = [size for size, ok in zip(sizes, stored, strict=True) if ok]
         self.stats.count("blocks_saved", len(saved))
         self.stats.count("bytes_saved", sum(saved))
         self.stats.degraded("save_failed_refused", len(sizes) - len(saved), "the store refused values (full?)")
+        return True
 
     # ---------------------------------------------------------------- reports
 
