@@ -1,6 +1,7 @@
 """The mooncake connector (embedded backend) passes every check of kvconn's conformance suite.
 
-Both with its defaults (prompt blocks only) and with ``save_decode`` on.
+With its defaults (prompt blocks only, sync loads through staging), with ``save_decode`` on, and with
+``load_async`` on (each value read straight into the KV caches and verified there).
 """
 
 from __future__ import annotations
@@ -21,4 +22,13 @@ class TestMooncakeEmbeddedDecodeCacheConformance(ConnectorConformance):
         "backend": "embedded",
         "embedded_store": "conformance-decode",
         "save_decode": True,
+    }
+
+
+class TestMooncakeEmbeddedAsyncInPlaceConformance(ConnectorConformance):
+    connector = "mooncake"
+    config: ClassVar[dict[str, Any]] = {
+        "backend": "embedded",
+        "embedded_store": "conformance-async",
+        "load_async": True,
     }
