@@ -10,10 +10,12 @@ from typing import Any, ClassVar
 
 from kvconn.testing import ConnectorConformance
 
+EMBEDDED = {"backend": "embedded", "embedded_store": "conformance"}
+
 
 class TestMooncakeEmbeddedConformance(ConnectorConformance):
     connector = "mooncake"
-    config: ClassVar[dict[str, Any]] = {"backend": "embedded", "embedded_store": "conformance"}
+    config: ClassVar[dict[str, Any]] = EMBEDDED
 
 
 class TestMooncakeEmbeddedDecodeCacheConformance(ConnectorConformance):
@@ -27,8 +29,4 @@ class TestMooncakeEmbeddedDecodeCacheConformance(ConnectorConformance):
 
 class TestMooncakeEmbeddedAsyncInPlaceConformance(ConnectorConformance):
     connector = "mooncake"
-    config: ClassVar[dict[str, Any]] = {
-        "backend": "embedded",
-        "embedded_store": "conformance-async",
-        "load_async": True,
-    }
+    config: ClassVar[dict[str, Any]] = {**EMBEDDED, "embedded_store": "conformance-async", "load_async": True}
