@@ -15,6 +15,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,8 +95,17 @@ def _embedded_store(run: str) -> dict[str, str]:
     return {"embedded_store": f"{run}-{uuid.uuid4().hex}"}
 
 
+def _embedded_store_async(run: str) -> dict[str, Any]:
+    """As :func:`_embedded_store`, loading asynchronously: each value read into vLLM's blocks, verified there."""
+    return {**_embedded_store(run), "load_async": True}
+
+
 @pytest.mark.usefixtures("runner")
-@pytest.mark.parametrize(("connector", "factory"), [("offload", None), ("mooncake", _embedded_store)])
+@pytest.mark.parametrize(
+    ("connector", "factory"),
+    [("offload", None), ("mooncake", _embedded_store), ("mooncake", _embedded_store_async)],
+    ids=["offload", "mooncake", "mooncake-async-in-place"],
+)
 def test_shipped_connectors_pass_the_data_checks_under_vllm(connector: str, factory: ConfigFactory | None) -> None:
     report = run_conformance(connector, driver="vllm", select="KV04*", config_factory=factory)
     assert report.load_error is None
