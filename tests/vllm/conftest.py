@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvconn_vllm.harness import RUNNER_VARIABLE, RUNNERS, prepare_environment, vllm_import_error
+from kvconn_vllm.testing.harness import RUNNER_VARIABLE, RUNNERS, prepare_environment, vllm_import_error
 
 from ..conftest import guard_tier
 

@@ -35,7 +35,7 @@ def fixtures(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @pytest.mark.usefixtures("runner")
 def test_the_data_driver_runs_vllms_scheduler_and_gets_the_reference_engines_tokens() -> None:
     from kvconn.reference import Engine
-    from kvconn_vllm.data_driver import VllmDataDriver
+    from kvconn_vllm.testing.data_driver import VllmDataDriver
 
     prompt = list(range(10_000, 10_040))
     spec = DriverSpec("offload", None, EngineShape(enable_prefix_caching=False))

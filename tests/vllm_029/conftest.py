@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvconn_vllm.harness import prepare_environment, vllm_import_error
+from kvconn_vllm.testing.harness import prepare_environment, vllm_import_error
 
 from ..conftest import guard_tier
 

@@ -30,7 +30,7 @@ from kvconn.testing.conformance.driver import (
     tracked_by_role,
 )
 
-from .reports import decode_report
+from ..reports import decode_report
 from .scheduler_driver import VllmSchedulerMethods
 
 if TYPE_CHECKING:
