@@ -721,8 +721,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{time.perf_counter() - started:.0f} s in all; load average (1 min) at the requests: min "
         f"{min(loads):.1f}, median {statistics.median(loads):.1f}, max {max(loads):.1f}"
     )
+    requests = {workload: {n: r["requests"] for n, r in runs.items()}
+                for workload, runs in (("chat", chat_runs), ("noreuse", noreuse_runs))}  # fmt: skip
     bench.extra.update({"shape": shape, "sizes": asdict(sizes), "engine_python": python, "chat": chat,
-                        "noreuse": noreuse, "loadavg_1min_at_requests": loads})  # fmt: skip
+                        "noreuse": noreuse, "loadavg_1min_at_requests": loads, "requests": requests})  # fmt: skip
     code = bench.finish(args)
     if args.plot is not None:
         plot(chat, args.plot, f"vLLM e2e, evicted prefixes: {shape}")
