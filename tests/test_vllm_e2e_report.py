@@ -27,8 +27,8 @@ def _module() -> Any:
 
 def _run(sizes: Any, ttft: float, hits: int, wall: float, tokens: list[int]) -> dict[str, Any]:
     requests = [
-        {"conv": c, "turn": t, "ttft": ttft if t else 1.0, "tokens": tokens, "prompt_len": sizes.prompt_len(t),
-         "cached": 0}
+        {"conv": c, "turn": t, "ttft": ttft if t else 1.0, "ttft_cpu": ttft if t else 1.0, "tokens": tokens,
+         "prompt_len": sizes.prompt_len(t), "cached": 0}
         for t in range(sizes.turns) for c in range(sizes.conversations)
     ]  # fmt: skip
     return {"requests": requests, "wall_s": wall, "external_hit_tokens": hits, "memcpy_bytes_per_s": 1 << 30,
