@@ -27,18 +27,16 @@ them), a failed save is skipped; both are counted and logged once.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy
-import torch
-
 from ..context import NULL_BLOCK_ID, ConnectorContext
 from .config import StoreConfig
 from .guard import StoreUnavailable
-from .integrity import HEADER_BYTES, Integrity, layout_digest
+from .integrity import HEADER_BYTES, Integrity
+from .layout import GroupLayout, StagingBuffers, byte_rows
 from .metadata import StoreBlock, StoreMetadata
 from .protocol import BlockStore, PartsStore, ScatterStore
 from .side import StoreSide
@@ -46,104 +44,11 @@ from .side import StoreSide
 __all__ = ["StoreWorker"]
 
 
-class _Layout:
-    """One KV-cache group's tensors, and how a block of it is laid out in a value.
-
-    Host tensors whose blocks are contiguous are moved with one copy per byte
-    (into the value's columns: ``numpy.take`` for small blocks, a copy per
-    block for large ones; a fancy-indexed store back); others (a device, a
-    strided layout) through torch, with one more.
-    """
-
-    #: Block bytes (one layer) from which a save copies block by block: ``numpy.take`` into the values'
-    #: strided columns runs at half the speed of per-block copies from 8 KiB blocks up (4 KiB: even).
-    ROW_COPY_BYTES = 8192
-
-    def __init__(self, names: Sequence[str], tensors: Sequence[Any]) -> None:
-        self.tensors = list(tensors)
-        self.num_blocks = min(t.shape[0] for t in tensors)
-        self.sizes = [t[0].numel() * t.element_size() for t in tensors]
-        self.value_bytes = sum(self.sizes)
-        layers = [(name, tuple(t.shape[1:]), str(t.dtype)) for name, t in zip(names, tensors, strict=True)]
-        self.digest = layout_digest(layers)
-        #: per layer, its blocks as rows of bytes (a view of the tensor), where that takes no copy
-        self._rows = [
-            t.view(t.shape[0], -1).view(torch.uint8).numpy() if t.device.type == "cpu" and t.is_contiguous() else None
-            for t in tensors
-        ]
-
-    def _columns(self, rows: Any) -> Iterator[tuple[Any, Any, Any]]:
-        """Per layer: its tensor, its byte rows (or ``None``), and its columns of the values ``rows``."""
-        offset = HEADER_BYTES
-        for t, layer_rows, size in zip(self.tensors, self._rows, self.sizes, strict=True):
-            yield t, layer_rows, rows[:, offset : offset + size]
-            offset += size
-
-    def gather(self, block_ids: list[int], rows: Any) -> None:
-        """Copy the blocks' bytes into ``rows`` (uint8 numpy, one row per block, payload from ``HEADER_BYTES``)."""
-        ids = numpy.asarray(block_ids)
-        for t, layer_rows, columns in self._columns(rows):
-            if layer_rows is not None and columns.shape[1] >= self.ROW_COPY_BYTES:
-                for i, block in enumerate(block_ids):
-                    columns[i] = layer_rows[block]
-            elif layer_rows is not None:
-                numpy.take(layer_rows, ids, axis=0, out=columns, mode="clip")  # ids are in range: no clipping
-            else:
-                blocks = t.index_select(0, torch.from_numpy(ids).to(t.device)).view(len(block_ids), -1)
-                torch.from_numpy(columns).copy_(blocks.view(torch.uint8).cpu())
-
-    @property
-    def in_place(self) -> bool:
-        """Whether every layer's blocks can be read in place (host memory, one contiguous row a block)."""
-        return all(rows is not None for rows in self._rows)
-
-    def parts(self, block_id: int) -> list[memoryview]:
-        """Block ``block_id``'s bytes in each layer, as views of the KV caches (only when :attr:`in_place`)."""
-        return [memoryview(rows[block_id]) for rows in self._rows if rows is not None]
-
-    def scatter(self, block_ids: list[int], rows: Any) -> None:
-        """Copy verified payload rows (uint8 numpy, one row per block, from ``HEADER_BYTES``) into ``block_ids``."""
-        ids = numpy.asarray(block_ids)
-        for t, layer_rows, columns in self._columns(rows):
-            if layer_rows is not None:
-                layer_rows[ids] = columns
-            else:
-                src = torch.from_numpy(columns).view(t.dtype).view(len(block_ids), *t.shape[1:])
-                t.index_copy_(0, torch.from_numpy(ids).to(t.device), src.to(t.device))
-
-
-class _Buffers:
-    """Staging memory reused from step to step: fresh memory costs a page fault a page, more than the copy.
-
-    A buffer comes back only once no store call can touch it any more: never
-    after a call that missed its deadline (it may still read or write it).
-    """
-
-    KEEP = 4
-
-    def __init__(self) -> None:
-        self._free: list[bytearray] = []
-
-    def take(self, size: int) -> bytearray:
-        for i, buffer in enumerate(self._free):
-            if len(buffer) >= size:
-                return self._free.pop(i)
-        return bytearray(size)
-
-    def give(self, buffers: Sequence[bytearray]) -> None:
-        self._free = sorted([*self._free, *buffers], key=len)[-self.KEEP :]
-
-
-def _rows(buffer: bytearray, n: int, stride: int) -> Any:
-    """The first ``n`` rows of ``stride`` bytes of ``buffer``, as a uint8 numpy array (no copy)."""
-    return numpy.frombuffer(buffer, dtype=numpy.uint8, count=n * stride).reshape(n, stride)
-
-
 @dataclass
 class _GroupLoad:
     """A step's loads of one group: distinct keys in staging, and the blocks each lands in."""
 
-    layout: _Layout
+    layout: GroupLayout
     keys: list[bytes] = field(default_factory=list)
     targets: list[tuple[int, int]] = field(default_factory=list)  # (slot, block id)
     staging: bytearray = field(default_factory=bytearray)
@@ -175,12 +80,12 @@ class StoreWorker(StoreSide):
     def __init__(self, config: StoreConfig, context: ConnectorContext) -> None:
         super().__init__(config, context)
         self.integrity = Integrity(config.integrity_secret)
-        self._layouts: list[_Layout] = []
+        self._layouts: list[GroupLayout] = []
         self._metadata: StoreMetadata | None = None
         self._pending: list[_Load] = []
         self._errors: set[int] = set()
         self._recving: set[str] = set()
-        self._buffers = _Buffers()
+        self._buffers = StagingBuffers()
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         layouts = []
@@ -188,7 +93,7 @@ class StoreWorker(StoreSide):
             missing = [name for name in spec.layer_names if name not in kv_caches]
             if missing:
                 raise ValueError(f"KV-cache group {g}: no KV-cache tensor for layers {missing}")
-            layouts.append(_Layout(spec.layer_names, [kv_caches[name] for name in spec.layer_names]))
+            layouts.append(GroupLayout(spec.layer_names, [kv_caches[name] for name in spec.layer_names]))
         self._layouts = layouts
 
     def _addressable(self, blocks: Sequence[StoreBlock]) -> tuple[list[StoreBlock], list[StoreBlock]]:
@@ -310,7 +215,7 @@ class StoreWorker(StoreSide):
             for reason, ids in failed.items():
                 self._fail(ids, f"load_failed_{reason}", _why(reason))
             if ok and not load.in_place:
-                rows = _rows(group.staging, len(group.keys), group.stride)
+                rows = byte_rows(group.staging, len(group.keys), group.stride)
                 if len(ok) < len(group.targets) or len(group.keys) < len(ok):
                     rows = rows[[slot for slot, _ in ok]]  # only the verified values, one row per block
                 group.layout.scatter([block for _, block in ok], rows)
@@ -359,7 +264,7 @@ class StoreWorker(StoreSide):
             layout = self._layouts[g]
             stride = HEADER_BYTES + layout.value_bytes
             buffers.append(staging := self._buffers.take(len(ids) * stride))
-            layout.gather(list(ids.values()), _rows(staging, len(ids), stride))
+            layout.gather(list(ids.values()), byte_rows(staging, len(ids), stride))
             view = memoryview(staging)
             for i, block_hash in enumerate(ids):
                 key = self.keys.key(g, block_hash)
