@@ -12,7 +12,7 @@ import pytest
 
 from kvconn import CachedRequestData, KVCacheGroupSpec, SaveCursor, SchedulerOutput, loadable_hit
 from kvconn.reference import Engine
-from kvconn.store import HEADER_BYTES, BlockStore, Integrity
+from kvconn.store import HEADER_BYTES, BlockStore, Integrity, StoreScheduler
 from kvconn.testing import memory_store, run_conformance
 from kvconn.testing.store_conformance import StoreConformance
 
@@ -202,3 +202,39 @@ def test_a_store_that_comes_back_is_used_again(baseline: list[list[int]]) -> Non
         assert engine.generate([first], max_tokens=12)[0] == baseline[0]  # saved now
         assert engine.generate([again], max_tokens=12)[0] == baseline[1]
         assert engine.stats.prompt_tokens_loaded > 0
+
+
+class MetadataLost(StoreScheduler):
+    """A scheduler side whose ``build_connector_meta`` raises while ``down`` (its metadata never goes out)."""
+
+    down = False
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput, block_state: Any) -> Any:
+        if MetadataLost.down:
+            raise RuntimeError("metadata lost")
+        return super().build_connector_meta(scheduler_output, block_state)
+
+
+class MetadataLostConnector(memory_store.MemoryStoreConnector):
+    scheduler_side = MetadataLost
+
+
+def test_saves_of_a_finished_request_that_never_went_out_are_never_sent_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host releases a held request's blocks after its stall bound and hands them to the next request:
+    sending the old request's saves then would store the new request's KV under the old request's keys."""
+    first, other = prompts(2)
+    other = [t + 1 for t in other]  # no prefix in common with ``first``
+    with Engine(enable_prefix_caching=False) as plain:
+        expected = plain.generate([first], max_tokens=4)[0]
+    path = f"{__name__}:MetadataLostConnector"
+    with Engine(path, num_blocks=16, enable_prefix_caching=False, stall_steps=4) as engine:
+        monkeypatch.setattr(MetadataLost, "down", True)
+        assert engine.generate([first], max_tokens=4)[0] == expected  # held, then released by the host
+        connector = engine.scheduler_host.connectors[path]  # type: ignore[union-attr]
+        assert connector.side.get_num_tracked_requests() == 0
+        monkeypatch.setattr(MetadataLost, "down", False)
+        engine.generate([other], max_tokens=4)  # in the blocks ``first`` held
+        saved = engine.stats.blocks_saved
+        assert saved == len(other) // 16  # its own blocks only
+        assert engine.generate([first], max_tokens=4)[0] == expected
+        assert engine.stats.prompt_tokens_loaded == 0  # nothing was stored under first's keys
