@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from kvconn import CachedRequestData, KVCacheGroupSpec, SaveCursor, SchedulerOutput, loadable_hit
 from kvconn.reference import Engine
-from kvconn.store import HEADER_BYTES, BlockStore, Integrity, StoreScheduler
+from kvconn.store import HEADER_BYTES, BlockStore, Integrity, StoreGuard, StoreScheduler, StoreUnavailable
 from kvconn.testing import memory_store, run_conformance
 from kvconn.testing.store_conformance import StoreConformance
 
@@ -238,3 +239,34 @@ def test_saves_of_a_finished_request_that_never_went_out_are_never_sent_later(mo
         assert saved == len(other) // 16  # its own blocks only
         assert engine.generate([first], max_tokens=4)[0] == expected
         assert engine.stats.prompt_tokens_loaded == 0  # nothing was stored under first's keys
+
+
+def test_an_in_process_store_is_called_on_the_callers_thread_and_a_raise_still_turns_it_off() -> None:
+    name = "inline-guard"
+    guard = StoreGuard(
+        name, lambda: memory_store.MemoryStore(name), timeout_s=0.5, retry_interval_s=0.01, max_backoff_s=0.02,
+        inline=True,
+    )  # fmt: skip
+    callers: list[int] = []
+
+    def contains(store: BlockStore) -> list[bool]:
+        callers.append(threading.get_ident())
+        return list(store.contains([b"k"]))
+
+    assert guard.call("contains", contains) == [False]
+    assert guard.submit("contains", contains).result(timeout=0) == [False]  # done before it returns
+    assert callers == [threading.get_ident()] * 2
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(f"kvconn-store-{name}")]
+    memory_store.faults(name).down = True
+    with pytest.raises(StoreUnavailable):
+        guard.call("contains", contains)
+    assert not guard.available and guard.trips == 1
+    with pytest.raises(StoreUnavailable):  # off: not called at all
+        guard.call("contains", contains)
+    assert len(callers) == 3
+    memory_store.faults(name).down = False
+    deadline = time.monotonic() + 30
+    while not guard.available and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert guard.available, "the probe never turned the store on again"
+    guard.close()

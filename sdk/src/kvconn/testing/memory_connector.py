@@ -7,7 +7,10 @@ shared by every connector of that name in the process), so everything a
 storage connector must get right (lookups, saves on the step that fills a
 block, async loads, the integrity check, cool-down of failed blocks, delayed
 frees until saves land) is the code every store connector runs. Loads are
-sync unless ``load_async``.
+sync unless ``load_async``. The store is a dict in this process, so it is
+called inline (:attr:`~kvconn.store.StoreConnector.in_process_store`): no
+hand-off to a store thread, no deadline; and it writes values from parts, so
+saves read the KV caches in place.
 
 Fault injection for recovery tests:
 
@@ -17,8 +20,10 @@ Fault injection for recovery tests:
   worker then fills them with garbage, so output stays exact only if the
   engine never uses what a failed load left.
 * ``fail_hook``: the named hook raises on every call.
-* The store's own switches, :func:`kvconn.testing.memory_store.faults`
-  (down, stall, corrupt).
+* The store's own switches, :func:`kvconn.testing.memory_store.faults`:
+  ``down`` and ``corrupt``. Not ``stall``: a stalled inline call would stall
+  the engine; stall :class:`~kvconn.testing.memory_store.MemoryStoreConnector`,
+  which keeps the deadlines of a store that can hang.
 
 The conformance suite's deliberately broken connectors, and tests of a
 connector misbehaving in one hook, subclass the hook-level
@@ -28,17 +33,28 @@ store connector's hooks live on its sides.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
 
 from .._plugins.manager import HOOK_NAMES
 from .._plugins.sides import ROLE_HOOKS
-from ..store import LoadAsync
-from .memory_store import MemoryStoreConfig, MemoryStoreConnector
+from ..store import BlockStore, LoadAsync
+from .memory_store import MemoryStore, MemoryStoreConfig, MemoryStoreConnector
 from .memory_store import fresh_store as fresh_namespace
 
-__all__ = ["MemoryConfig", "MemoryConnector", "fresh_namespace"]
+__all__ = ["MemoryConfig", "MemoryConnector", "PartsMemoryStore", "fresh_namespace"]
+
+
+class PartsMemoryStore(MemoryStore):
+    """:class:`MemoryStore` as a :class:`~kvconn.store.PartsStore`: saves of host KV caches skip staging.
+
+    (``MemoryStoreConnector``'s plain store keeps the staging path under test.)
+    """
+
+    def put_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+        return self.put(keys, [b"".join(value) for value in parts])
 
 
 class MemoryConfig(MemoryStoreConfig, kw_only=True):
@@ -57,6 +73,7 @@ class MemoryConnector(MemoryStoreConnector):
     """:class:`~kvconn.testing.memory_store.MemoryStoreConnector` with the faults of :class:`MemoryConfig`."""
 
     Config = MemoryConfig
+    in_process_store = True
     worker_side = "kvconn.testing.memory_worker:MemoryWorker"  # imports torch: only where a worker is built
     config: MemoryConfig
 
@@ -64,6 +81,9 @@ class MemoryConnector(MemoryStoreConnector):
         super().__init__(config, **kwargs)
         if self.config.fail_hook in ROLE_HOOKS[self.role.value]:
             setattr(self.side, self.config.fail_hook, self._injected_failure)
+
+    def open_store(self) -> BlockStore:
+        return PartsMemoryStore(self.config.store)
 
     def _injected_failure(self) -> None:
         raise RuntimeError(f"injected failure in {self.config.fail_hook}")
