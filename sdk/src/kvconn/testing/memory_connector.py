@@ -58,6 +58,8 @@ class PartsMemoryStore(MemoryStore):
 
 
 class MemoryConfig(MemoryStoreConfig, kw_only=True):
+    """``MemoryStoreConfig`` with sync loads by default and the injected faults (see the module docstring)."""
+
     load_async: LoadAsync = False
     fail_from_block: (
         Annotated[int, msgspec.Meta(ge=0, description="loads fail from this block of each request's loads on")] | None
