@@ -27,7 +27,7 @@ from typing import Any
 from benchlib import Bench, parse_args, round_times
 
 import kvconn
-from kvconn_vllm.harness import (
+from kvconn_vllm.testing.harness import (
     make_model_runner_output,
     make_request,
     make_scheduler,

@@ -189,6 +189,37 @@ def test_an_async_load_failed_with_its_worker_may_still_be_reported_without_fail
     assert host.degraded_events == 1
 
 
+class SwitchesAsync(Recorder):
+    load_async = False
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return self.hits, self.load_async
+
+
+def test_loads_of_the_step_built_last_leave_out_a_sync_load_of_a_step_built_before_it_and_still_in_flight() -> None:
+    """``loads_in_flight(built_last=True)``: what the workers act on in the step built last, even built ahead."""
+    loader = SwitchesAsync(role="scheduler", hits=16)
+    host = scheduler_host(a=loader)
+    step = kvconn.SchedulerOutput(0, [], kvconn.CachedRequestData(), {}, 0), kvconn.KVConnectorBlockState(set(), dict)
+
+    def commit(req_id: str, block_ids: list[int], load_async: bool) -> None:
+        loader.load_async = load_async
+        request = Request(req_id, list(range(40)), 4, 16)
+        assert host.update_state_after_alloc(request, (block_ids,), host.get_num_new_matched_tokens(request, 0))
+
+    commit("sync", [1, 2, 3], False)
+    commit("async", [4, 5, 6], True)
+    host.build_connector_meta(*step)
+    first = {"sync": ([1], False), "async": ([4], True)}
+    assert host.loads_in_flight() == host.loads_in_flight(built_last=True) == {"a": first}
+    commit("next", [7, 8, 9], False)
+    host.build_connector_meta(*step)  # the next step, built before the first one's report (async scheduling)
+    assert host.loads_in_flight(built_last=True) == {"a": {"async": ([4], True), "next": ([7], False)}}
+    assert host.loads_in_flight() == {"a": {**first, "next": ([7], False)}}
+    update = host.update_connector_output({"a": KVConnectorOutput(finished_recving={"async"})})
+    assert update.finished_recving == {"async"} and host.loads_in_flight() == {} and host.degraded_events == 0
+
+
 def test_a_bad_report_keeps_the_delayed_frees_its_worker_may_still_be_reading() -> None:
     """Only a worker that raised has lost its sends; one that answered badly may still read the blocks."""
     host = scheduler_host(a=sched())

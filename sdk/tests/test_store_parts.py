@@ -1,7 +1,9 @@
-"""kvconn.store saving in place: a PartsStore gets each value as its header and views of the KV caches."""
+"""kvconn.store in place: a PartsStore saves each value from its header and views of the KV caches, and a
+ScatterStore's async loads read into those views (verified there, never reported before the get returned)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Sequence
 from typing import ClassVar
@@ -9,16 +11,19 @@ from typing import ClassVar
 import torch
 
 from kvconn import ConnectorContext, KVCacheGroupSpec, KVConnectorRole
-from kvconn.store import BlockStore, Integrity, PartsStore, StoreBlock, StoreConnector, StoreMetadata
+from kvconn.store import BlockStore, Integrity, PartsStore, ScatterStore, StoreBlock, StoreConnector, StoreMetadata
 from kvconn.store.worker import StoreWorker
-from kvconn.testing.memory_store import MemoryStore
+from kvconn.testing.memory_store import MemoryStore, faults
 
 GROUPS = (KVCacheGroupSpec(("layer.0", "layer.1")),)
 SHAPE = (2, 4, 8)  # per block
 
 
 class PartsMemoryStore(MemoryStore):
-    """The in-memory store, writing values from parts; ``tamper`` changes the first payload part as it is read."""
+    """The in-memory store, writing values from parts and reading them into parts (its faults apply to both).
+
+    ``tamper`` changes the first payload part as it is read.
+    """
 
     tamper = False
 
@@ -35,6 +40,17 @@ class PartsMemoryStore(MemoryStore):
         self.calls.append("put")
         return super().put(keys, values)
 
+    def get_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[int | None]:
+        self.calls.append("get_parts")
+        wholes = [bytearray(sum(part.nbytes for part in value)) for value in parts]
+        lengths = MemoryStore.get(self, keys, [memoryview(whole) for whole in wholes])
+        for whole, value, length in zip(wholes, parts, lengths, strict=True):
+            offset = 0
+            for part in value if length == len(whole) else ():
+                part[:] = whole[offset : offset + part.nbytes]
+                offset += part.nbytes
+        return lengths
+
     @property
     def calls(self) -> list[str]:
         return self.__dict__.setdefault("_calls", [])
@@ -47,8 +63,8 @@ class PartsConnector(StoreConnector):
         return self.stores.setdefault(self.config.namespace, PartsMemoryStore(self.config.namespace))
 
 
-def _worker(namespace: str) -> tuple[StoreWorker, dict[str, torch.Tensor]]:
-    config = PartsConnector.Config(namespace=namespace)
+def _worker(namespace: str, timeout_s: float = 2.0) -> tuple[StoreWorker, dict[str, torch.Tensor]]:
+    config = PartsConnector.Config(namespace=namespace, timeout_s=timeout_s)
     side = PartsConnector(config, role=KVConnectorRole.WORKER, context=ConnectorContext(kv_cache_groups=GROUPS)).side
     assert isinstance(side, StoreWorker)
     kv = {name: torch.randn((8, *SHAPE)).half() for name in GROUPS[0].layer_names}
@@ -98,3 +114,45 @@ def test_a_block_changed_under_a_late_put_never_loads() -> None:
     assert reader.get_block_ids_with_load_errors() == {5}
     assert reader.get_kv_connector_stats()["load_failed_integrity_checksum"] == 1
     assert all(torch.equal(dst[name], before[name]) for name in dst)  # nothing of it reached the KV cache
+
+
+def _recving(worker: StoreWorker, until: float) -> set[str]:
+    """What ``get_finished`` reports loaded, polled until it reports something or ``until`` (monotonic) passes."""
+    while not (recving := worker.get_finished(set())[1]) and time.monotonic() < until:
+        time.sleep(0.005)
+    return recving
+
+
+def test_async_loads_read_in_place_and_a_value_failing_verification_is_reported_with_its_request() -> None:
+    namespace = uuid.uuid4().hex
+    writer, src = _worker(namespace)
+    store = PartsConnector.stores[namespace]
+    assert isinstance(store, ScatterStore)
+    blocks = [StoreBlock("a", 0, i, bytes([i]) * 32) for i in (1, 2)]
+    _save(writer, blocks)
+    reader, dst = _worker(namespace)
+    reader.start_load_kv(StoreMetadata(loads=[StoreBlock("b", 0, 4, blocks[0].block_hash)]))
+    assert _recving(reader, time.monotonic() + 10) == {"b"} and reader.get_block_ids_with_load_errors() == set()
+    assert all(torch.equal(dst[name][4], src[name][1]) for name in dst) and store.calls[-1] == "get_parts"
+    faults(namespace).corrupt = True  # the last byte of every value read is flipped
+    reader.start_load_kv(StoreMetadata(loads=[StoreBlock("c", 0, 5, blocks[1].block_hash)]))
+    assert _recving(reader, time.monotonic() + 10) == {"c"}
+    assert reader.get_block_ids_with_load_errors() == {5}  # in the same report: the engine never uses block 5
+    assert reader.get_kv_connector_stats()["load_failed_integrity_checksum"] == 1
+
+
+def test_an_in_place_get_past_its_deadline_keeps_its_request_waiting_until_it_returns() -> None:
+    """Reported before the late get returned, its request's blocks could be recomputed or reused, then overwritten."""
+    namespace = uuid.uuid4().hex
+    writer, src = _worker(namespace)
+    block = StoreBlock("a", 0, 1, bytes(32))
+    _save(writer, [block])
+    reader, dst = _worker(namespace, timeout_s=0.2)
+    faults(namespace).running.clear()  # every store call blocks
+    reader.start_load_kv(StoreMetadata(loads=[StoreBlock("b", 0, 6, block.block_hash)]))
+    assert _recving(reader, time.monotonic() + 1.0) == set()  # past its deadline: tripped, still waiting
+    assert not reader.guard.available and reader.get_num_tracked_requests() == 1
+    faults(namespace).running.set()  # the late get returns (and writes the block)
+    assert _recving(reader, time.monotonic() + 10) == {"b"}
+    assert reader.get_block_ids_with_load_errors() == set()  # it was verified: the request keeps what it loaded
+    assert all(torch.equal(dst[name][6], src[name][1]) for name in dst)

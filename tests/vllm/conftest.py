@@ -7,31 +7,23 @@ under ``CI=true``, where a missing vLLM is an error: CI must run it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvconn_vllm.harness import RUNNER_VARIABLE, RUNNERS, prepare_environment, vllm_import_error
+from kvconn_vllm.testing.harness import RUNNER_VARIABLE, RUNNERS, prepare_environment, vllm_import_error
+
+from ..conftest import guard_tier
 
 prepare_environment()  # before anything imports vLLM: offline, persistent VLLM_CACHE_ROOT
-VLLM_ERROR = vllm_import_error()
-if VLLM_ERROR and os.environ.get("CI") == "true":
-    raise RuntimeError(
-        f"CI=true but vLLM cannot be imported ({VLLM_ERROR}): run this tier with the vLLM venv "
-        "(make test-vllm, which runs scripts/install-vllm-venv.sh)"
-    )
-
 HERE = Path(__file__).parent
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if VLLM_ERROR:
-        skip = pytest.mark.skip(reason=f"vLLM is not installed in this environment: {VLLM_ERROR}")
-        for item in items:
-            if HERE in Path(item.path).parents:
-                item.add_marker(skip)
+pytest_collection_modifyitems = guard_tier(
+    HERE,
+    vllm_import_error(),
+    needs="vLLM",
+    fix="run this tier with the vLLM venv (make test-vllm, which runs scripts/install-vllm-venv.sh)",
+)
 
 
 @pytest.fixture

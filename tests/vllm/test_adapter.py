@@ -10,8 +10,8 @@ import msgspec
 import pytest
 
 from kvconn import NULL_BLOCK_ID
-from kvconn_vllm import harness
-from kvconn_vllm.harness import VllmLoop, make_request, make_scheduler
+from kvconn_vllm.testing import harness
+from kvconn_vllm.testing.harness import VllmLoop, make_request, make_scheduler
 
 PROMPT_47 = list(range(1000, 1047))
 

@@ -15,6 +15,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,7 +35,7 @@ def fixtures(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @pytest.mark.usefixtures("runner")
 def test_the_data_driver_runs_vllms_scheduler_and_gets_the_reference_engines_tokens() -> None:
     from kvconn.reference import Engine
-    from kvconn_vllm.data_driver import VllmDataDriver
+    from kvconn_vllm.testing.data_driver import VllmDataDriver
 
     prompt = list(range(10_000, 10_040))
     spec = DriverSpec("offload", None, EngineShape(enable_prefix_caching=False))
@@ -94,8 +95,17 @@ def _embedded_store(run: str) -> dict[str, str]:
     return {"embedded_store": f"{run}-{uuid.uuid4().hex}"}
 
 
+def _embedded_store_async(run: str) -> dict[str, Any]:
+    """As :func:`_embedded_store`, loading asynchronously: each value read into vLLM's blocks, verified there."""
+    return {**_embedded_store(run), "load_async": True}
+
+
 @pytest.mark.usefixtures("runner")
-@pytest.mark.parametrize(("connector", "factory"), [("offload", None), ("mooncake", _embedded_store)])
+@pytest.mark.parametrize(
+    ("connector", "factory"),
+    [("offload", None), ("mooncake", _embedded_store), ("mooncake", _embedded_store_async)],
+    ids=["offload", "mooncake", "mooncake-async-in-place"],
+)
 def test_shipped_connectors_pass_the_data_checks_under_vllm(connector: str, factory: ConfigFactory | None) -> None:
     report = run_conformance(connector, driver="vllm", select="KV04*", config_factory=factory)
     assert report.load_error is None

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvconn import NULL_BLOCK_ID, BlockIds, KVCacheGroupSpec
-from kvconn_vllm.harness import VllmLoop, make_request, make_scheduler
+from kvconn_vllm.testing.harness import VllmLoop, make_request, make_scheduler
 
 from .test_adapter import offered_tables, reuse_a_prefix_through
 from .test_data_checks import FIXTURES
@@ -124,7 +124,7 @@ def _two_groups_run(connector: str, config: Any, fail_loads: str) -> tuple[Any, 
     """A then B (A's 64-token prefix) through vLLM's scheduler with two KV-cache groups and a failing load."""
     from kvconn.reference import EngineShape
     from kvconn.testing.conformance import DriverSpec
-    from kvconn_vllm.data_driver import VllmDataDriver
+    from kvconn_vllm.testing.data_driver import VllmDataDriver
 
     shape = EngineShape(enable_prefix_caching=False, kv_cache_groups=GROUPS)
     driver = VllmDataDriver(DriverSpec(connector, config, shape), fail_loads=fail_loads, scrub_freed=True)  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvconn.testing.conformance.scenarios import STANDARD
-from kvconn_vllm.native import NOT_APPLICABLE, NativeSession, native_target, run_native_conformance
+from kvconn_vllm.testing.native import NOT_APPLICABLE, NativeSession, native_target, run_native_conformance
 
 HERE = Path(__file__).parent
 FIXTURES = "native_connectors"

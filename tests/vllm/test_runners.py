@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvconn.testing.conformance import run_conformance
-from kvconn_vllm.harness import RUNNER_VARIABLE, RUNNERS, VllmLoop, make_request, make_scheduler
+from kvconn_vllm.testing.harness import RUNNER_VARIABLE, RUNNERS, VllmLoop, make_request, make_scheduler
 
 FIXTURES = Path(__file__).parents[2] / "sdk" / "tests" / "conformance" / "fixtures"
 CONTRACT = "kvconn.testing.step_contract:StepContractConnector"

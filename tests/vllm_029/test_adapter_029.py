@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvconn_vllm.harness import VllmLoop, make_request, make_scheduler
+from kvconn_vllm.testing.harness import VllmLoop, make_request, make_scheduler
 
 TEST_CONNECTORS = Path(__file__).parent.parent / "vllm"
 

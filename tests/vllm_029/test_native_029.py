@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvconn_vllm.native import run_native_conformance
+from kvconn_vllm.testing.native import run_native_conformance
 
 
 def test_mooncake_store_connector_fails_block_fill_with_vllms_own_assertion() -> None:

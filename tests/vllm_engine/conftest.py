@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from ..conftest import guard_tier
+
 HERE = Path(__file__).parent
 SCRIPT = HERE / "engine_run.py"
 EXAMPLE = HERE.parent.parent / "examples" / "vllm_offline.py"
@@ -53,17 +55,7 @@ def _example() -> types.ModuleType:
     return sys.modules["vllm_offline"]
 
 
-ENGINE_ERROR = _engine_error()
-if ENGINE_ERROR and os.environ.get("CI") == "true":
-    raise RuntimeError(f"CI=true but vLLM's CPU engine is not usable here ({ENGINE_ERROR}): run make test-vllm")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if ENGINE_ERROR:
-        skip = pytest.mark.skip(reason=f"vLLM's CPU engine is not installed here: {ENGINE_ERROR}")
-        for item in items:
-            if HERE in Path(item.path).parents:
-                item.add_marker(skip)
+pytest_collection_modifyitems = guard_tier(HERE, _engine_error(), needs="vLLM's CPU engine", fix="run make test-vllm")
 
 
 @pytest.fixture(scope="session")

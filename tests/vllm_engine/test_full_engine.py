@@ -13,6 +13,9 @@ checker raises (the run fails) at the first hook out of kvconn's order.
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
+import tempfile
 from typing import Any
 
 import pytest
@@ -107,6 +110,72 @@ def test_mooncake_on_a_real_master_in_a_multiprocess_engine(
         spec = {"model": tiny_model, "connector": connectors, "config": config, "tp": tp}
         result = run_engine(spec, multiprocess=True, netns=ns, env=env)
     assert_exact_with_loads(result.ok(), baseline)
+
+
+#: A Mooncake client that outlives both engine runs in the namespace: its segment holds the values the first run
+#: stored (the engine's own segment goes with it), and once ``WORKDIR/poison`` appears it flips one payload bit of
+#: every value the master lists (``/get_all_keys`` on its metrics port; ``upsert`` replaces a value in place).
+_KEEPER = """
+import os, pathlib, sys, time, urllib.request
+from mooncake.store import MooncakeDistributedStore
+workdir, metrics = pathlib.Path(sys.argv[1]), sys.argv[2]
+client = MooncakeDistributedStore()
+code = client.setup(os.environ["MC_LOCAL_HOSTNAME"], os.environ["MC_METADATA_URL"], 512 << 20, 16 << 20, "tcp", "",
+                    os.environ["MC_MASTER_ADDR"])
+print("READY", code, flush=True)
+while not (workdir / "poison").exists():
+    time.sleep(0.1)
+keys = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/get_all_keys", timeout=10).read().decode().split()
+flipped = 0
+for key in keys:
+    value = client.get(key)
+    if value and client.upsert(key, value[:-1] + bytes([value[-1] ^ 1])) == 0:
+        flipped += 1
+print("POISONED", flipped, len(keys), flush=True)
+while not (workdir / "stop").exists():
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize("load_async", [False, True], ids=["sync-staged", "async-in-place"])
+def test_mooncake_values_that_fail_verification_never_reach_vllm(
+    tiny_model: str, baseline: dict[str, Any], netns_harness: Any, run_engine: Any, load_async: bool
+) -> None:
+    """Every stored value poisoned on the real master between two runs: the second run's tokens are exact.
+
+    Sync loads verify in staging; async loads read straight into vLLM's blocks and verify there, reporting a
+    bad value with its request, before vLLM schedules it (``Scheduler._update_waiting_for_remote_kv``).
+
+    The second run's hits on the first run's values all fail verification (load_failure_policy
+    ``recompute``: vLLM recomputes the blocks), so a token equal to the connector-less run's cannot have
+    come from those bytes. A connector that offered a failed block again would livelock vLLM (the run would
+    time out).
+    """
+    h = netns_harness
+    with tempfile.TemporaryDirectory() as workdir, h.netns() as ns, h.mooncake_master(ns) as master:
+        env = master.client_env()
+        args = [workdir, str(master.metrics_port)]
+        with h.spawn_python(ns, _KEEPER, args=args, env=env, python=sys.executable) as keeper:
+            assert keeper.wait_for_output("READY 0", 60), keeper.wait(1).stderr[-4000:]
+            mooncake = {
+                "master_server_address": master.master_addr,
+                "metadata_server": master.metadata_url,
+                "local_hostname": "127.0.0.1",
+                "protocol": "tcp",
+                "global_segment_size": 16 << 20,
+                "load_async": load_async,
+            }
+            spec = {"model": tiny_model, "connector": ["mooncake", CONTRACT], "config": {"mooncake": mooncake}}
+            run_engine(spec, multiprocess=True, netns=ns).ok()
+            pathlib.Path(workdir, "poison").touch()
+            assert keeper.wait_for_output("POISONED", 60), keeper.wait(1).stderr[-4000:]
+            flipped = int(keeper.stdout_so_far().split("POISONED")[1].split()[0])
+            assert flipped > 0, "the first run left no value in the keeper's segment to poison"
+            spec["load_failure_policy"] = "recompute"
+            result = run_engine(spec, multiprocess=True, netns=ns).ok()
+            pathlib.Path(workdir, "stop").touch()
+    assert result["first"] == baseline["first"] and result["again"] == baseline["again"]
+    assert result["external_hits"] > 0, "the second run loaded nothing: its hits on the poisoned values were not tried"
 
 
 def test_redis_in_a_multiprocess_engine(

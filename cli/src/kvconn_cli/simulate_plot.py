@@ -10,7 +10,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from kvconn._install import install_extra
+from kvconn.install import install_extra
 from kvconn.reference.simulate import RunResult
 
 from .errors import UsageError

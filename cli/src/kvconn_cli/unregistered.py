@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from urllib.request import url2pathname
 
 import kvconn
-from kvconn._install import pip_install
+from kvconn.install import pip_install
 from kvconn.introspection import ENTRY_POINT_GROUP
 
 from .errors import UsageError

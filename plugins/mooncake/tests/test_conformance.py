@@ -1,6 +1,7 @@
 """The mooncake connector (embedded backend) passes every check of kvconn's conformance suite.
 
-Both with its defaults (prompt blocks only) and with ``save_decode`` on.
+With its defaults (prompt blocks only, sync loads through staging), with ``save_decode`` on, and with
+``load_async`` on (each value read straight into the KV caches and verified there).
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from typing import Any, ClassVar
 
 from kvconn.testing import ConnectorConformance
 
+EMBEDDED = {"backend": "embedded", "embedded_store": "conformance"}
+
 
 class TestMooncakeEmbeddedConformance(ConnectorConformance):
     connector = "mooncake"
-    config: ClassVar[dict[str, Any]] = {"backend": "embedded", "embedded_store": "conformance"}
+    config: ClassVar[dict[str, Any]] = EMBEDDED
 
 
 class TestMooncakeEmbeddedDecodeCacheConformance(ConnectorConformance):
@@ -22,3 +25,8 @@ class TestMooncakeEmbeddedDecodeCacheConformance(ConnectorConformance):
         "embedded_store": "conformance-decode",
         "save_decode": True,
     }
+
+
+class TestMooncakeEmbeddedAsyncInPlaceConformance(ConnectorConformance):
+    connector = "mooncake"
+    config: ClassVar[dict[str, Any]] = {**EMBEDDED, "embedded_store": "conformance-async", "load_async": True}

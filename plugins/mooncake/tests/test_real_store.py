@@ -218,14 +218,22 @@ def test_an_engine_started_before_its_master_saves_soon_after_it_comes_up(
 
 
 def test_values_another_client_wrote_under_our_keys_never_load(real_store: types.ModuleType) -> None:
-    """Garbage, short values and (with a shared secret) forged well-formed values: refused, exact tokens."""
+    """Garbage, short values and (with a shared secret) forged well-formed values: refused, exact tokens.
+
+    Also with async loads, which read each value straight into its blocks (``batch_get_into_multi_buffers``)
+    and verify it there: a short value is a misfit Mooncake refuses to move, answered as short.
+    """
     h = real_store
     with h.netns() as ns, h.mooncake_master(ns) as m:
-        plain, keyed = (
-            _run(h, ns, m.client_env(), {}, ("poisoned", kwargs))["poisoned"]
-            for kwargs in ({}, {"secret": "kvconn test secret 0123456789"})
+        plain, keyed, in_place = (
+            _run(h, ns, m.client_env(), extra, ("poisoned", kwargs))["poisoned"]
+            for extra, kwargs in (
+                ({}, {}),
+                ({}, {"secret": "kvconn test secret 0123456789"}),
+                ({"load_async": True}, {}),
+            )
         )
-    for r in (plain, keyed):
+    for r in (plain, keyed, in_place):
         assert set(r["put"]) == {True}  # the other client's values were stored first
         assert r["same_tokens"]
         assert r["stats"]["prompt_tokens_loaded"] == 0 and r["stats"]["failed_load_blocks"] > 0

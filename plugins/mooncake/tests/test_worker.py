@@ -9,6 +9,7 @@ tensor-parallel shards.
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -236,3 +237,68 @@ def test_tensor_parallel_ranks_store_and_load_their_own_shards(name: str) -> Non
     assert not reader.get_block_ids_with_load_errors()
     for layer in _layers(0):
         assert torch.equal(kv[layer][1:3], shards[1][layer][1:3]), f"rank 1 loaded another rank's shard of {layer}"
+
+
+def _load_async(worker: StoreWorker, loads: list[StoreBlock]) -> tuple[set[int], dict]:
+    """An async load, polled until ``get_finished`` reports it; the blocks failed by then, and the stats."""
+    worker.guard.call("open", lambda store: store.contains([]))  # opened: the worker knows it can read in place
+    worker.start_load_kv(StoreMetadata(loads=loads))
+    deadline = time.monotonic() + 10
+    while not (recving := worker.get_finished(set())[1]):
+        assert time.monotonic() < deadline, "the async load was never reported"
+        time.sleep(0.001)
+    assert recving == {b.req_id for b in loads}
+    return worker.get_block_ids_with_load_errors(), worker.get_kv_connector_stats()
+
+
+def test_async_loads_read_in_place_and_report_every_bad_value_with_their_request(
+    name: str, store: EmbeddedStore
+) -> None:
+    """Async loads skip staging (one multi-buffer get into the blocks, verified there); a bad value is reported
+    failed in the same ``get_finished`` as its request, before the engine may read the block."""
+    writer = _worker(name)
+    src = _caches(writer)
+    good = {(g, i): _hash(i) for g in (0, 1) for i in (1, 2, 3)}
+    _save(writer, [StoreBlock("w", g, i, h) for (g, i), h in good.items()])
+    size = HEADER_BYTES + VALUE_BYTES[0]
+    garbage = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    copied = torch.empty(size, dtype=torch.uint8)
+    assert store.batch_get_into([_name(writer, 0, good[0, 1])], [copied.data_ptr()], [size]) == [size]
+    bad = {"garbage": garbage, "short": garbage[: size // 2].clone(), "long": torch.ones(size + 8, dtype=torch.uint8)}
+    bad["copied"] = copied
+    hashes = {kind: _hash(9) for kind in bad}
+    _put_raw(store, {_name(writer, 0, hashes[kind]): value for kind, value in bad.items()})
+    store._values[_name(writer, 0, good[0, 3])][-1] ^= 1  # one bit of a real value, flipped in the store
+
+    reader = _worker(name)
+    dst = _caches(reader, zeros=True)
+    calls: list[str] = []
+    multi = store.batch_get_into_multi_buffers
+    store.batch_get_into_multi_buffers = lambda *args: calls.append("multi") or multi(*args)  # type: ignore[method-assign]
+    try:
+        loads = [StoreBlock("a", 0, 1 + i, h) for i, h in enumerate(hashes.values())]
+        loads += [StoreBlock("b", 0, 5, good[0, 2]), StoreBlock("b", 1, 6, good[1, 1]), StoreBlock("b", 0, 6, b"gone")]
+        loads += [StoreBlock("b", 0, 7, good[0, 3])]
+        failed, stats = _load_async(reader, loads)
+    finally:
+        del store.batch_get_into_multi_buffers
+    assert calls == ["multi"]  # in place: no staged get
+    assert failed == {1, 2, 3, 4, 6, 7}
+    assert stats["load_failed_integrity_foreign"] == 1 and stats["load_failed_integrity_short"] == 2
+    assert stats["load_failed_integrity_other_key"] == 1 and stats["load_failed_integrity_checksum"] == 1
+    assert stats["load_failed_missing"] == 1 and stats["blocks_loaded"] == 2
+    assert all(torch.equal(dst[n][5], src[n][2]) for n in _layers(0))
+    assert all(torch.equal(dst[n][6], src[n][1]) for n in _layers(1))
+
+
+def test_async_loads_of_a_key_into_two_blocks_are_staged(name: str, store: EmbeddedStore) -> None:
+    """Mooncake fills one destination of a key named twice in a batch: such a load is staged, copied locally."""
+    writer = _worker(name)
+    src = _caches(writer)
+    block_hash = _hash(1)
+    _save(writer, [StoreBlock("w", 0, 1, block_hash)])
+    reader = _worker(name)
+    dst = _caches(reader, zeros=True)
+    failed, stats = _load_async(reader, [StoreBlock("a", 0, 2, block_hash), StoreBlock("b", 0, 3, block_hash)])
+    assert failed == set() and stats["blocks_loaded"] == 2
+    assert all(torch.equal(dst[n][b], src[n][1]) for n in _layers(0) for b in (2, 3))

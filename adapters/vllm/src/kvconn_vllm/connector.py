@@ -58,7 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvconn.block_state import KVConnectorBlockState, block_ids_in_range
 from kvconn.connector import KVConnectorRole as KVConnRole
 from kvconn.errors import ConnectorConfigError, KVConnError, WireError
-from kvconn.host import NO_LOAD, ConnectorHost, LoadPlan, SchedulerHost, StepUpdate, WorkerHost
+from kvconn.host import NO_LOAD, ConnectorHost, LoadPlan, LoadSpec, SchedulerHost, StepUpdate, WorkerHost
 from kvconn.host.wire import decode_metadata, encode_metadata
 from kvconn.introspection import connector_roles, hook_object
 from kvconn.metadata import KVConnectorMetadata as KVConnMetadata
@@ -86,9 +86,6 @@ except ImportError:  # a vLLM that never runs its hybrid KV cache manager with a
 __all__ = ["KVConnVllmConnector", "KVConnVllmMetadata", "KVConnVllmStats", "KVConnVllmWorkerMetadata"]
 
 logger = logging.getLogger("kvconn.vllm")
-
-#: ``(block ids, is_async)`` of one load.
-LoadSpec = tuple[list[int], bool]
 
 # vLLM versions without worker metadata only see get_finished's merged sets.
 _HAS_WORKER_META = hasattr(KVConnectorBase_V1, "build_connector_worker_meta")
@@ -239,13 +236,15 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         # scheduler side
         self._step = 0
         self._plans: dict[str, tuple[LoadPlan, int]] = {}
-        self._loads: dict[str, dict[str, LoadSpec]] = {name: {} for name in self.host.names}
+        # The loads in flight are the host's record (SchedulerHost.loads_in_flight). These are the adapter's own:
+        # loads vLLM planned that no connector does (the loader failed committing them), and, with several groups,
+        # loads that ended with a failed block; the host is done with both, vLLM is not until the workers report
+        # them (invalid blocks, or failed_recving), so they go out once in the next step's metadata.
         self._failed_loads: dict[str, LoadSpec] = {}
         self._tracker: TableTracker | None = None
         self._sliding = any(g.sliding_window is not None for g in self.context.kv_cache_groups)
         # several groups under a vLLM with failed_recving: failed loads go per request (see the module docstring)
         self._per_request = KVConnectorTransferResults is not None and len(self.context.kv_cache_groups) > 1
-        self._sent_sync: dict[str, list[int]] = {}  # sync loads vLLM sees as async, sent, ending this update
         # Metadata goes to workers only for connectors that run there (scheduler-only ones are left out).
         self._sent = {n for n, c in self.host.connectors.items() if KVConnRole.WORKER in connector_roles(type(c))}
         self._builders = [
@@ -292,14 +291,10 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             plan, local_hit = NO_LOAD, request.num_computed_tokens
         view = VllmRequestView(request, num_computed_tokens=local_hit)
         loading = self._scheduler_host.update_state_after_alloc(view, block_ids, plan)
-        if num_external_tokens:
+        if num_external_tokens and not loading:  # the host records a load that is on; this one no connector does
             end = local_hit + num_external_tokens
             blocks_to_load = block_ids_in_range(block_ids, local_hit, end, self.context.block_size)
-            load: LoadSpec = (blocks_to_load, plan.load_async)
-            if loading and plan.connector is not None:
-                self._loads[plan.connector][request.request_id] = load
-            else:
-                self._failed_loads[request.request_id] = (blocks_to_load, plan.load_async or self._per_request)
+            self._failed_loads[request.request_id] = (blocks_to_load, plan.load_async or self._per_request)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnVllmMetadata:
         self._step += 1
@@ -316,17 +311,10 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.warning("kvconn connector %r: metadata dropped this step: %s", name, exc)
         # encoded holds only builders' metadata: one missing was dropped
         dropped = [n for n in self._builders if n not in encoded] if len(encoded) < len(self._builders) else []
-        if not (self._failed_loads or any(self._loads.values())):  # no load in flight: the usual step
-            return KVConnVllmMetadata(encoded, {}, {}, dropped, report=host.awaits_reports)
-        loads = {}
-        for name, reqs in self._loads.items():
-            if reqs:
-                loads[name] = dict(reqs)
-                for req_id in [r for r, (_, is_async) in reqs.items() if not is_async]:
-                    blocks, _ = reqs.pop(req_id)  # sync loads complete within the step they are sent
-                    if self._per_request:
-                        self._sent_sync[req_id] = blocks
-        failed, self._failed_loads = self._failed_loads, {}
+        failed: dict[str, LoadSpec] = {}
+        if self._failed_loads:  # sent once, in a dict of the metadata's own
+            failed, self._failed_loads = self._failed_loads, failed
+        loads = host.loads_in_flight(built_last=True)  # sync loads run in this step only: sent once too
         return KVConnVllmMetadata(encoded, loads, failed, dropped, report=host.awaits_reports)
 
     def _block_state(self, scheduler_output: Any, output: Any) -> KVConnectorBlockState:
@@ -394,27 +382,30 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             outputs, failed_recving = {}, _NO_IDS
         else:
             outputs, failed_recving = self._attribute(connector_output)
-        update = self._scheduler_host.update_connector_output(outputs)
-        ended = self._sent_sync
-        if update.finished_recving:
-            for reqs in self._loads.values():
-                for req_id in update.finished_recving:
-                    load = reqs.pop(req_id, None)
-                    if load is not None and self._per_request:
-                        ended[req_id] = load[0]
-        finished = self._hold_failed_loads(ended, update) if ended else update.finished_recving
+        host = self._scheduler_host
+        in_flight = host.loads_in_flight() if self._per_request else None  # before the host settles them
+        update = host.update_connector_output(outputs)
+        finished = self._hold_failed_loads(in_flight, update) if in_flight else update.finished_recving
         connector_output.finished_sending = update.finished_sending or None
         connector_output.finished_recving = (finished | failed_recving) or None
 
-    def _hold_failed_loads(self, ended: dict[str, list[int]], update: StepUpdate) -> set[str]:
+    def _hold_failed_loads(self, in_flight: dict[str, dict[str, LoadSpec]], update: StepUpdate) -> set[str]:
         """Several groups: the loads that ended this update are finished for vLLM, but those with a failed block.
 
-        Those are failed loads for the next step (the workers report them in
-        ``failed_recving``, which vLLM reads before this call). A block id
-        names a block only within its group, so a load holding the id of a
-        failed block in any group fails: a recompute, never wrong KV.
+        ``in_flight`` is the host's loads before this update: its sync loads
+        (async to vLLM) all end with it, its async ones if the update
+        finished them. Those with a failed block are failed loads for the
+        next step (the workers report them in ``failed_recving``, which vLLM
+        reads before this call). A block id names a block only within its
+        group, so a load holding the id of a failed block in any group fails:
+        a recompute, never wrong KV.
         """
-        self._sent_sync = {}
+        ended = {
+            req_id: blocks
+            for loads in in_flight.values()
+            for req_id, (blocks, is_async) in loads.items()
+            if not is_async or req_id in update.finished_recving
+        }
         failed = {r: (blocks, True) for r, blocks in ended.items() if not update.invalid_block_ids.isdisjoint(blocks)}
         self._failed_loads.update(failed)
         return (update.finished_recving | ended.keys()) - failed.keys()

@@ -31,7 +31,7 @@ def new(
     --hooks writes the raw-hook template. As generated it installs with pip and passes `kvconn validate NAME`.
     """
     import kvconn
-    from kvconn._install import pip_install
+    from kvconn.install import pip_install
 
     from ..output import note, warn
     from ..scaffold import Scaffold, write

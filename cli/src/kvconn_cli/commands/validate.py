@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Driver", "register", "validate"]
 
-#: Marks a ``--vllm-connector`` target among the targets (``kvconn validate`` runs it through ``kvconn_vllm.native``).
+#: Marks a ``--vllm-connector`` target among the targets (run through ``kvconn_vllm.testing.native``).
 NATIVE_PREFIX = "vllm-connector:"
 
 
@@ -187,14 +187,14 @@ def _run_native(
     on_result: Callable[[CheckResult], None],
     debug: bool,
 ) -> ConnectorReport:
-    """A vLLM connector's run (``--vllm-connector``), through ``kvconn_vllm.native``."""
+    """A vLLM connector's run (``--vllm-connector``), through ``kvconn_vllm.testing.native``."""
     from kvconn.testing.conformance import ConnectorReport
 
     from ..inspection import reason
     from ..output import print_traceback
 
     try:
-        from kvconn_vllm.native import run_native_conformance
+        from kvconn_vllm.testing.native import run_native_conformance
     except ImportError as exc:
         return ConnectorReport(name, [], load_error=f"--vllm-connector needs kvconn-vllm installed: {reason(exc)}")
     try:

@@ -16,6 +16,7 @@ __all__ = [
     "OK",
     "RPC_FAIL",
     "STORE_FULL",
+    "TRANSFER_FAIL",
     "code_name",
 ]
 
@@ -25,6 +26,7 @@ STORE_FULL = -200  # NO_AVAILABLE_HANDLE: no segment has room for the value
 INVALID_PARAMS = -600  # an empty value, a destination smaller than the value, a key repeated in a batch
 NOT_FOUND = -704  # OBJECT_NOT_FOUND
 LEASE_EXPIRED = -707  # the lease ran out before the transfer completed: contents undefined
+TRANSFER_FAIL = -800  # a transfer failed; a multi-buffer get into buffers larger than the value also says this
 RPC_FAIL = -900  # the master is unreachable (or the client is disconnected)
 
 _NAMES = {
@@ -33,6 +35,7 @@ _NAMES = {
     INVALID_PARAMS: "invalid_params",
     NOT_FOUND: "not_found",
     LEASE_EXPIRED: "lease_expired",
+    TRANSFER_FAIL: "transfer_fail",
     RPC_FAIL: "rpc_fail",
 }
 

@@ -6,8 +6,9 @@ Semantics follow Mooncake's: puts are write-once (a put of an existing key
 returns ``0`` and keeps the old value), capacity is bounded and the least
 recently used values are evicted to make room, a value that cannot fit at all
 fails with ``STORE_FULL``, a missing key reads as ``NOT_FOUND``, and a
-destination smaller than the value is ``INVALID_PARAMS``. A key named twice in
-one batch get fails after its first copy (see ``batch_get_into``).
+destination smaller than the value is ``INVALID_PARAMS`` (a multi-buffer
+destination larger than it, ``TRANSFER_FAIL``). A key named twice in one batch
+get fails after its first copy (see ``batch_get_into``).
 
 Values are copied from and to raw host pointers (``ctypes.memmove``), exactly
 as Mooncake's ``batch_put_from`` / ``batch_get_into`` read and write host
@@ -25,7 +26,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from .codes import INVALID_PARAMS, NOT_FOUND, OK, STORE_FULL
+from .codes import INVALID_PARAMS, NOT_FOUND, OK, STORE_FULL, TRANSFER_FAIL
 
 __all__ = ["EmbeddedStore", "embedded_store"]
 
@@ -104,6 +105,32 @@ class EmbeddedStore:
             for key, p, s in zip(keys, ptrs, sizes, strict=True):
                 codes.append(INVALID_PARAMS if key in seen else self._get(key, p, s))
                 seen.add(key)
+        return codes
+
+    def batch_get_into_multi_buffers(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """Each value across its parts in order, only into parts of exactly its size (as the real client).
+
+        A repeated key fails, as in :meth:`batch_get_into`.
+        """
+        codes, seen = [], set()
+        with self._lock:
+            for key, p, n in zip(keys, ptrs, sizes, strict=True):
+                value = None if key in seen else self._values.get(key)
+                if value is None:
+                    codes.append(INVALID_PARAMS if key in seen else NOT_FOUND)
+                    continue
+                seen.add(key)
+                if len(value) != sum(n):
+                    codes.append(INVALID_PARAMS if len(value) > sum(n) else TRANSFER_FAIL)
+                    continue
+                self._values.move_to_end(key)
+                offset = _address(value)
+                for ptr, size in zip(p, n, strict=True):
+                    ctypes.memmove(ptr, offset, size)
+                    offset += size
+                codes.append(len(value))
         return codes
 
     def _get(self, key: str, ptr: int, size: int) -> int:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kvconn._install import install_extra
+from kvconn.install import install_extra
 
 from .codes import OK
 from .config import RealStoreSettings

@@ -1,8 +1,8 @@
 """Mooncake as a :class:`kvconn.store.BlockStore`, over the real client or the embedded store.
 
 Both speak Mooncake's batch calls (``batch_is_exist``, ``batch_put_from``,
-``batch_put_from_multi_buffers`` and ``batch_get_into`` on host pointers, one
-int code per key); this maps them
+``batch_put_from_multi_buffers``, ``batch_get_into`` and
+``batch_get_into_multi_buffers`` on host pointers, one int code per key); this maps them
 onto the store contract: a code that means "no answer" (the master is
 unreachable, a transfer failed) raises, so the connector degrades and its
 guard probes the store; a full store refuses; a missing, evicted or
@@ -20,9 +20,10 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
-from .codes import INVALID_PARAMS, LEASE_EXPIRED, NOT_FOUND, OK, STORE_FULL, code_name
+from .codes import INVALID_PARAMS, LEASE_EXPIRED, NOT_FOUND, OK, STORE_FULL, TRANSFER_FAIL, code_name
 from .config import RealStoreSettings
 from .embedded import EmbeddedStore
 from .mooncake_store import SharedClient, connect
@@ -36,6 +37,7 @@ _LOCK = threading.Lock()
 _REAL: dict[RealStoreSettings, list[Any]] = {}  # settings -> [SharedClient, users]
 _MISSING = (NOT_FOUND, LEASE_EXPIRED)  # a lease that expired mid-transfer leaves the buffer undefined: missing
 _REFUSED = (STORE_FULL, INVALID_PARAMS)  # no room, or a value Mooncake cannot store (empty, too large)
+_MISFIT = (INVALID_PARAMS, TRANSFER_FAIL)  # a multi-buffer get into parts smaller / larger than the value
 
 
 class StoreError(ConnectionError):
@@ -130,23 +132,58 @@ class MooncakeBlockStore:
 
 
 class MooncakePartsStore(MooncakeBlockStore):
-    """A :class:`~kvconn.store.PartsStore` too: saves read the KV caches in place (memory that needs no registration).
+    """A :class:`~kvconn.store.PartsStore` and :class:`~kvconn.store.ScatterStore` too.
 
-    Over rdma the store is a plain :class:`MooncakeBlockStore` (saves staged):
-    a transfer's memory must be registered first, and the KV caches are not
-    this store's to register.
+    Saves read the KV caches in place, and async loads write them in place
+    (memory that needs no registration). Over rdma the store is a plain
+    :class:`MooncakeBlockStore` (staged): a transfer's memory must be
+    registered first, and the KV caches are not this store's to register.
     """
+
+    def get_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[int | None]:
+        """As :meth:`get`, each value across its parts in order (``batch_get_into_multi_buffers``: no staging).
+
+        Mooncake moves a value only into parts of exactly its size (smaller:
+        ``INVALID_PARAMS``, larger: ``TRANSFER_FAIL``); for those codes the
+        value's size is asked, and answered when it differs (the caller refuses
+        that value); the same size means the transfer itself failed: raises.
+        """
+        if not keys:
+            return []
+        names = [key.hex() for key in keys]
+        ptrs, sizes = self._pointers(parts)
+        codes = self.call(lambda client: client.batch_get_into_multi_buffers(names, ptrs, sizes))
+        lengths: list[int | None] = []
+        for name, size, code in zip(names, sizes, codes, strict=True):
+            if code in _MISSING:
+                lengths.append(None)
+            elif code in _MISFIT:
+                stored = _checked("get_size", self.call(partial(_size, name)), missing=NOT_FOUND)
+                if stored == sum(size):
+                    raise StoreError(f"mooncake batch_get_into_multi_buffers failed: {code_name(code)} ({code})")
+                lengths.append(stored)
+            else:
+                lengths.append(_checked("batch_get_into_multi_buffers", code))
+        return lengths
+
+    @staticmethod
+    def _pointers(parts: Sequence[Sequence[memoryview]]) -> tuple[list[list[int]], list[list[int]]]:
+        """Per value, the addresses and sizes of its parts (host memory the caller keeps alive during the call)."""
+        pinned = [[_pinned(part) for part in value] for value in parts]
+        return [[p for p, _, _ in value] for value in pinned], [[n for _, n, _ in value] for value in pinned]
 
     def put_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
         """As :meth:`put`, each value from its parts in order (``batch_put_from_multi_buffers``: no staging)."""
         if not keys:
             return []
         names = [key.hex() for key in keys]
-        pinned = [[_pinned(part) for part in value] for value in parts]
-        ptrs = [[p for p, _, _ in value] for value in pinned]
-        sizes = [[n for _, n, _ in value] for value in pinned]
+        ptrs, sizes = self._pointers(parts)
         codes = self.call(lambda client: client.batch_put_from_multi_buffers(names, ptrs, sizes))
         return [code not in _REFUSED and _checked("batch_put_from_multi_buffers", code) == OK for code in codes]
+
+
+def _size(name: str, client: Any) -> int:
+    return int(client.get_size(name))
 
 
 def _checked(call: str, code: int, missing: int | None = None) -> Any:

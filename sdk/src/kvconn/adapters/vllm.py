@@ -23,7 +23,7 @@ try:
 except ModuleNotFoundError as exc:
     if exc.name != _ADAPTER:
         raise
-    from .._install import install_project
+    from ..install import install_project
 
     raise ModuleNotFoundError(
         "kvconn.adapters.vllm is the kvconn-vllm distribution: install it to run kvconn connectors inside vLLM: "

@@ -18,7 +18,7 @@ from .answers import BadHookAnswer
 from .connector_host import ConnectorHost
 from .dispatch import DEFAULT_HOOK_BUDGET_S, DEFAULT_MAX_SLOW_CALLS, DEFAULT_STALL_STEPS, OnError
 from .monitors import MONITORED_CALLS, STEP_CALLS, CallOutcome, MonitorAfter, MonitorBefore
-from .scheduler_host import NO_LOAD, LoadPlan, SchedulerHost, StepUpdate
+from .scheduler_host import NO_LOAD, LoadPlan, LoadSpec, SchedulerHost, StepUpdate
 from .worker_host import WorkerHost
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "CallOutcome",
     "ConnectorHost",
     "LoadPlan",
+    "LoadSpec",
     "MonitorAfter",
     "MonitorBefore",
     "OnError",

@@ -28,7 +28,7 @@ from ..request import ConnectorRequest
 from .answers import BadHookAnswer, match
 from .connector_host import ConnectorHost
 
-__all__ = ["NO_LOAD", "LoadPlan", "SchedulerHost", "StepUpdate"]
+__all__ = ["NO_LOAD", "LoadPlan", "LoadSpec", "SchedulerHost", "StepUpdate"]
 
 logger = logging.getLogger("kvconn.host")
 
@@ -64,11 +64,16 @@ class StepUpdate:
     stats: Counter[str] = field(default_factory=Counter)
 
 
+#: One load in flight as an engine reads it: ``(block ids, is_async)``.
+LoadSpec = tuple[list[int], bool]
+
+
 @dataclass
 class _Load:
     block_ids: list[int]
     is_async: bool
     sent: bool = False  # its metadata reached the workers
+    build: int = 0  # the build_connector_meta call of the step it was committed for
 
 
 class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
@@ -78,6 +83,7 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
 
     def _init_role(self) -> None:
         self._step = 0  # update_connector_output calls: the scheduler's step count
+        self._builds = 0  # build_connector_meta calls
         self._asks: dict[tuple[str, str], int] = {}  # (connector, request) -> "ask again" answers in a row
         self._send_steps: dict[str, int] = {}  # delayed free -> the step it began
         self._loads: dict[str, dict[str, _Load]] = {name: {} for name in self.connectors}  # in flight
@@ -155,7 +161,7 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
             if name == plan.connector and num_external:
                 start = request.num_computed_tokens
                 blocks = block_ids_in_range(block_ids, start, start + num_external, self.context.block_size)
-                self._loads[name][request.request_id] = _Load(blocks, plan.load_async)
+                self._loads[name][request.request_id] = _Load(blocks, plan.load_async, build=self._builds + 1)
                 loading = True
         return loading
 
@@ -170,6 +176,7 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
         ``Metadata``, sends no metadata this step and its loads are failed.
         """
         scheduler_output.kv_connector_block_state = block_state
+        self._builds += 1
         self._failed_this_step.clear()
         try:
             if self._impls["on_block_state"]:
@@ -324,6 +331,27 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
     def pending_loads(self) -> dict[str, set[str]]:
         """Requests with a load in flight, per connector."""
         return {name: set(loads) for name, loads in self._loads.items()}
+
+    def loads_in_flight(self, *, built_last: bool = False) -> dict[str, dict[str, LoadSpec]]:
+        """Each connector's loads in flight, ``request id -> (block ids, is_async)``; connectors without any left out.
+
+        ``built_last``: only those the workers act on in the step whose metadata was built last: every async load
+        (it runs until it is reported) and the sync loads committed for that step. A sync load runs in the one worker
+        step its metadata reaches; it stays in flight here until that step's report, which an engine that schedules
+        ahead (vLLM's async scheduling) gets after it built the next step. An engine that tells its workers which
+        blocks each connector loads, so that a worker whose connector failed reports them, lists these.
+        """
+        specs: dict[str, dict[str, LoadSpec]] = {}
+        for name, loads in self._loads.items():
+            if loads:
+                picked = {
+                    req_id: (load.block_ids, load.is_async)
+                    for req_id, load in loads.items()
+                    if not built_last or load.is_async or load.build == self._builds
+                }
+                if picked:
+                    specs[name] = picked
+        return specs
 
     def pending_load_blocks(self) -> dict[str, set[int]]:
         """Blocks of the loads in flight, per connector: the only ones it may report as failed to load."""

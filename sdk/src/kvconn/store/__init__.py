@@ -14,7 +14,7 @@ from .guard import StoreGuard, StoreUnavailable
 from .integrity import HEADER_BYTES, Integrity
 from .keys import KEY_VERSION, BlockKeys
 from .metadata import StoreBlock, StoreMetadata
-from .protocol import BlockStore, PartsStore
+from .protocol import BlockStore, PartsStore, ScatterStore
 from .scheduler import StoreScheduler
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "MaxBackoff",
     "PartsStore",
     "SaveDecode",
+    "ScatterStore",
     "StoreBlock",
     "StoreConfig",
     "StoreConnector",

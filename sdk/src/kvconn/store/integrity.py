@@ -72,19 +72,23 @@ class Integrity:
         """Why ``value`` (header and payload, read under ``key``) must not be loaded; ``None`` if it may."""
         if value.nbytes < HEADER_BYTES:
             return "short"
-        magic, version, flags, _, length, key_digest, value_layout = _HEAD.unpack_from(value)
+        return self.verify_parts(key, layout, value[:HEADER_BYTES], [value[HEADER_BYTES:]])
+
+    def verify_parts(self, key: bytes, layout: bytes, header: memoryview, payload: Sequence[memoryview]) -> str | None:
+        """As :meth:`verify`, for a value read as its ``HEADER_BYTES`` header and its payload in parts, in order."""
+        magic, version, flags, _, length, key_digest, value_layout = _HEAD.unpack_from(header)
         if magic != _MAGIC or version != _VERSION:
             return "foreign"
         if flags != self._flags:
             return "unsigned" if self._flags else "signed"
-        if length != value.nbytes - HEADER_BYTES:
+        if length != sum(part.nbytes for part in payload):
             return "short"
         if key_digest != _digest(key):
             return "other_key"
         if value_layout != layout:
             return "other_layout"
-        tag = self._tag(value[: _HEAD.size], [value[HEADER_BYTES:]])
-        return None if hmac.compare_digest(value[_HEAD.size : _HEAD.size + _TAG], tag) else "checksum"
+        tag = self._tag(header[: _HEAD.size], payload)
+        return None if hmac.compare_digest(header[_HEAD.size : _HEAD.size + _TAG], tag) else "checksum"
 
 
 @functools.lru_cache(maxsize=4096)  # a hit prefix's keys are sealed once and verified on every load

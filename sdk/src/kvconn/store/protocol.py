@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-__all__ = ["BlockStore", "PartsStore"]
+__all__ = ["BlockStore", "PartsStore", "ScatterStore"]
 
 
 @runtime_checkable
@@ -71,4 +71,27 @@ class PartsStore(BlockStore, Protocol):
 
     def put_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> Sequence[bool]:
         """As :meth:`BlockStore.put`, the value of ``keys[i]`` being the concatenation of ``parts[i]``."""
+        ...
+
+
+@runtime_checkable
+class ScatterStore(BlockStore, Protocol):
+    """A :class:`BlockStore` that also reads a value into several buffers (scatter I/O).
+
+    Optional. With it an async load of host KV caches skips staging: each
+    value is read as its header into a buffer of the connector's and its
+    payload straight into the block's row in each layer, and verified there
+    before the request is reported loaded (a value that fails is reported
+    failed and recomputed; a call past its deadline keeps the request
+    waiting until it returns, so no late byte lands in a block the engine
+    uses).
+    """
+
+    def get_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> Sequence[int | None]:
+        """Read the value of ``keys[i]`` across ``parts[i]`` in order; keys are distinct.
+
+        Per key: the value's length (``parts[i]`` hold it when it equals their
+        total size, else their bytes are undefined), or ``None`` when the key
+        holds nothing.
+        """
         ...

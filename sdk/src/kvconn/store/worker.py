@@ -5,15 +5,23 @@ A value is one block of one KV-cache group: the integrity header (see
 layers. A step is at most one batched ``get`` (from ``start_load_kv``) and one
 batched ``put`` (in ``wait_for_save``, once every layer is computed).
 
-Loads land in staging memory and are verified there (length, header, key,
-layout, tag); only verified values are copied into the KV caches, by the
-engine's thread, so no unverified byte ever reaches them and a late store call
-can only write into its own staging. An async load runs its ``get`` and the
-verification on the store's worker threads and lands in ``get_finished`` of
-the step it is found done; one past its deadline is abandoned (its blocks are
-reported failed) and trips the store. Nothing here raises into the engine: a
-failed load reports its blocks (``get_block_ids_with_load_errors``, the engine
-recomputes them), a failed save is skipped; both are counted and logged once.
+A sync load lands in staging memory and is verified there (length, header,
+key, layout, tag); only verified values are copied into the KV caches, by the
+engine's thread, so a late store call can only write into its own staging. An
+async load runs its ``get`` and the verification on the store's worker threads
+and lands in ``get_finished`` of the step it is found done; one past its
+deadline trips the store. When the store is a :class:`~kvconn.store.ScatterStore`
+and the KV caches are host memory, an async load reads each value straight into
+its blocks and verifies it there, no staging, no copy: safe because the request
+waits (``WAITING_FOR_REMOTE_KVS``) until it is reported in ``get_finished``, and
+nothing reads or writes its blocks till then (vLLM 0.33 holds an aborted
+request's blocks until that report too, ``Scheduler.finish_requests``); a value
+that fails verification is reported failed in that same report
+(``get_block_ids_with_load_errors``: the engine recomputes the block, never
+reading what the store wrote), and a get past its deadline is not reported until
+it returns. A staged load past its deadline is abandoned at once. Nothing here
+raises into the engine: a failed load reports its blocks (the engine recomputes
+them), a failed save is skipped; both are counted and logged once.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from .config import StoreConfig
 from .guard import StoreUnavailable
 from .integrity import HEADER_BYTES, Integrity, layout_digest
 from .metadata import StoreBlock, StoreMetadata
-from .protocol import BlockStore, PartsStore
+from .protocol import BlockStore, PartsStore, ScatterStore
 from .side import StoreSide
 
 __all__ = ["StoreWorker"]
@@ -148,12 +156,17 @@ class _GroupLoad:
 
 @dataclass
 class _Load:
-    """One step's batched load: its groups, requests, and (async) the store call running it."""
+    """One step's batched load: its groups, requests, and (async) the store call running it.
+
+    ``in_place``: read straight into the blocks (no staging), so never reported before its store call returned.
+    """
 
     groups: list[_GroupLoad]
     req_ids: set[str]
+    in_place: bool = False
     started: float = field(default_factory=time.monotonic)
     future: Future[None] | None = None
+    late: bool = False
 
 
 class StoreWorker(StoreSide):
@@ -196,7 +209,12 @@ class StoreWorker(StoreSide):
             return
         blocks, bad = self._addressable(metadata.loads)
         self._fail([b.block_id for b in bad], "load_failed_unaddressable", "loads named blocks this worker lacks")
-        load = _Load(self._plan(blocks), {b.req_id for b in metadata.loads})
+        groups = self._plan(blocks)
+        in_place = metadata.load_async and self._in_place(groups)
+        if not in_place:
+            for group in groups:
+                group.staging = self._buffers.take(len(group.keys) * group.stride)
+        load = _Load(groups, {b.req_id for b in metadata.loads}, in_place)
         if not metadata.load_async:
             try:
                 self.guard.call("get", lambda store: self._fetch(store, load))
@@ -223,12 +241,19 @@ class StoreWorker(StoreSide):
             if slot == len(group.keys):
                 group.keys.append(self.keys.key(b.group, b.block_hash))
             group.targets.append((slot, b.block_id))
-        for group in groups.values():
-            group.staging = self._buffers.take(len(group.keys) * group.stride)
         return list(groups.values())
 
+    def _in_place(self, groups: Sequence[_GroupLoad]) -> bool:
+        """Whether a load can read straight into its blocks: a ScatterStore, host KV caches, one block per key."""
+        return isinstance(self.guard.store, ScatterStore) and all(
+            group.layout.in_place and len(group.targets) == len(group.keys) for group in groups
+        )
+
     def _fetch(self, store: BlockStore, load: _Load) -> None:
-        """Read every value into staging and verify it (on a store thread when async)."""
+        """Read every value (into staging, or in place) and verify it (on a store thread when async)."""
+        if load.in_place:
+            self._fetch_in_place(store, load)
+            return
         keys = [key for group in load.groups for key in group.keys]
         views = [
             view[i * stride : (i + 1) * stride]
@@ -241,19 +266,42 @@ class StoreWorker(StoreSide):
             raise ValueError(f"get returned {len(lengths)} answers for {len(keys)} keys")
         answers = iter(zip(lengths, views, strict=True))
         for group in load.groups:
-            group.verdicts = [self._verdict(group, key, *next(answers)) for key in group.keys]
+            for key in group.keys:
+                length, value = next(answers)
+                group.verdicts.append(self._verdict(group, key, length, value[:HEADER_BYTES], [value[HEADER_BYTES:]]))
 
-    def _verdict(self, group: _GroupLoad, key: bytes, length: int | None, value: memoryview) -> str | None:
-        """Why the value read for ``key`` must not be loaded, or ``None`` when it may."""
+    def _fetch_in_place(self, store: BlockStore, load: _Load) -> None:
+        """Read each value as its header (into memory of its own) and its block's row in each layer, then verify."""
+        headers = memoryview(bytearray(sum(len(group.keys) for group in load.groups) * HEADER_BYTES))
+        keys: list[bytes] = []
+        parts: list[list[memoryview]] = []
+        for group in load.groups:
+            for slot, block in group.targets:  # one block per key: slot i is targets[i]
+                keys.append(group.keys[slot])
+                parts.append([headers[len(parts) * HEADER_BYTES : (len(parts) + 1) * HEADER_BYTES]])
+                parts[-1] += group.layout.parts(block)
+        lengths = list(store.get_parts(keys, parts))  # type: ignore[attr-defined]
+        if len(lengths) != len(keys):
+            raise ValueError(f"get_parts returned {len(lengths)} answers for {len(keys)} keys")
+        answers = iter(zip(lengths, parts, strict=True))
+        for group in load.groups:
+            for key in group.keys:
+                length, (header, *payload) = next(answers)
+                group.verdicts.append(self._verdict(group, key, length, header, payload))
+
+    def _verdict(
+        self, group: _GroupLoad, key: bytes, length: int | None, header: memoryview, payload: Sequence[memoryview]
+    ) -> str | None:
+        """Why the value read for ``key`` (its header, its payload in parts) must not be loaded; ``None`` if it may."""
         if length is None:
             return "missing"
         if length != group.stride:
             return "integrity_short"
-        reason = self.integrity.verify(key, group.layout.digest, value)
+        reason = self.integrity.verify_parts(key, group.layout.digest, header, payload)
         return None if reason is None else f"integrity_{reason}"
 
     def _land(self, load: _Load) -> None:
-        """Copy the verified values of a fetched load into the KV caches; report the rest failed."""
+        """Copy the verified values of a fetched load into the KV caches (in place: there already); report the rest."""
         moved = landed = 0
         for group in load.groups:
             ok = [(slot, block) for slot, block in group.targets if group.verdicts[slot] is None]
@@ -263,20 +311,21 @@ class StoreWorker(StoreSide):
                     failed.setdefault(verdict, []).append(block)
             for reason, ids in failed.items():
                 self._fail(ids, f"load_failed_{reason}", _why(reason))
-            if ok:
+            if ok and not load.in_place:
                 rows = _rows(group.staging, len(group.keys), group.stride)
                 if len(ok) < len(group.targets) or len(group.keys) < len(ok):
                     rows = rows[[slot for slot, _ in ok]]  # only the verified values, one row per block
                 group.layout.scatter([block for _, block in ok], rows)
-                landed += len(ok)
-                moved += len(ok) * group.layout.value_bytes
+            landed += len(ok)
+            moved += len(ok) * group.layout.value_bytes
         self.stats.count("blocks_loaded", landed)
         self.stats.count("bytes_loaded", moved)
-        self._buffers.give([group.staging for group in load.groups])
+        if not load.in_place:
+            self._buffers.give([group.staging for group in load.groups])
 
     def _abandon(self, load: _Load, *, late: bool = False) -> None:
         """Fail every block of ``load``; its staging is reused unless a ``late`` store call may still write it."""
-        if not late:
+        if not late and not load.in_place:
             self._buffers.give([group.staging for group in load.groups])
         ids = [block for group in load.groups for _, block in group.targets]
         self._fail(ids, "load_failed_store_off", "loads failed (the store is off, late or raised); recomputed")
@@ -388,8 +437,12 @@ class StoreWorker(StoreSide):
                     self._abandon(load)
                 else:
                     self._land(load)
-            elif time.monotonic() - load.started > self.config.timeout_s:
+            elif time.monotonic() - load.started > self.config.timeout_s and not load.late:
                 self.guard.trip(f"a get did not answer within {self.config.timeout_s:g} s")
+                if load.in_place:  # it may still write into the blocks: the request waits until it returns
+                    load.late = True
+                    still.append(load)
+                    continue
                 self._abandon(load, late=True)
             else:
                 still.append(load)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from ..store import BlockStore
+from ..store import BlockStore, ScatterStore
 
 __all__ = ["StoreConformance"]
 
@@ -100,6 +100,25 @@ class StoreConformance:
         lengths = list(store.get(keys, [memoryview(buffer)]))
         assert lengths == [self.value_size], "get() must answer the value's full length even if the buffer is shorter"
         assert bytes(buffer) == values[0][: len(buffer)], "get() must write only what fits the buffer"
+
+    def test_get_parts_reads_across_parts_and_answers_lengths(self, store: BlockStore) -> None:
+        """Only for a :class:`~kvconn.store.ScatterStore` (optional): what async loads in place rely on."""
+        if not isinstance(store, ScatterStore):
+            pytest.skip("not a ScatterStore (get_parts is optional): async loads go through staging")
+        keys, values = self.keys(3), self.values(3, fill=5)
+        store.put(keys[:2], values[:2])
+        sizes = (self.value_size // 4, self.value_size // 2, self.value_size // 4)
+        parts = [[bytearray(n) for n in sizes] for _ in keys]
+        lengths = list(store.get_parts(keys, [[memoryview(b) for b in p] for p in parts]))
+        assert lengths == [self.value_size, self.value_size, None], (
+            "get_parts() must answer each value's length, and None for a key that holds nothing"
+        )
+        assert [b"".join(p) for p in parts[:2]] == values[:2], "get_parts() must write each value across its parts"
+        other = memoryview(bytearray(self.value_size // 2))  # parts of another total size than the value
+        assert list(store.get_parts(keys[:1], [[other]])) == [self.value_size], (
+            "get_parts() into parts of another total size must answer the value's length (the caller refuses it), "
+            "not raise or answer None"
+        )
 
     def test_empty_batches(self, store: BlockStore) -> None:
         assert list(store.contains([])) == [], "contains([]) must answer []"

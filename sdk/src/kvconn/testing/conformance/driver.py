@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
-from ..._install import install_project
 from ...block_state import BlockIds, KVConnectorBlockState
 from ...errors import ConnectorLoadError
 from ...host import ConnectorHost
+from ...install import install_project
 from ...metadata import KVConnectorMetadata
 from ...outputs import KVConnectorOutput, SchedulerOutput
 from ...reference.shape import EngineShape

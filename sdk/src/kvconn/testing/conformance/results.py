@@ -113,7 +113,7 @@ class ConformanceFailure(AssertionError):
         return f"observed {self.observed}; fix: {self.fix or default_fix}"
 
 
-#: The name checks outside the SDK (``kvconn_vllm.native``) raise: the same class.
+#: The name checks outside the SDK (``kvconn_vllm.testing.native``) raise: the same class.
 Violation = ConformanceFailure
 
 

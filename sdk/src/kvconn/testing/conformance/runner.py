@@ -71,7 +71,7 @@ def run_conformance(
 def run_session(
     session: Session, *, select: str | None = None, on_result: Callable[[CheckResult], None] | None = None
 ) -> ConnectorReport:
-    """The selected checks on an open ``session`` (another engine's connector, say: see ``kvconn_vllm.native``)."""
+    """The selected checks on an open ``session`` (another engine's connector: see ``kvconn_vllm.testing.native``)."""
     report = ConnectorReport(session.connector)
     for check in list_checks():
         if not matches(check, select):

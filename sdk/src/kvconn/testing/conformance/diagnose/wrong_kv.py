@@ -1,172 +1,22 @@
-"""Diagnosis: from what a run showed to the mechanism that broke it, and the fix for that mechanism.
+"""Loaded KV that is wrong: which save or load paired which block with which hash, and why.
 
-A check knows *that* something went wrong (the tokens differ, nothing can be
-scheduled, a hook raised); these helpers say *why*, in the terms of the
-connector's own code: which request waits for which report and since which
-answer, which frame of the connector raised and in what situation.
+From the layers of the loaded blocks that hold the wrong bytes (what
+:func:`~..kv_audit.audit_load` found), the steps' metadata and the live
+tables: a block read after its free, a stale table kept across a preemption,
+an index off by some positions, a partial block, a failed load saved back, a
+store key that misses the layer, a KV-cache group never loaded.
 """
 
 from __future__ import annotations
 
-import logging
-import sysconfig
-import traceback
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
 
-from .driver import StepRecord
-from .kv_audit import LoadedBlock
-from .observe import HashedBlock, hashed_blocks
+from ..driver import StepRecord
+from ..kv_audit import LoadedBlock
+from ..observe import HashedBlock, hashed_blocks
+from .diagnosis import Diagnosis
 
-__all__ = [
-    "Awaited",
-    "Diagnosis",
-    "Stalled",
-    "WaitsReporter",
-    "WarningLog",
-    "capture_warnings",
-    "store_trouble",
-    "connector_frame",
-    "diagnose_error",
-    "shifted_pairing",
-    "stall",
-    "transfer_kind",
-]
-
-
-@dataclass(frozen=True)
-class Awaited:
-    """A report the engine waits for: ``kind`` (``finished_sending`` / ``finished_recving``) of ``req_id``,
-    since ``step``, when the connector's ``answer`` started the wait."""
-
-    req_id: str
-    kind: str
-    step: int
-    answer: str
-
-
-class WaitsReporter(Protocol):
-    """What a driver can say beyond the protocol, for a diagnosis (optional; the reference driver can).
-
-    ``awaited``: the reports its engine still waits for. ``situation``: what
-    the step in progress has that a connector may not cope with (null blocks
-    in a table, a request resumed after preemption, ...), one phrase each.
-    """
-
-    def awaited(self) -> list[Awaited]: ...
-
-    def situation(self) -> list[str]: ...
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    """What a failed run observed, and the fix for that mechanism (``None``: the check's own)."""
-
-    observed: str
-    fix: str | None = None
-
-
-#: The fix for a wait that never ends, per report kind.
-_FIXES = {
-    "finished_sending": "report {ids} in get_finished's finished_sending (once) as soon as the save that made "
-    "request_finished return True no longer reads its blocks; return False from request_finished when no save "
-    "of the request is pending",
-    "finished_recving": "report {ids} in get_finished's finished_recving (once) when the async load started for "
-    "it (get_num_new_matched_tokens returned load_async=True) has landed; a load that cannot complete is "
-    "reported too, with its blocks in get_block_ids_with_load_errors",
-}
-_WAITS_FOR = {
-    "finished_sending": "its blocks stay held until finished_sending reports it",
-    "finished_recving": "it cannot be scheduled until finished_recving reports it",
-}
-
-
-class Stalled(RuntimeError):
-    """A run stopped making progress; ``fix`` is the fix for what it waits for (``None``: not known)."""
-
-    def __init__(self, message: str, fix: str | None = None) -> None:
-        super().__init__(message)
-        self.fix = fix
-
-
-def stall(driver: object, what: str) -> Stalled:
-    """The error for a run that stopped making progress: ``what`` happened, and the requests still awaited.
-
-    Names each request, the report it waits for and the answer that started
-    the wait, when the driver can say (:class:`WaitsReporter`).
-    """
-    awaited: list[Awaited] = _ask(driver, "awaited")
-    if not awaited:
-        return Stalled(
-            f"{what}: the KV cache is full of blocks held for the connector (a delayed free never reported in "
-            "finished_sending?), or a load never finishes"
-        )
-    first = awaited[0]
-    same = [a.req_id for a in awaited[1:] if a.kind == first.kind]
-    others = f" (and {len(same)} more the same way: {', '.join(map(repr, same))})" if same else ""
-    waits = (
-        f"request {first.req_id!r} waits for {first.kind} since step {first.step}, when {first.answer}: "
-        f"{_WAITS_FOR[first.kind]}, and get_finished never reported it{others}"
-    )
-    ids = ", ".join(repr(r) for r in [first.req_id, *same])
-    return Stalled(f"{what}: {waits}", _FIXES[first.kind].format(ids=ids))
-
-
-_SDK = Path(__file__).resolve().parents[2]  # the kvconn package
-_STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
-
-
-def _connector_code(filename: str) -> bool:
-    """Whether ``filename`` is a connector's code: not kvconn's, pluggy's or the standard library's."""
-    if filename.startswith("<"):
-        return False
-    path = Path(filename).resolve()
-    in_stdlib = path.is_relative_to(_STDLIB) and "site-packages" not in path.parts
-    return not (path.is_relative_to(_SDK) or "pluggy" in path.parts or in_stdlib)
-
-
-def connector_frame(exc: BaseException) -> str | None:
-    """``file:line in function`` of the innermost frame of ``exc`` in the connector's own code.
-
-    Frames of kvconn itself (the SDK, its host and engine) and of pluggy and
-    the standard library are skipped: the frame shown is where the
-    connector's author can put a breakpoint.
-    """
-    frames = [frame for frame in traceback.extract_tb(exc.__traceback__) if _connector_code(frame.filename)]
-    cause = exc.__cause__ or exc.__context__
-    if not frames and cause is not None:
-        return connector_frame(cause)
-    if not frames:
-        return None
-    frame = frames[-1]
-    return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
-
-
-def _ask(driver: object, method: str) -> list[Any]:
-    """``driver.method()`` when the driver offers it (:class:`WaitsReporter`), else nothing."""
-    answer = getattr(driver, method, None)
-    return list(answer()) if callable(answer) else []
-
-
-def diagnose_error(exc: BaseException, driver: object, where: str, setting: str) -> Diagnosis:
-    """What to report for ``exc``, raised ``where`` (a run and step) in a run set up as ``setting``.
-
-    A connector error shows the frame in the connector's own code and the
-    situation the run created at that step; a stall, who waits for what.
-    """
-    if isinstance(exc, Stalled):
-        return Diagnosis(f"{where}: {exc}", exc.fix)
-    observed = f"the connector raised in {where}: {type(exc).__name__}: {exc}"
-    frame = connector_frame(exc)
-    if frame is None:
-        return Diagnosis(observed)
-    facts = _ask(driver, "situation")
-    at_step = "; ".join(facts) if facts else setting
-    observed += f", at {frame}; that step: {at_step}"
-    hook = getattr(exc, "hook", "the hook")
-    return Diagnosis(observed, f"make {hook} ({frame.split(' in ')[0]}) cope with what that step had: {at_step}")
+__all__ = ["explain_wrong_kv", "shifted_pairing", "transfer_kind"]
 
 
 def transfer_kind(path: str) -> str:
@@ -397,66 +247,4 @@ def _seen(loaded: LoadedBlock) -> str:
     return (
         f"{loaded.req_id!r} loaded block {loaded.block_id} (position {loaded.position}, layer {loaded.layer!r}) "
         f"holding {what}"
-    )
-
-
-def _at(table: Sequence[Sequence[int]] | None, group: int, position: int) -> int | None:
-    if table is None or group >= len(table) or position >= len(table[group]):
-        return None
-    return table[group][position]
-
-
-class WarningLog(logging.Handler):
-    """Collects what a connector logs at WARNING or above while a run plays (:func:`capture_warnings`)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-        logging.getLogger().addHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.name.split(".")[0] != "kvconn":  # the connector's own loggers, not the SDK's
-            self.messages.append(f"{record.name}: {record.getMessage()}")
-
-    def close(self) -> None:
-        logging.getLogger().removeHandler(self)
-        super().close()
-
-
-def capture_warnings() -> WarningLog:
-    """Start collecting warnings (a connector logging its store errors); ``close()`` stops."""
-    return WarningLog()
-
-
-#: Words in a connector's own stats keys that count failures (``store_errors``, ``put_failures``).
-_FAILURE_WORDS = ("error", "fail", "timeout", "refused", "unreachable")
-
-
-def store_trouble(records: Sequence[StepRecord], degraded_events: int, warnings: Sequence[str]) -> Diagnosis | None:
-    """What the connector's own stats and logs showed in a run that loaded nothing: store calls failing.
-
-    Reads ``degraded_events`` (work it dropped itself) and any stats key
-    counting failures, summed over the run, and the first warning it
-    logged. ``None`` when nothing shows a failing store.
-    """
-    failures: dict[str, float] = {}
-    for record in records:
-        out = record.connector_output
-        for key, value in (out.stats if out is not None else {}).items():
-            if any(word in key.lower() for word in _FAILURE_WORDS) and not key.startswith("_"):
-                failures[key] = failures.get(key, 0) + value
-    shown = {k: v for k, v in failures.items() if v}
-    if degraded_events:
-        shown = {"degraded_events": degraded_events, **shown}
-    if not shown and not warnings:
-        return None
-    counted = f"its own stats count {', '.join(f'{k}={v:g}' for k, v in shown.items())}" if shown else ""
-    more = f" (and {len(warnings) - 1} more)" if len(warnings) > 1 else ""
-    logged = f"it logged {warnings[0]!r}{more}" if warnings else ""
-    evidence = "; ".join(part for part in (counted, logged) if part)
-    return Diagnosis(
-        f"{evidence}: its store calls failed (is the store reachable?)",
-        "make the store reachable: start its server, or point the connector's config at one that is running "
-        "(kvconn validate --config '{...}'); the connector degraded every store call to no save and no hit, "
-        "as it should, so nothing was there to load",
     )

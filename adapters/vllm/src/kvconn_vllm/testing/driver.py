@@ -17,10 +17,10 @@ from collections import Counter
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
-from kvconn._install import checkout_path
 from kvconn.errors import ConnectorLoadError
 from kvconn.host import CallOutcome
 from kvconn.host.wire import decode_metadata
+from kvconn.install import checkout_path
 from kvconn.outputs import KVConnectorOutput
 from kvconn.testing.conformance.driver import (
     DriverFactory,
@@ -30,7 +30,7 @@ from kvconn.testing.conformance.driver import (
     tracked_by_role,
 )
 
-from .reports import decode_report
+from ..reports import decode_report
 from .scheduler_driver import VllmSchedulerMethods
 
 if TYPE_CHECKING:

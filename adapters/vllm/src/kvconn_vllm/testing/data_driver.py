@@ -2,7 +2,7 @@
 
 :class:`VllmDataDriver` is the ``vllm`` driver's ``data_driver``: vLLM's v1
 ``Scheduler`` (``kv_load_failure_policy="recompute"``) with the connector
-behind :class:`~.connector.KVConnVllmConnector`, and a worker-side adapter
+behind :class:`~kvconn_vllm.connector.KVConnVllmConnector`, and a worker-side adapter
 driven through vLLM's own ``KVConnectorModelRunnerMixin`` and
 ``maybe_transfer_kv_layer`` (:class:`~.harness.VllmLoop`) on real torch KV
 caches in vLLM's layout. Its model (:class:`ModelLoop`) is the reference

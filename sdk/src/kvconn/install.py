@@ -10,6 +10,11 @@ kvconn is installed from a checkout, not from a package index, so a hint such as
   installed some other way (from wheels built from it);
 * for a third-party extra, the requirements that extra declares, read from the
   installed distribution's metadata, which any index serves.
+
+Public, for the tools and plugins built on kvconn as much as for the SDK: every
+hint that says what to install (``kvconn new``'s next step, the CLI's warning about
+a forgotten entry point, the vLLM adapter's conformance driver, a plugin's missing
+extra) builds its command here, so all of them name the same interpreter and paths.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pathlib import Path
 
 __all__ = ["checkout_path", "install_extra", "install_project", "pip_install"]
 
-#: ``<checkout>/sdk/src/kvconn/_install.py``: the checkout's root, when this file is in one.
+#: ``<checkout>/sdk/src/kvconn/install.py``: the checkout's root, when this file is in one.
 _CHECKOUT = Path(__file__).resolve().parents[3]
 
 

@@ -28,9 +28,9 @@ from kvconn.reference.stats import EngineStats
 from kvconn.testing.conformance.driver import DriverSpec
 from kvconn.testing.conformance.failures import FailureMode, watch_data_run
 
+from ..translate import VllmRequestView, to_block_ids
 from .data_driver import DataRunMethods, ModelLoop
 from .native import NativeDriver, NativeTarget
-from .translate import VllmRequestView, to_block_ids
 
 __all__ = ["MonitorPoint", "NativeDataDriver", "observed_worker"]
 

@@ -28,7 +28,7 @@ from typing import Any
 from kvconn.context import NULL_BLOCK_ID, KVCacheGroupSpec
 from kvconn.reference.shape import EngineShape
 
-from . import CONNECTOR_CLASS, SHORT_NAME
+from .. import CONNECTOR_CLASS, SHORT_NAME
 
 __all__ = [
     "EOS_TOKEN_ID",
@@ -359,7 +359,7 @@ class VllmLoop:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
 
-        from .connector import KVConnVllmConnector
+        from ..connector import KVConnVllmConnector
 
         self.scheduler = scheduler
         self.block_size = scheduler.block_size

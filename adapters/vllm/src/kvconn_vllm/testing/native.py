@@ -329,7 +329,7 @@ class StandIn:
 #: room for every block the conformance runs save, so nothing is evicted.
 _OFFLOADING_STAND_IN = {
     "spec_name": "CPUStandInOffloadingSpec",
-    "spec_module_path": "kvconn_vllm.offloading_standin",
+    "spec_module_path": "kvconn_vllm.testing.offloading_standin",
     "cpu_bytes_to_use": 32 * 1024 * 1024,
 }
 
@@ -347,9 +347,9 @@ STAND_IN_WORKERS: dict[str, StandIn] = {
         None,
         _OFFLOADING_STAND_IN,
         describes="vLLM's own OffloadingConnector worker and CPUOffloadingManager, on a stand-in spec "
-        "(CPUStandInOffloadingSpec, kvconn_vllm.offloading_standin, plugged in by spec_name and spec_module_path "
-        "as vLLM's own tests plug in theirs): vLLM's CPUOffloadingSpec whose worker makes CPUOffloadingWorker's "
-        "block copies on the CPU, at submission",
+        "(CPUStandInOffloadingSpec, kvconn_vllm.testing.offloading_standin, plugged in by spec_name and "
+        "spec_module_path as vLLM's own tests plug in theirs): vLLM's CPUOffloadingSpec whose worker makes "
+        "CPUOffloadingWorker's block copies on the CPU, at submission",
         moves_kv=True,
         overridden_by=("spec_name", "spec_module_path"),
     ),
@@ -513,7 +513,7 @@ class NativeDriver(VllmSchedulerMethods):
     # ---------------------------------------------------------------- protocol
 
     def step(self, *, withhold: Collection[str] = ()) -> StepRecord:
-        from .translate import translate_scheduler_output
+        from ..translate import translate_scheduler_output
 
         (scheduler_output, metadata, offered, resolved), preempted, tables = self._play_step(withhold)
         plain: Any = plain_view(metadata, self.block_size)  # stands where a kvconn Struct would (duck-typed)
