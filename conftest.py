@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvconn.testing import memory_connector
+from kvconn.testing import hook_reference, memory_store
 
 try:
     from hypothesis import settings
@@ -23,7 +23,9 @@ if settings is not None:
 
 @pytest.fixture(autouse=True)
 def empty_memory_store() -> Iterator[None]:
-    """Every test starts and ends with an empty store of the in-process ``MemoryConnector``."""
-    memory_connector.STORE.clear()
+    """Every test starts and ends with empty in-process stores (the memory connectors') and no store faults."""
+    hook_reference.STORE.clear()
+    memory_store.clear()
     yield
-    memory_connector.STORE.clear()
+    hook_reference.STORE.clear()
+    memory_store.clear()

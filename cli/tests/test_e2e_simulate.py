@@ -185,10 +185,10 @@ def test_faults_of_the_warm_up_round_are_reported_in_the_json_and_the_table(
         textwrap.dedent(
             """
             import msgspec
-            from kvconn.testing.memory_connector import MemoryConnector
+            from kvconn.testing.hook_reference import HookReferenceConnector
 
 
-            class DownInTheWarmUp(MemoryConnector):
+            class DownInTheWarmUp(HookReferenceConnector):
                 def __init__(self, config=None, **kwargs):
                     super().__init__(config, **kwargs)
                     if self.context.model.endswith("@0.0"):

@@ -14,7 +14,7 @@ import pytest
 from kvconn import ConnectorNotFoundError, ConnectorRequest, KVConnector, KVConnectorMetadata
 from kvconn.reference.simulate import SIMULATE_SHAPE, ConnectorSetup, RunResult, run_workload
 from kvconn.reference.workloads import make_workload
-from kvconn.testing.memory_connector import MemoryConfig, MemoryConnector, fresh_namespace
+from kvconn.testing.hook_reference import HookReferenceConfig, HookReferenceConnector, fresh_namespace
 from kvconn_cli.measure import simulate
 from kvconn_cli.rounds import Clock
 
@@ -41,10 +41,10 @@ class LyingConnector(KVConnector):
 WARM_UP_MODEL = "kvconn-reference@0.0"
 
 
-class DownInTheWarmUpConnector(MemoryConnector):
+class DownInTheWarmUpConnector(HookReferenceConnector):
     """A store that is down during the warm-up round only: its loads fail and ``request_finished`` raises there."""
 
-    def __init__(self, config: MemoryConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: HookReferenceConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         if self.context.model == WARM_UP_MODEL:
             self.config = msgspec.structs.replace(self.config, fail_from_block=0, fail_hook="request_finished")

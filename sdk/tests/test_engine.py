@@ -9,7 +9,7 @@ import pytest
 
 from kvconn import KVCacheGroupSpec
 from kvconn.reference import Engine, EngineShape, RequestStatus
-from kvconn.testing import create_scheduler, memory_connector
+from kvconn.testing import create_scheduler, memory_connector, memory_store
 from kvconn.testing.conformance import DriverSpec
 
 MEMORY = f"{memory_connector.__name__}:MemoryConnector"
@@ -119,7 +119,7 @@ def test_failed_loads_are_recomputed_and_never_cached(load_async: bool) -> None:
 def test_external_loads_into_two_kv_cache_groups() -> None:
     expected, _ = run(kv_cache_groups=SWA_GROUPS, enable_prefix_caching=False)
     for load_async in (False, True):
-        memory_connector.STORE.clear()
+        memory_store.clear()
         outputs, engine = run(
             MEMORY, {"load_async": load_async}, sequential=True, kv_cache_groups=SWA_GROUPS, enable_prefix_caching=False
         )

@@ -20,7 +20,7 @@ from kvconn import (
 )
 from kvconn.host import MONITORED_CALLS, CallOutcome
 from kvconn.reference import Engine, Request
-from kvconn.testing import create_requests, memory_connector
+from kvconn.testing import create_requests, hook_reference, memory_connector
 
 
 class Named(KVConnectorMetadata):
@@ -263,7 +263,7 @@ def test_hook_arguments_are_validated_against_the_specs() -> None:
         ConnectorHost({"typo": Typo(role="worker")}, role="worker")
 
 
-class FlakyMemory(memory_connector.MemoryConnector):
+class FlakyMemory(hook_reference.HookReferenceConnector):
     down = False
 
     def build_connector_meta(self, scheduler_output: Any, block_state: Any) -> Any:

@@ -19,13 +19,13 @@ from kvconn.introspection import (
     implemented_hooks,
 )
 from kvconn.store.scheduler import StoreScheduler
-from kvconn.testing.memory_connector import MemoryConnector
+from kvconn.testing.hook_reference import HookReferenceConnector
 from kvconn.testing.memory_store import MemoryStoreConfig, MemoryStoreConnector
 
 STORE = "kvconn.testing.memory_store:MemoryStoreConnector"
 
 
-class SchedulerOnly(MemoryConnector):
+class SchedulerOnly(HookReferenceConnector):
     roles = frozenset({KVConnectorRole.SCHEDULER})
 
 
@@ -35,14 +35,14 @@ def test_the_shipped_connectors_are_declared_in_the_entry_point_group() -> None:
 
 
 def test_roles_are_both_unless_the_class_narrows_them() -> None:
-    assert connector_roles(MemoryConnector) == {KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER}
+    assert connector_roles(HookReferenceConnector) == {KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER}
     assert connector_roles(SchedulerOnly) == {KVConnectorRole.SCHEDULER}
 
 
 def test_a_side_is_a_class_a_path_left_unimported_or_none() -> None:
     assert declared_side(MemoryStoreConnector, KVConnectorRole.SCHEDULER.value) is StoreScheduler
     assert declared_side(MemoryStoreConnector, KVConnectorRole.WORKER.value) == "kvconn.store.worker:StoreWorker"
-    assert declared_side(MemoryConnector, KVConnectorRole.WORKER.value) is None
+    assert declared_side(HookReferenceConnector, KVConnectorRole.WORKER.value) is None
     # Reading a path imports nothing: the store's worker side (torch) stays out of a tool's process.
     probe = subprocess.run(
         [

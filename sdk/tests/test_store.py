@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from kvconn import CachedRequestData, KVCacheGroupSpec, SaveCursor, SchedulerOutput, loadable_hit
 from kvconn.reference import Engine
-from kvconn.store import HEADER_BYTES, BlockStore, Integrity
+from kvconn.store import HEADER_BYTES, BlockStore, Integrity, StoreGuard, StoreScheduler, StoreUnavailable
 from kvconn.testing import memory_store, run_conformance
 from kvconn.testing.store_conformance import StoreConformance
 
@@ -202,3 +203,70 @@ def test_a_store_that_comes_back_is_used_again(baseline: list[list[int]]) -> Non
         assert engine.generate([first], max_tokens=12)[0] == baseline[0]  # saved now
         assert engine.generate([again], max_tokens=12)[0] == baseline[1]
         assert engine.stats.prompt_tokens_loaded > 0
+
+
+class MetadataLost(StoreScheduler):
+    """A scheduler side whose ``build_connector_meta`` raises while ``down`` (its metadata never goes out)."""
+
+    down = False
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput, block_state: Any) -> Any:
+        if MetadataLost.down:
+            raise RuntimeError("metadata lost")
+        return super().build_connector_meta(scheduler_output, block_state)
+
+
+class MetadataLostConnector(memory_store.MemoryStoreConnector):
+    scheduler_side = MetadataLost
+
+
+def test_saves_of_a_finished_request_that_never_went_out_are_never_sent_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host releases a held request's blocks after its stall bound and hands them to the next request:
+    sending the old request's saves then would store the new request's KV under the old request's keys."""
+    first, other = prompts(2)
+    other = [t + 1 for t in other]  # no prefix in common with ``first``
+    with Engine(enable_prefix_caching=False) as plain:
+        expected = plain.generate([first], max_tokens=4)[0]
+    path = f"{__name__}:MetadataLostConnector"
+    with Engine(path, num_blocks=16, enable_prefix_caching=False, stall_steps=4) as engine:
+        monkeypatch.setattr(MetadataLost, "down", True)
+        assert engine.generate([first], max_tokens=4)[0] == expected  # held, then released by the host
+        connector = engine.scheduler_host.connectors[path]  # type: ignore[union-attr]
+        assert connector.side.get_num_tracked_requests() == 0
+        monkeypatch.setattr(MetadataLost, "down", False)
+        engine.generate([other], max_tokens=4)  # in the blocks ``first`` held
+        saved = engine.stats.blocks_saved
+        assert saved == len(other) // 16  # its own blocks only
+        assert engine.generate([first], max_tokens=4)[0] == expected
+        assert engine.stats.prompt_tokens_loaded == 0  # nothing was stored under first's keys
+
+
+def test_an_in_process_store_is_called_on_the_callers_thread_and_a_raise_still_turns_it_off() -> None:
+    name = "inline-guard"
+    guard = StoreGuard(
+        name, lambda: memory_store.MemoryStore(name), timeout_s=0.5, retry_interval_s=0.01, max_backoff_s=0.02,
+        inline=True,
+    )  # fmt: skip
+    callers: list[int] = []
+
+    def contains(store: BlockStore) -> list[bool]:
+        callers.append(threading.get_ident())
+        return list(store.contains([b"k"]))
+
+    assert guard.call("contains", contains) == [False]
+    assert guard.submit("contains", contains).result(timeout=0) == [False]  # done before it returns
+    assert callers == [threading.get_ident()] * 2
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(f"kvconn-store-{name}")]
+    memory_store.faults(name).down = True
+    with pytest.raises(StoreUnavailable):
+        guard.call("contains", contains)
+    assert not guard.available and guard.trips == 1
+    with pytest.raises(StoreUnavailable):  # off: not called at all
+        guard.call("contains", contains)
+    assert len(callers) == 3
+    memory_store.faults(name).down = False
+    deadline = time.monotonic() + 30
+    while not guard.available and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert guard.available, "the probe never turned the store on again"
+    guard.close()

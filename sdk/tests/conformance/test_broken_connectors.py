@@ -1,8 +1,9 @@
 """The suite catches each bug class: every deliberately broken connector fails the check meant for it.
 
 The broken connectors live in ``fixtures/kvconn_conformance_fixtures/broken.py``;
-each changes one thing in a correct connector. A correct saver/loader
-(``kvconn.testing.memory_connector.MemoryConnector``) and the shipped dummy plugin pass everything.
+each changes one thing in a correct connector, the hook-level reference
+(``kvconn.testing.hook_reference.HookReferenceConnector``). It, the store connector over an in-memory
+store (``kvconn.testing.memory_connector.MemoryConnector``) and the shipped dummy plugin pass everything.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ BROKEN_FILE = inspect.getsourcefile(broken)
 INDEXES_LIVE_BLOCKS_LINE = inspect.getsourcelines(broken.IndexesLiveBlocks.transfers)[1] + 5
 _COUNT = itertools.count()
 STORE = "kvconn.testing.memory_connector:MemoryConnector"
+HOOK_REFERENCE = "kvconn.testing.hook_reference:HookReferenceConnector"
 
 
 def _failed(report: ConnectorReport) -> dict[str, str]:
@@ -107,14 +109,14 @@ def test_broken_connector_fails_its_check(connector: str, check_id: str, observe
     ("connector", "observed", "fix"),
     [
         ("MisspeltSaveOverride", "MisspeltSaveOverride.save_kv_layers is not a hook and is never called: it "
-         "misspells save_kv_layer, so the MemoryConnector.save_kv_layer it inherits keeps running in its place",
+         "misspells save_kv_layer, so the HookReferenceConnector.save_kv_layer it inherits keeps running in its place",
          "rename MisspeltSaveOverride.save_kv_layers to save_kv_layer so that it overrides "
-         "MemoryConnector.save_kv_layer"),
+         "HookReferenceConnector.save_kv_layer"),
         ("MisspeltFinishOverride", "MisspeltFinishOverride.request_finish is not a hook and is never called: it "
-         "misspells request_finished, so the MemoryConnector.request_finished it inherits keeps running",
+         "misspells request_finished, so the HookReferenceConnector.request_finished it inherits keeps running",
          "rename MisspeltFinishOverride.request_finish to request_finished"),
         ("DisabledInheritedHook", "DisabledInheritedHook.get_block_ids_with_load_errors = None is not callable: "
-         "the MemoryConnector.get_block_ids_with_load_errors it inherits is never called",
+         "the HookReferenceConnector.get_block_ids_with_load_errors it inherits is never called",
          "define get_block_ids_with_load_errors as a method, or delete the assignment in DisabledInheritedHook"),
     ],
 )  # fmt: skip
@@ -268,8 +270,9 @@ def test_required_config_without_one_fails_config_defaults_and_skips_the_rest() 
     assert report.failed == 1 and report.skipped == len(list_checks()) - 1
 
 
-def test_correct_saver_and_loader_passes_everything() -> None:
-    report = run_conformance(STORE, config_factory=_fresh_namespaces())
+@pytest.mark.parametrize("connector", [STORE, HOOK_REFERENCE])
+def test_correct_saver_and_loader_passes_everything(connector: str) -> None:
+    report = run_conformance(connector, config_factory=_fresh_namespaces())
     assert report.ok, report.to_dict()
     assert report.skipped == 0 and report.passed == len(list_checks())
 

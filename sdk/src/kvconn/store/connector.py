@@ -42,6 +42,11 @@ class StoreConnector(KVConnector):
     api_version = "1.0"
     scheduler_side = StoreScheduler
     worker_side = "kvconn.store.worker:StoreWorker"  # imports torch: only where a worker is built
+    #: ``True`` only for a store in this process whose calls never wait (no I/O, no lock held while
+    #: waiting, e.g. a dict): it is then called on the engine's thread, with no hand-off to the store
+    #: thread and no deadline. A store that can hang (a server, a file system) must leave it ``False``:
+    #: the deadline is what bounds a hang.
+    in_process_store: ClassVar[bool] = False
     config: StoreConfig
     side: StoreSide
 
@@ -49,7 +54,7 @@ class StoreConnector(KVConnector):
         super().__init__(config, **kwargs)
         if not isinstance(self.config, StoreConfig):
             raise TypeError(f"{type(self).__qualname__}.Config must subclass kvconn.store.StoreConfig")
-        self.side.attach(type(self).__name__, self.open_store)
+        self.side.attach(type(self).__name__, self.open_store, inline=self.in_process_store)
 
     def open_store(self) -> BlockStore:
         """The store this connector uses, from ``self.config`` and ``self.context``.

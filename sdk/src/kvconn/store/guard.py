@@ -9,6 +9,12 @@ from ``retry_interval_s`` up to ``max_backoff_s``, gets a timely answer. The
 store is opened on a worker thread too (in the background when the guard is
 built, else by the first call), so a store that cannot be reached at start-up
 is the same "down" case, retried in the background.
+
+A store declared in-process (``inline``: its calls do no I/O and never wait,
+:attr:`kvconn.store.StoreConnector.in_process_store`) is called on the
+caller's thread instead: no hand-off, which costs a thread switch per call
+(milliseconds on a loaded machine), and no deadline, which such a store never
+needs. A call that raises still trips it.
 """
 
 from __future__ import annotations
@@ -46,8 +52,11 @@ class StoreGuard:
         retry_interval_s: float,
         max_backoff_s: float,
         threads: int = 4,
+        inline: bool = False,
     ) -> None:
         self.name = name
+        #: calls run on the caller's thread, without a deadline (a store that never waits)
+        self.inline = inline
         self.timeout_s = timeout_s
         self.retry_interval_s = retry_interval_s
         self.max_backoff_s = max_backoff_s
@@ -61,9 +70,13 @@ class StoreGuard:
         self.trips = 0
         # Start a pool thread and open the store now, so that the first step pays for neither; the open runs
         # on a daemon thread (a side that never calls its store must not wait for it at exit), and a store
-        # that cannot be opened yet is opened by the first call that needs it, as before.
-        self._pool.submit(lambda: None)
-        threading.Thread(target=self._open_early, name=f"kvconn-store-{name}-open", daemon=True).start()
+        # that cannot be opened yet is opened by the first call that needs it, as before. Inline: opened here
+        # (an in-process store opens at once), no thread (only a probe uses the pool).
+        if inline:
+            self._open_early()
+        else:
+            self._pool.submit(lambda: None)
+            threading.Thread(target=self._open_early, name=f"kvconn-store-{name}-open", daemon=True).start()
 
     @property
     def available(self) -> bool:
@@ -75,6 +88,8 @@ class StoreGuard:
         return self._store
 
     def _store_now(self) -> BlockStore:
+        if self._store is not None:  # open: no lock (close() may race a call either way)
+            return self._store
         with self._lock:
             if self._store is None:
                 if self._closed.is_set():  # never open a store that close() would not see
@@ -89,10 +104,17 @@ class StoreGuard:
             return
 
     def submit(self, what: str, fn: Callable[[BlockStore], T]) -> Future[T]:
-        """Run ``fn(store)`` on a worker thread; :class:`StoreUnavailable` at once when tripped."""
+        """Run ``fn(store)`` on a worker thread (inline: now); :class:`StoreUnavailable` at once when tripped."""
         if not self.available:
             raise StoreUnavailable(f"{self.name} store is off")
-        return self._pool.submit(lambda: fn(self._store_now()))
+        if not self.inline:
+            return self._pool.submit(lambda: fn(self._store_now()))
+        future: Future[T] = Future()
+        try:
+            future.set_result(fn(self._store_now()))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
 
     def result(self, what: str, future: Future[T], timeout: float | None = None) -> T:
         """``future``'s result within the deadline; trips and raises :class:`StoreUnavailable` otherwise."""
@@ -106,7 +128,15 @@ class StoreGuard:
 
     def call(self, what: str, fn: Callable[[BlockStore], T]) -> T:
         """``fn(store)`` within the deadline; :class:`StoreUnavailable` when tripped, late or raising."""
-        return self.result(what, self.submit(what, fn))
+        if not self.inline:
+            return self.result(what, self.submit(what, fn))
+        if not self.available:
+            raise StoreUnavailable(f"{self.name} store is off")
+        try:
+            return fn(self._store_now())
+        except Exception as exc:
+            self.trip(f"{what} raised {type(exc).__name__}: {exc}")
+            raise StoreUnavailable(f"{self.name} store: {what} failed") from exc
 
     def trip(self, why: str) -> None:
         """Turn the store off and start probing it in the background (once per trip)."""

@@ -14,6 +14,7 @@ values, at tens of GB/s, so it costs little next to moving the bytes).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import struct
@@ -52,7 +53,7 @@ class Integrity:
         self._key = secret.encode() if secret is not None else None
         self._flags = _FLAG_MAC if secret is not None else 0
 
-    def _tag(self, head: bytes, payload: Sequence[memoryview]) -> bytes:
+    def _tag(self, head: bytes | memoryview, payload: Sequence[memoryview]) -> bytes:
         mac: Any = (
             xxhash.xxh3_128(head) if self._key is None else hashlib.blake2b(head, key=self._key, digest_size=_TAG)
         )
@@ -86,9 +87,10 @@ class Integrity:
             return "other_key"
         if value_layout != layout:
             return "other_layout"
-        tag = self._tag(bytes(header[: _HEAD.size]), payload)
+        tag = self._tag(header[: _HEAD.size], payload)
         return None if hmac.compare_digest(header[_HEAD.size : _HEAD.size + _TAG], tag) else "checksum"
 
 
+@functools.lru_cache(maxsize=4096)  # a hit prefix's keys are sealed once and verified on every load
 def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()[:16]

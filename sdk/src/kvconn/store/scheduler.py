@@ -49,6 +49,7 @@ class StoreScheduler(StoreSide):
         #: block hash -> step until which it is not offered, in that order (the first cools down first)
         self._cooling: dict[bytes, int] = {}
         self._final: dict[str, list[StoreBlock]] = {}  # finished, saves not sent yet
+        self._unsent: set[str] = set()  # in _final at the last report: no build_connector_meta ran since
         self._sending: set[str] = set()  # finished, saves sent, not reported landed yet
         self._step = 0
 
@@ -149,6 +150,8 @@ class StoreScheduler(StoreSide):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._loading:
             self._loads_reported(connector_output)
+        if self._final:
+            self._drop_unsent()
         cooling = self._cooling
         if cooling and next(iter(cooling.values())) <= self._step:  # the first to cool down is the first in it
             self._cooling = {h: u for h, u in cooling.items() if u > self._step}
@@ -156,6 +159,18 @@ class StoreScheduler(StoreSide):
             self._sending.clear()  # the host releases what a failed worker side held
         elif self._sending:
             self._sending -= connector_output.finished_sending
+
+    def _drop_unsent(self) -> None:
+        """Give up the saves of finished requests that a whole step did not send (its metadata failed).
+
+        The host releases their blocks after its stall bound (and may hand them
+        to another request), so sending them later could save another
+        request's KV under these keys; forgetting them costs only the saves.
+        """
+        why = "saves of finished requests never went out (build_connector_meta failed): not saved"
+        for req_id in self._unsent & self._final.keys():
+            self.stats.degraded("save_failed_unsent", len(self._final.pop(req_id)), why)
+        self._unsent = set(self._final)
 
     def _loads_reported(self, connector_output: KVConnectorOutput) -> None:
         """Cool down the blocks whose load failed; forget the loads that ended."""

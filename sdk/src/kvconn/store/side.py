@@ -27,12 +27,15 @@ class StoreSide:
         #: the store behind its deadlines, set by :meth:`attach`
         self.guard: StoreGuard
 
-    def attach(self, name: str, open_store: Callable[[], BlockStore]) -> None:
-        """Use the store ``open_store`` opens (lazily, on the guard's thread), logging as ``name``."""
+    def attach(self, name: str, open_store: Callable[[], BlockStore], *, inline: bool = False) -> None:
+        """Use the store ``open_store`` opens (lazily, on the guard's thread), logging as ``name``.
+
+        ``inline``: call it on the caller's thread, without deadlines (see :class:`StoreGuard`).
+        """
         self.stats.name = f"{name} connector"
         self.guard = StoreGuard(name, open_store, timeout_s=self.config.timeout_s,
                                 retry_interval_s=self.config.retry_interval_s,
-                                max_backoff_s=self.config.max_backoff_s)  # fmt: skip
+                                max_backoff_s=self.config.max_backoff_s, inline=inline)  # fmt: skip
 
     def shutdown(self) -> None:
         self.guard.close()

@@ -86,6 +86,7 @@ class StoreWorker(StoreSide):
         self._errors: set[int] = set()
         self._recving: set[str] = set()
         self._buffers = StagingBuffers()
+        self._judged: tuple[BlockStore | None, bool] = (None, False)  # the store, and whether it is a PartsStore
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         layouts = []
@@ -160,8 +161,9 @@ class StoreWorker(StoreSide):
             return
         keys = [key for group in load.groups for key in group.keys]
         views = [
-            memoryview(group.staging)[i * group.stride : (i + 1) * group.stride]
+            view[i * stride : (i + 1) * stride]
             for group in load.groups
+            for view, stride in [(memoryview(group.staging), group.stride)]
             for i in range(len(group.keys))
         ]
         lengths = list(store.get(keys, views))
@@ -254,7 +256,7 @@ class StoreWorker(StoreSide):
         by_group: dict[int, dict[bytes, int]] = {}
         for b in blocks:
             by_group.setdefault(b.group, {}).setdefault(b.block_hash, b.block_id)  # a prefix computed twice: once
-        if isinstance(self.guard.store, PartsStore) and all(self._layouts[g].in_place for g in by_group):
+        if self._parts_store() and all(self._layouts[g].in_place for g in by_group):
             self._save_in_place(by_group)
             return
         keys: list[bytes] = []
@@ -275,6 +277,16 @@ class StoreWorker(StoreSide):
         sizes = [len(v) - HEADER_BYTES for v in values]
         if self._put(lambda store: store.put(keys, values), sizes):
             self._buffers.give(buffers)  # else dropped: a late put may still be reading them
+
+    def _parts_store(self) -> bool:
+        """Whether the store is a :class:`~kvconn.store.PartsStore`, judged once per store opened.
+
+        A protocol ``isinstance`` walks the protocol's attributes on every call: too slow for every step.
+        """
+        store = self.guard.store
+        if store is not self._judged[0]:
+            self._judged = (store, isinstance(store, PartsStore))
+        return self._judged[1]
 
     def _save_in_place(self, by_group: Mapping[int, Mapping[bytes, int]]) -> None:
         """Save straight from the KV caches: per value, its header, then the block's row in each layer.

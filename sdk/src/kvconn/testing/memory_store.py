@@ -5,7 +5,7 @@ name in the process (so a scheduler side sees what its worker saved), with an
 optional capacity (oldest values evicted first). :func:`faults` gives the
 switches a test flips: ``down`` (every call raises ``ConnectionError``),
 ``stall`` (every call blocks until it is cleared), ``corrupt`` (values read
-back with a flipped byte). ``MemoryStoreConnector`` is the store connector
+back with a flipped byte; ``damaged``: those of the keys it holds). ``MemoryStoreConnector`` is the store connector
 over it: ``"kvconn.testing.memory_store:MemoryStoreConnector"``.
 """
 
@@ -31,6 +31,8 @@ class StoreFaults:
 
     down: bool = False
     corrupt: bool = False
+    #: keys whose values are read back damaged, as ``corrupt`` damages every value
+    damaged: set[bytes] = field(default_factory=set)
     #: set: calls proceed; cleared: every call blocks until it is set again
     running: threading.Event = field(default_factory=threading.Event)
 
@@ -60,7 +62,8 @@ class MemoryStore:
         self._faults = faults(name)
 
     def _enter(self) -> None:
-        self._faults.running.wait()
+        if not self._faults.running.is_set():  # is_set takes no lock: most calls never wait
+            self._faults.running.wait()
         if self._faults.down:
             raise ConnectionError(f"memory store {self.name!r} is down (injected)")
 
@@ -90,7 +93,7 @@ class MemoryStore:
                     continue
                 n = min(len(value), len(buffer))
                 buffer[:n] = value[:n]
-                if self._faults.corrupt and n:
+                if (self._faults.corrupt or key in self._faults.damaged) and n:
                     buffer[n - 1] ^= 0xFF
                 lengths.append(len(value))
         return lengths
