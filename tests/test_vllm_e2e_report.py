@@ -64,3 +64,11 @@ def test_report_rows_match_the_columns_and_targets_follow_the_figures(tmp_path: 
     out = tmp_path / "e2e.json"
     bench.finish(argparse.Namespace(quick=True, json=out))
     assert json.loads(out.read_text())["rows"][0][0] == "none"
+
+
+def test_the_gpu_form_without_a_cuda_vllm_cannot_run_and_says_what_it_needs(capsys: Any) -> None:
+    """``--device cuda`` (scripts/gpu-check.sh) in an interpreter without a CUDA vLLM: exit 2, and why."""
+    e2e = _module()
+    assert e2e.main(["--device", "cuda", "--python", sys.executable, "--quick"]) == e2e.CANNOT_RUN
+    err = capsys.readouterr().err
+    assert "has no CUDA vLLM engine" in err and "a CUDA build of vLLM" in err
