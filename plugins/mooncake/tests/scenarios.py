@@ -339,9 +339,10 @@ def late_master(config: Config, workdir: str, horizon_s: float = 20.0) -> None:
     """An engine started before its master: how soon after the master comes up its first block is saved.
 
     Protocol with the test: prints ``STARTED`` once the engine runs with the store off, and steps (a fresh
-    prompt each time) until ``workdir/up`` appears (the master is up); then until a block is saved or
-    ``horizon_s`` passes. Prints ``SAVED {json}``: ``first_save_s`` (seconds from seeing ``up`` to the first
-    save; ``None`` past the horizon), ``saved_before_up``, whether every output was exact.
+    prompt each time) until ``workdir/up`` appears (the test is starting the master); then until a block is
+    saved or ``horizon_s`` passes. Prints ``SAVED {json}``: ``first_save_s`` (seconds from seeing ``up`` to the
+    first save; ``None`` past the horizon), ``saved_before_up`` (saves while the master was down: must be 0),
+    whether every output was exact.
     """
     config = {**config, "setup_timeout_s": 60.0, "retry_interval_s": 1.0}
     up_flag = os.path.join(workdir, "up")
