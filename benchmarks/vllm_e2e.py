@@ -680,7 +680,7 @@ def plot(chat: dict[str, dict[str, Any]], path: Path, title: str) -> None:
         ys = s["ttft_by_turn_s"]
         ax.plot(range(1, len(ys) + 1), ys, linestyle=styles[i % 5], marker=markers[i % 5], label=name, markersize=7)
     ax.set_yscale("log")
-    ax.set_xlabel("turn of the conversation (turn 1: system prompt + document; later turns: history evicted)")
+    ax.set_xlabel("turn of the conversation (1: system prompt + document; later: history evicted)")
     ax.set_ylabel("time to first token, s (median, log)")
     ax.set_xticks(range(1, len(next(iter(chat.values()))["ttft_by_turn_s"]) + 1))
     ax.set_title(textwrap.fill(title, 90), fontsize=8)
