@@ -86,7 +86,8 @@ class StoreWorker(StoreSide):
         self._errors: set[int] = set()
         self._recving: set[str] = set()
         self._buffers = StagingBuffers()
-        self._judged: tuple[BlockStore | None, bool] = (None, False)  # the store, and whether it is a PartsStore
+        #: the store last judged, and whether it is a PartsStore and a ScatterStore (see :meth:`_judge`)
+        self._judged: tuple[BlockStore | None, bool, bool] = (None, False, False)
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         layouts = []
@@ -150,7 +151,7 @@ class StoreWorker(StoreSide):
 
     def _in_place(self, groups: Sequence[_GroupLoad]) -> bool:
         """Whether a load can read straight into its blocks: a ScatterStore, host KV caches, one block per key."""
-        return isinstance(self.guard.store, ScatterStore) and all(
+        return self._judge()[2] and all(
             group.layout.in_place and len(group.targets) == len(group.keys) for group in groups
         )
 
@@ -256,7 +257,7 @@ class StoreWorker(StoreSide):
         by_group: dict[int, dict[bytes, int]] = {}
         for b in blocks:
             by_group.setdefault(b.group, {}).setdefault(b.block_hash, b.block_id)  # a prefix computed twice: once
-        if self._parts_store() and all(self._layouts[g].in_place for g in by_group):
+        if self._judge()[1] and all(self._layouts[g].in_place for g in by_group):
             self._save_in_place(by_group)
             return
         keys: list[bytes] = []
@@ -278,15 +279,16 @@ class StoreWorker(StoreSide):
         if self._put(lambda store: store.put(keys, values), sizes):
             self._buffers.give(buffers)  # else dropped: a late put may still be reading them
 
-    def _parts_store(self) -> bool:
-        """Whether the store is a :class:`~kvconn.store.PartsStore`, judged once per store opened.
+    def _judge(self) -> tuple[BlockStore | None, bool, bool]:
+        """The store, whether it is a :class:`~kvconn.store.PartsStore` and a :class:`~kvconn.store.ScatterStore`.
 
-        A protocol ``isinstance`` walks the protocol's attributes on every call: too slow for every step.
+        Judged once per store opened: a protocol ``isinstance`` walks the protocol's attributes on every call,
+        too slow for every step.
         """
         store = self.guard.store
         if store is not self._judged[0]:
-            self._judged = (store, isinstance(store, PartsStore))
-        return self._judged[1]
+            self._judged = (store, isinstance(store, PartsStore), isinstance(store, ScatterStore))
+        return self._judged
 
     def _save_in_place(self, by_group: Mapping[int, Mapping[bytes, int]]) -> None:
         """Save straight from the KV caches: per value, its header, then the block's row in each layer.
