@@ -137,6 +137,12 @@ def test_the_integrity_header_names_what_is_wrong() -> None:
     assert seal.verify(b"other", b"L" * 8, memoryview(value)) == "other_key"
     assert seal.verify(b"k", b"M" * 8, memoryview(value)) == "other_layout"
     assert Integrity("s" * 16).verify(b"k", b"L" * 8, memoryview(value)) == "unsigned"
+    signed = bytearray(Integrity("s" * 16).seal(b"k", b"L" * 8, payload) + payload)
+    assert seal.verify(b"k", b"L" * 8, memoryview(signed)) == "signed"
+    assert seal.verify(b"k", b"L" * 8, memoryview(value[:-1])) == "short"
+    reserved = bytearray(value)
+    reserved[6] = 1  # the reserved field, which kvconn never sets
+    assert seal.verify(b"k", b"L" * 8, memoryview(reserved)) == "foreign"
     value[-1] ^= 1
     assert seal.verify(b"k", b"L" * 8, memoryview(value)) == "checksum"
     assert seal.verify(b"k", b"L" * 8, memoryview(b"nonsense" * 10)) == "foreign"

@@ -64,8 +64,7 @@ class Integrity:
     def seal(self, key: bytes, layout: bytes, payload: memoryview | Sequence[memoryview]) -> bytes:
         """The header of the value ``key`` stores, ``payload`` (one view, or parts in order) following it."""
         parts = [payload] if isinstance(payload, memoryview) else payload
-        length = sum(part.nbytes for part in parts)
-        head = _HEAD.pack(_MAGIC, _VERSION, self._flags, 0, length, _digest(key), layout)
+        head = _head(self._flags, sum([part.nbytes for part in parts]), key, layout)
         return head + self._tag(head, parts) + _PAD
 
     def verify(self, key: bytes, layout: bytes, value: memoryview) -> str | None:
@@ -75,22 +74,34 @@ class Integrity:
         return self.verify_parts(key, layout, value[:HEADER_BYTES], [value[HEADER_BYTES:]])
 
     def verify_parts(self, key: bytes, layout: bytes, header: memoryview, payload: Sequence[memoryview]) -> str | None:
-        """As :meth:`verify`, for a value read as its ``HEADER_BYTES`` header and its payload in parts, in order."""
-        magic, version, flags, _, length, key_digest, value_layout = _HEAD.unpack_from(header)
-        if magic != _MAGIC or version != _VERSION:
-            return "foreign"
-        if flags != self._flags:
-            return "unsigned" if self._flags else "signed"
-        if length != sum(part.nbytes for part in payload):
-            return "short"
-        if key_digest != _digest(key):
-            return "other_key"
-        if value_layout != layout:
-            return "other_layout"
-        tag = self._tag(header[: _HEAD.size], payload)
+        """As :meth:`verify`, for a value read as its ``HEADER_BYTES`` header and its payload in parts, in order.
+
+        A value sealed for this key, layout and length starts with the very head :meth:`seal` wrote: one
+        comparison with it settles every field; only a value that differs is taken apart to say why.
+        """
+        head = _head(self._flags, sum([part.nbytes for part in payload]), key, layout)
+        if header[: _HEAD.size] != head:
+            return self._mismatch(head, header)
+        tag = self._tag(head, payload)
         return None if hmac.compare_digest(header[_HEAD.size : _HEAD.size + _TAG], tag) else "checksum"
+
+    @staticmethod
+    def _mismatch(expected: bytes, header: memoryview) -> str:
+        """Why a head differs from the one expected: the first field, in order, that does."""
+        magic, version, flags, _, length, key_digest, layout = _HEAD.unpack_from(header)
+        want = _HEAD.unpack(expected)
+        if (magic, version) != want[:2]:
+            return "foreign"
+        if flags != want[2]:
+            return "unsigned" if want[2] else "signed"
+        if length != want[4]:
+            return "short"
+        if key_digest != want[5]:
+            return "other_key"
+        return "other_layout" if layout != want[6] else "foreign"  # else a reserved field kvconn never sets
 
 
 @functools.lru_cache(maxsize=4096)  # a hit prefix's keys are sealed once and verified on every load
-def _digest(key: bytes) -> bytes:
-    return hashlib.sha256(key).digest()[:16]
+def _head(flags: int, length: int, key: bytes, layout: bytes) -> bytes:
+    """The head of a value sealed for ``key`` (its tag follows): the same bytes for every value of that key."""
+    return _HEAD.pack(_MAGIC, _VERSION, flags, 0, length, hashlib.sha256(key).digest()[:16], layout)

@@ -10,6 +10,8 @@ public id: engines that differ in any of them never read each other's values.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ..context import ConnectorContext
 from ..hashing import context_namespace
 
@@ -30,3 +32,8 @@ class BlockKeys:
 
     def key(self, group: int, block_hash: bytes) -> bytes:
         return self.prefixes[group] + block_hash
+
+    def keys(self, group: int, block_hashes: Iterable[bytes]) -> list[bytes]:
+        """:meth:`key` of each hash, in order (one call a batch)."""
+        prefix = self.prefixes[group]
+        return [prefix + block_hash for block_hash in block_hashes]

@@ -44,6 +44,8 @@ class GroupLayout:
             t.view(t.shape[0], -1).view(torch.uint8).numpy() if t.device.type == "cpu" and t.is_contiguous() else None
             for t in tensors
         ]
+        #: the same, flat, for views of one block without numpy's indexing (see :meth:`parts`)
+        self._flat = [memoryview(rows).cast("B") for rows in self._rows if rows is not None]
 
     def _columns(self, rows: Any) -> Iterator[tuple[Any, Any, Any]]:
         """Per layer: its tensor, its byte rows (or ``None``), and its columns of the values ``rows``."""
@@ -72,7 +74,9 @@ class GroupLayout:
 
     def parts(self, block_id: int) -> list[memoryview]:
         """Block ``block_id``'s bytes in each layer, as views of the KV caches (only when :attr:`in_place`)."""
-        return [memoryview(rows[block_id]) for rows in self._rows if rows is not None]
+        return [
+            flat[block_id * size : (block_id + 1) * size] for flat, size in zip(self._flat, self.sizes, strict=True)
+        ]
 
     def scatter(self, block_ids: list[int], rows: Any) -> None:
         """Copy verified payload rows (uint8 numpy, one row per block, from ``HEADER_BYTES``) into ``block_ids``."""

@@ -98,14 +98,12 @@ class StoreWorker(StoreSide):
             layouts.append(GroupLayout(spec.layer_names, [kv_caches[name] for name in spec.layer_names]))
         self._layouts = layouts
 
-    def _addressable(self, blocks: Sequence[StoreBlock]) -> tuple[list[StoreBlock], list[StoreBlock]]:
+    def _addressable(self, blocks: Sequence[StoreBlock]) -> tuple[Sequence[StoreBlock], list[StoreBlock]]:
         """The blocks this worker can address, and the rest (never touch memory out of range)."""
-        ok: list[StoreBlock] = []
-        bad: list[StoreBlock] = []
-        for b in blocks:
-            fits = 0 <= b.group < len(self._layouts) and NULL_BLOCK_ID < b.block_id < self._layouts[b.group].num_blocks
-            (ok if fits else bad).append(b)
-        return ok, bad
+        ends = [layout.num_blocks for layout in self._layouts]
+        groups = len(ends)
+        bad = [b for b in blocks if not (0 <= b.group < groups and NULL_BLOCK_ID < b.block_id < ends[b.group])]
+        return (blocks, bad) if not bad else ([b for b in blocks if b not in bad], bad)
 
     # ------------------------------------------------------------------ loads
 
@@ -139,15 +137,15 @@ class StoreWorker(StoreSide):
 
     def _plan(self, blocks: Sequence[StoreBlock]) -> list[_GroupLoad]:
         """One staging slot per distinct key: requests sharing a prefix load it into blocks of their own."""
-        groups: dict[int, _GroupLoad] = {}
-        slots: dict[tuple[int, bytes], int] = {}
+        groups: dict[int, tuple[_GroupLoad, dict[bytes, int]]] = {}
         for b in blocks:
-            group = groups.setdefault(b.group, _GroupLoad(self._layouts[b.group]))
-            slot = slots.setdefault((b.group, b.block_hash), len(group.keys))
-            if slot == len(group.keys):
-                group.keys.append(self.keys.key(b.group, b.block_hash))
-            group.targets.append((slot, b.block_id))
-        return list(groups.values())
+            if b.group not in groups:
+                groups[b.group] = (_GroupLoad(self._layouts[b.group]), {})
+            group, slots = groups[b.group]
+            group.targets.append((slots.setdefault(b.block_hash, len(slots)), b.block_id))
+        for g, (group, slots) in groups.items():
+            group.keys = self.keys.keys(g, slots)
+        return [group for group, _ in groups.values()]
 
     def _in_place(self, groups: Sequence[_GroupLoad]) -> bool:
         """Whether a load can read straight into its blocks: a ScatterStore, host KV caches, one block per key."""
@@ -158,26 +156,37 @@ class StoreWorker(StoreSide):
     def _fetch(self, store: BlockStore, load: _Load) -> None:
         """Read every value (into staging, or in place) and verify it (on a store thread when async)."""
         if load.in_place:
-            self._fetch_in_place(store, load)
-            return
-        keys = [key for group in load.groups for key in group.keys]
-        views = [
-            view[i * stride : (i + 1) * stride]
-            for group in load.groups
-            for view, stride in [(memoryview(group.staging), group.stride)]
-            for i in range(len(group.keys))
-        ]
-        lengths = list(store.get(keys, views))
+            keys, parts = self._in_place_parts(load)
+            lengths = list(store.get_parts(keys, parts))  # type: ignore[attr-defined]
+            values: Sequence[tuple[memoryview, Sequence[memoryview]]] = [(p[0], p[1:]) for p in parts]
+        else:
+            keys = [key for group in load.groups for key in group.keys]
+            views = [
+                view[i * stride : (i + 1) * stride]
+                for group in load.groups
+                for view, stride in [(memoryview(group.staging), group.stride)]
+                for i in range(len(group.keys))
+            ]
+            lengths = list(store.get(keys, views))
+            values = [(view[:HEADER_BYTES], (view[HEADER_BYTES:],)) for view in views]
         if len(lengths) != len(keys):
-            raise ValueError(f"get returned {len(lengths)} answers for {len(keys)} keys")
-        answers = iter(zip(lengths, views, strict=True))
+            raise ValueError(f"the store returned {len(lengths)} answers for {len(keys)} keys")
+        answers = iter(zip(lengths, values, strict=True))
+        verify = self.integrity.verify_parts
         for group in load.groups:
+            stride, digest = group.stride, group.layout.digest
             for key in group.keys:
-                length, value = next(answers)
-                group.verdicts.append(self._verdict(group, key, length, value[:HEADER_BYTES], [value[HEADER_BYTES:]]))
+                length, (header, payload) = next(answers)
+                if length is None:
+                    group.verdicts.append("missing")
+                elif length != stride:
+                    group.verdicts.append("integrity_short")
+                else:
+                    reason = verify(key, digest, header, payload)
+                    group.verdicts.append(None if reason is None else f"integrity_{reason}")
 
-    def _fetch_in_place(self, store: BlockStore, load: _Load) -> None:
-        """Read each value as its header (into memory of its own) and its block's row in each layer, then verify."""
+    def _in_place_parts(self, load: _Load) -> tuple[list[bytes], list[list[memoryview]]]:
+        """Per value of an in-place load: its key, and its parts (a header of its own, its block's row per layer)."""
         headers = memoryview(bytearray(sum(len(group.keys) for group in load.groups) * HEADER_BYTES))
         keys: list[bytes] = []
         parts: list[list[memoryview]] = []
@@ -186,25 +195,7 @@ class StoreWorker(StoreSide):
                 keys.append(group.keys[slot])
                 parts.append([headers[len(parts) * HEADER_BYTES : (len(parts) + 1) * HEADER_BYTES]])
                 parts[-1] += group.layout.parts(block)
-        lengths = list(store.get_parts(keys, parts))  # type: ignore[attr-defined]
-        if len(lengths) != len(keys):
-            raise ValueError(f"get_parts returned {len(lengths)} answers for {len(keys)} keys")
-        answers = iter(zip(lengths, parts, strict=True))
-        for group in load.groups:
-            for key in group.keys:
-                length, (header, *payload) = next(answers)
-                group.verdicts.append(self._verdict(group, key, length, header, payload))
-
-    def _verdict(
-        self, group: _GroupLoad, key: bytes, length: int | None, header: memoryview, payload: Sequence[memoryview]
-    ) -> str | None:
-        """Why the value read for ``key`` (its header, its payload in parts) must not be loaded; ``None`` if it may."""
-        if length is None:
-            return "missing"
-        if length != group.stride:
-            return "integrity_short"
-        reason = self.integrity.verify_parts(key, group.layout.digest, header, payload)
-        return None if reason is None else f"integrity_{reason}"
+        return keys, parts
 
     def _land(self, load: _Load) -> None:
         """Copy the verified values of a fetched load into the KV caches (in place: there already); report the rest."""
