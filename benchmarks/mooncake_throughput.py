@@ -14,6 +14,9 @@ and re-runs itself inside it. Per round it moves the same bytes three ways:
 * raw batched: one ``batch_put_from`` / ``batch_get_into`` of contiguous values of
   the same size (issue 22's targets: the connector at >= 0.85 / >= 0.75 of these);
 * per block: one ``put_from`` / ``get_into`` call per block.
+* raw, hashed: the raw batched call with an XXH3-128 pass over every value
+  before the put / after the get, no kvconn code: what any design that checks
+  every byte once, one pass after the other, can reach on this machine.
 
 Each round uses fresh keys (puts never overwrite), runs the saves and then the
 loads in an order rotated every round (no row always follows the same one), checks
@@ -85,6 +88,7 @@ def inner(args: argparse.Namespace) -> dict[str, Any]:
     staging = torch.randint(0, 255, (n, value_bytes), dtype=torch.uint8)
     client.register_buffer(staging.data_ptr(), staging.numel())
     ptrs, sizes = [staging[i].data_ptr() for i in range(n)], [value_bytes] * n
+    rows = [memoryview(row) for row in staging.numpy()]
     times: dict[str, list[float]] = {}
     for r in range(args.rounds + 1):  # round 0 warms up (staging buffers, threads) and is not counted
         hashes = [f"plugin-{r}-{i}".encode().ljust(32, b".") for i in range(n)]
@@ -92,6 +96,7 @@ def inner(args: argparse.Namespace) -> dict[str, Any]:
         loads = StoreMetadata(loads=[StoreBlock("l", 0, 1 + n + i, h) for i, h in enumerate(hashes)], load_async=False)
         async_loads = StoreMetadata(loads=[StoreBlock("a", 0, 1 + 2 * n + i, h) for i, h in enumerate(hashes)])
         raw, single = [f"raw-{r}-{i}" for i in range(n)], [f"one-{r}-{i}" for i in range(n)]
+        hashed = [f"hashed-{r}-{i}" for i in range(n)]
 
         def plugin_save(meta: StoreMetadata = saves) -> None:
             worker.start_load_kv(meta)
@@ -103,6 +108,14 @@ def inner(args: argparse.Namespace) -> dict[str, Any]:
             while not worker.get_finished(set())[1]:  # an engine asks once a step; a tighter poll only steals the GIL
                 time.sleep(0.001)
 
+        def hashed_put(keys: list[str] = hashed) -> None:
+            _hash_each(rows)
+            client.batch_put_from(keys, ptrs, sizes)
+
+        def hashed_get(keys: list[str] = hashed) -> None:  # keys of its own: none read twice in a round
+            client.batch_get_into(keys, ptrs, sizes)
+            _hash_each(rows)
+
         def per_block(call: Callable[[str, int, int], int], keys: list[str] = single) -> None:
             for key, ptr in zip(keys, ptrs, strict=True):
                 call(key, ptr, value_bytes)
@@ -111,13 +124,15 @@ def inner(args: argparse.Namespace) -> dict[str, Any]:
             "save: store connector": plugin_save,
             "save: raw batch_put_from": partial(client.batch_put_from, raw, ptrs, sizes),
             "save: put_from per block": partial(per_block, client.put_from),
+            "save: raw hash, then batch_put_from (no kvconn)": hashed_put,
             "load: store connector, sync (staged)": partial(worker.start_load_kv, loads),
             "load: store connector, async (in place)": plugin_load_async,
             "load: raw batch_get_into": partial(client.batch_get_into, raw, ptrs, sizes),
             "load: get_into per block": partial(per_block, client.get_into),
+            "load: raw batch_get_into, then hash (no kvconn)": hashed_get,
         }
         labels = list(saves_and_loads)
-        for label in _rotated(labels[:3], r) + _rotated(labels[3:], r):
+        for label in _rotated(labels[:4], r) + _rotated(labels[4:], r):
             seconds = _timed(saves_and_loads[label])
             if r:
                 times.setdefault(label, []).append(seconds)
@@ -131,6 +146,14 @@ def inner(args: argparse.Namespace) -> dict[str, Any]:
         client.remove_all(True)
     worker.shutdown()
     return {"blocks": n, "value_bytes": value_bytes, "times": times}
+
+
+def _hash_each(values: list[memoryview]) -> None:
+    """XXH3-128 over each value: the pass an unkeyed integrity tag takes, with no kvconn code around it."""
+    import xxhash
+
+    for value in values:
+        xxhash.xxh3_128_digest(value)
 
 
 def _rotated(items: list[str], by: int) -> list[str]:

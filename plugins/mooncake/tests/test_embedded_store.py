@@ -82,3 +82,13 @@ def test_a_key_repeated_in_one_get_fails_after_the_first() -> None:
     a, b = torch.zeros(2, dtype=torch.uint8), torch.zeros(2, dtype=torch.uint8)
     codes = store.batch_get_into(["k", "k"], [a.data_ptr(), b.data_ptr()], [2, 2])
     assert codes == [2, INVALID_PARAMS] and a.tolist() == [5, 6]
+
+
+def test_put_parts_takes_read_only_parts_too() -> None:
+    """A read-only part (bytes) is copied for the call and kept alive through it; the value is the parts in order."""
+    store = MooncakeBlockStore.embedded(EmbeddedStore(1 << 20))
+    writable = memoryview(bytearray(b"abc" * 1000))
+    assert store.put_parts([b"k"], [[memoryview(b"header"), writable, memoryview(b"tail" * 500)]]) == [True]
+    out = bytearray(6 + 3000 + 2000)
+    assert store.get([b"k"], [memoryview(out)]) == [len(out)]
+    assert bytes(out) == b"header" + b"abc" * 1000 + b"tail" * 500
