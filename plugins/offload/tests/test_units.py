@@ -14,7 +14,7 @@ from kvconn.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from kvconn.reference.request import Request
 from kvconn_offload import BlockCopier, BlockTransfer, CopyPlan, OffloadManager, OffloadMetadata, wide_rows
 from kvconn_offload.copy import MAX_RUNS
-from kvconn_offload.scheduler import STORES_DONE_STAT
+from kvconn_offload.scheduler import LOADS_DONE_STAT, STORES_DONE_STAT
 
 
 @pytest.mark.parametrize(
@@ -126,6 +126,35 @@ def test_blocks_a_load_found_stale_are_no_longer_offered() -> None:
     assert sched.get_num_new_matched_tokens(Request("d", prompt, 4, 16), 0) == (32, True)  # still pinned by "c"
     sched.update_connector_output(KVConnectorOutput(finished_recving={"c"}))
     assert sched.get_num_new_matched_tokens(Request("d", prompt, 4, 16), 0) == (0, False)  # recomputed, saved again
+
+
+def test_sync_loads_end_when_the_worker_reports_their_number() -> None:
+    """A sync load's slots stay pinned until a report covers its batch (vLLM may build a step before the last report).
+
+    Its worker never names it in ``finished_recving`` (the host fails a connector reporting a sync load).
+    """
+    sched = load_connector("offload", role="scheduler", config={"pool_blocks": 8, "load_async": False}).side
+    prompt = list(range(100, 140))
+    writer = Request("a", prompt, 4, 16)
+    sched.update_state_after_alloc(writer, ([3, 5, 9],), 0)
+    sched.build_connector_meta(*_step(writer, 0, 40, ([3, 5, 9],)))
+    sched.update_connector_output(KVConnectorOutput(stats={STORES_DONE_STAT: 1}))
+    reader = Request("c", prompt, 4, 16)
+    assert sched.get_num_new_matched_tokens(reader, 0) == (32, False)
+    sched.update_state_after_alloc(reader, ([7, 8, 2],), 32)
+    meta = sched.build_connector_meta(*_step(reader, 32, 8, ([7, 8, 2],)))
+    assert meta.load_seq == 1 and meta.block_ids_by_request() == {"c": ([7, 8],)}
+    sched.update_connector_output(KVConnectorOutput())  # the report of an earlier step
+    assert sched.manager.get(reader.block_hashes[0]).pins == 1
+    sched.update_connector_output(KVConnectorOutput(stats={LOADS_DONE_STAT: 1}))
+    assert sched.manager.get(reader.block_hashes[0]).pins == 0
+
+    worker, kv = _worker_with_caches()
+    sync = OffloadMetadata(store_seq=1, stores=[_transfer("a", [1, 2], [0, 1])])
+    _worker_step(worker, sync)
+    assert _worker_step(worker, OffloadMetadata(loads=[_transfer("b", [5, 6], [0, 1])], load_seq=4)) == (set(), set())
+    assert worker.get_kv_connector_stats()[LOADS_DONE_STAT] == 4
+    assert all(torch.equal(t[5:7], t[1:3]) for t in kv.values())  # copied before the step's compute
 
 
 def _worker_with_caches() -> tuple[Any, dict[str, torch.Tensor]]:

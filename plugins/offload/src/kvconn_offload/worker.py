@@ -43,7 +43,7 @@ from kvconn import ConnectorConfigError, ConnectorContext
 from .config import OffloadConfig
 from .copy import BlockCopier, CopyPlan, wide_rows
 from .metadata import BlockTransfer, OffloadMetadata
-from .scheduler import POOL_SLOTS_STAT, STORES_DONE_STAT
+from .scheduler import LOADS_DONE_STAT, POOL_SLOTS_STAT, STORES_DONE_STAT
 
 __all__ = ["OffloadWorker", "check_pin_mode"]
 
@@ -89,6 +89,7 @@ class OffloadWorker:
         self._saved_layers: set[int] = set()  # layers this step's store job copied
         self._jobs: deque[tuple[int, dict[int, bytes], Any]] = deque()  # store jobs in flight: seq, tags, event
         self._done_seq = 0
+        self._loads_done = 0  # the highest sync load batch run
         self._last_store: dict[str, int] = {}
         self._finishing: set[str] = set()
         self._loads: list[_Load] = []
@@ -164,7 +165,7 @@ class OffloadWorker:
                 self._slot_keys.pop(slot, None)  # untrusted until the job completes
                 self._store_tags[slot] = key
         if metadata.loads:
-            self._start_loads(metadata.loads)
+            self._start_loads(metadata.loads, metadata.load_seq)
 
     def _plans(self, transfers: list[BlockTransfer]) -> list[CopyPlan | None]:
         """One plan per KV-cache group, over all the transfers (call it on the copy stream)."""
@@ -176,8 +177,12 @@ class OffloadWorker:
             plans.append(CopyPlan.build(dev, host, device) if dev else None)
         return plans
 
-    def _start_loads(self, transfers: list[BlockTransfer]) -> None:
-        """Copy every request's loaded blocks in one batch; each load completes with the batch's event."""
+    def _start_loads(self, transfers: list[BlockTransfer], sync_seq: int) -> None:
+        """Copy every request's loaded blocks in one batch; each load completes with the batch's event.
+
+        Sync loads (``sync_seq > 0``) are this step's: its compute waits for
+        the copies (on CPU they are already done), and they end with the step.
+        """
         assert self._copier is not None
         for transfer in transfers:
             self._drop_stale(transfer)
@@ -189,7 +194,12 @@ class OffloadWorker:
                     self._copier.load(layer, rows, plan)
             self._count("loaded", plans)
             event = self._record()
-        self._loads.extend(_Load(transfer.req_id, event) for transfer in transfers)
+        if not sync_seq:
+            self._loads.extend(_Load(transfer.req_id, event) for transfer in transfers)
+            return
+        if event is not None:
+            torch.cuda.current_stream(self._stream.device).wait_event(event)
+        self._loads_done = sync_seq
 
     def _drop_stale(self, transfer: BlockTransfer) -> None:
         """Remove the blocks of slots not holding their key (evicted, overwritten, never stored): load errors."""
@@ -266,6 +276,8 @@ class OffloadWorker:
     def get_kv_connector_stats(self) -> dict[str, float]:
         stats, self._stats = self._stats, {}
         stats[STORES_DONE_STAT] = self._done_seq
+        if self._loads_done:
+            stats[LOADS_DONE_STAT] = self._loads_done
         if self._report_slots and self._copier is not None:
             stats[POOL_SLOTS_STAT] = self.num_slots
             self._report_slots = False
