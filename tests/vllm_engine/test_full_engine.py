@@ -38,18 +38,20 @@ def test_the_workload_needs_a_connector_and_is_sensitive_to_kv(baseline: dict[st
 
 
 @pytest.mark.parametrize(
-    ("connector", "short_name"),
+    ("connector", "short_name", "config"),
     [
-        pytest.param(["offload", CONTRACT], False, id="offload"),
-        pytest.param("offload", True, id="offload-by-vllm-short-name"),
-        pytest.param(["dummy", "mooncake", CONTRACT], False, id="dummy+mooncake-embedded"),
+        pytest.param(["offload", CONTRACT], False, None, id="offload"),
+        pytest.param("offload", True, None, id="offload-by-vllm-short-name"),
+        pytest.param("offload", False, {"load_async": False}, id="offload-sync-loads"),
+        pytest.param(["dummy", "mooncake", CONTRACT], False, None, id="dummy+mooncake-embedded"),
     ],
 )
 def test_in_process_engine_is_exact_and_loads(
-    tiny_model: str, baseline: dict[str, Any], run_engine: Any, connector: Any, short_name: bool
+    tiny_model: str, baseline: dict[str, Any], run_engine: Any, connector: Any, short_name: bool, config: Any
 ) -> None:
     """vLLM with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler and worker in one process."""
-    result = run_engine({"model": tiny_model, "connector": connector, "short_name": short_name}).ok()
+    spec = {"model": tiny_model, "connector": connector, "short_name": short_name, "config": config}
+    result = run_engine(spec).ok()
     assert_exact_with_loads(result, baseline)
 
 
