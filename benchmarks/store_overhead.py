@@ -4,8 +4,9 @@ Two comparisons, each interleaved round by round in one process:
 
 * **Redis**: a real ``redis-server`` (127.0.0.1, a free port; the Debian
   package) and the ``redis`` connector's worker side saving and loading N blocks
-  of L layers (gather, seal, one pipelined ``SET NX``; one ``MGET``, verify,
-  scatter into the KV caches) against the raw pipelined ``SET`` / one ``MGET``
+  of L layers (seal, one pipelined ``SET NX`` of each value's header and its
+  rows read in place from the KV caches; one ``MGET``, verify, scatter into
+  the KV caches) against the raw pipelined ``SET`` / one ``MGET``
   of the same values on the same client. Fresh keys every round; the store is
   flushed after each. Target: load and save >= 0.7 of raw.
 * **In-memory store on the reference engine**: store connectors over

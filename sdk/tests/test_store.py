@@ -14,7 +14,7 @@ import pytest
 from kvconn import CachedRequestData, KVCacheGroupSpec, SaveCursor, SchedulerOutput, loadable_hit
 from kvconn.reference import Engine
 from kvconn.store import HEADER_BYTES, BlockStore, Integrity, StoreGuard, StoreScheduler, StoreUnavailable
-from kvconn.testing import memory_store, run_conformance
+from kvconn.testing import memory_connector, memory_store, run_conformance
 from kvconn.testing.store_conformance import StoreConformance
 
 STORE = f"{memory_store.__name__}:MemoryStoreConnector"
@@ -177,6 +177,13 @@ class TestMemoryStore(StoreConformance):
     def make_unreachable(self, store: BlockStore) -> None:
         assert isinstance(store, memory_store.MemoryStore)
         memory_store.faults(store.name).down = True
+
+
+class TestPartsMemoryStore(TestMemoryStore):
+    """``MemoryConnector``'s store, which also writes values from parts: ``put_parts`` is checked too."""
+
+    def make_store(self) -> BlockStore:
+        return memory_connector.PartsMemoryStore(f"conformance-parts-{id(self)}")
 
 
 def test_the_store_in_the_authoring_guide_passes_every_conformance_check(

@@ -1,4 +1,4 @@
-"""kvconn-redis: KV-cache blocks in Redis or Valkey, as a :class:`kvconn.store.BlockStore`."""
+"""kvconn-redis: KV-cache blocks in Redis or Valkey, as a :class:`kvconn.store.PartsStore`."""
 
 from __future__ import annotations
 
@@ -53,6 +53,21 @@ class RedisStore:
             raise connection_lost[0]
         return [not isinstance(a, Exception) for a in answers]
 
+    def put_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+        """As :meth:`put`, the parts sent as they are, no copy (a RESP bulk string's bytes may follow its length in
+        pieces); every SET sent, then every answer read, retried as the client retries a pipeline."""
+        if not keys:
+            return []
+        pool = self.client.connection_pool
+        conn: redis.Connection = pool.get_connection()
+        try:
+            return conn.retry.call_with_retry(lambda: _set_nx(conn, keys, parts), lambda _: conn.disconnect())
+        except BaseException:
+            conn.disconnect()  # whatever failed mid-batch: never back to the pool half-read
+            raise
+        finally:
+            pool.release(conn)
+
     def get(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int | None]:
         lengths: list[int | None] = []
         answers: list[bytes | None] = self.client.mget(list(keys)) if keys else []  # type: ignore[assignment]
@@ -77,6 +92,26 @@ class RedisConnector(StoreConnector):
         timeout = self.config.socket_timeout_s
         client = redis.Redis.from_url(self.config.url, socket_timeout=timeout, socket_connect_timeout=timeout)
         return RedisStore(client)
+
+
+def _set_nx(connection: redis.Connection, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+    """Send ``SET key value NX`` per key (the value as its parts), then read each answer as :meth:`RedisStore.put`."""
+    chunks: list[bytes | memoryview] = []
+    end = b""  # the previous command's end goes out with the next one's start: fewer writes
+    for key, value in zip(keys, parts, strict=True):
+        size = sum(part.nbytes for part in value)
+        chunks += (end + b"*4\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, size), *value)
+        end = b"\r\n$2\r\nNX\r\n"
+    connection.send_packed_command([*chunks, end])
+    return [_answered(connection) for _ in keys]
+
+
+def _answered(connection: redis.Connection) -> bool:
+    try:
+        connection.read_response()  # OK, or nil (it held a value): stored; lost or too slow: raises, disconnected
+    except redis.ResponseError:  # OOM under maxmemory is one key's refusal, not an outage
+        return False
+    return True
 
 
 def fresh_namespace(run: str) -> dict[str, str]:

@@ -14,13 +14,14 @@ connector checks on top.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from ..store import BlockStore, ScatterStore
+from ..store import BlockStore, PartsStore, ScatterStore
 
 __all__ = ["StoreConformance"]
 
@@ -100,6 +101,28 @@ class StoreConformance:
         lengths = list(store.get(keys, [memoryview(buffer)]))
         assert lengths == [self.value_size], "get() must answer the value's full length even if the buffer is shorter"
         assert bytes(buffer) == values[0][: len(buffer)], "get() must write only what fits the buffer"
+
+    def test_put_parts_stores_what_put_would(self, store: BlockStore) -> None:
+        """Only for a :class:`~kvconn.store.PartsStore` (optional): what saves in place rely on."""
+        if not isinstance(store, PartsStore):
+            pytest.skip("not a PartsStore (put_parts is optional): saves go through staging")
+        keys, first = self.keys(4), self.values(1, fill=1)
+        values = [bytes((i + j) % 251 for j in range(self.value_size)) for i in range(4)]  # every byte placed
+        store.put(keys[1:2], first)
+        cuts = (0, 64, 64 + self.value_size // 3, self.value_size)  # a header, then pieces of uneven sizes
+        parts = [[memoryview(bytearray(v))[a:b] for a, b in itertools.pairwise(cuts)] for v in values[1:]]
+        assert list(store.put_parts(keys[1:], parts)) == [True] * 3, (
+            "put_parts() must answer True per key that holds a value afterwards, as put() does"
+        )
+        assert list(store.contains(keys)) == [False, True, True, True], (
+            "put_parts() must store exactly the keys of its batch"
+        )
+        lengths, read = self.read(store, keys)
+        assert read[1] == first[0], "put_parts() must keep the first value of a key (write-once), as put() does"
+        assert lengths[2:] == [self.value_size] * 2 and read[2:] == values[2:], (
+            "put_parts() must store each value as the concatenation of its parts, in order (the same bytes as "
+            "put() of the joined value): send every part whole, none skipped or reordered"
+        )
 
     def test_get_parts_reads_across_parts_and_answers_lengths(self, store: BlockStore) -> None:
         """Only for a :class:`~kvconn.store.ScatterStore` (optional): what async loads in place rely on."""
