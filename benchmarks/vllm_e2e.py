@@ -225,8 +225,9 @@ def engine_main(spec: dict[str, Any], commands: Iterator[str], reply: Callable[[
 
     Commands: ``request`` (``prompt``: token ids; reply: TTFT, the same on this process's CPU clock (all its
     threads: what the connector's threads do counts, the time other processes hold the cores does not), seconds
-    to the last token, tokens, vLLM's cached tokens), ``hits`` (vLLM's counters: tokens hit in the connector and
-    in its own cache), ``memcpy`` (this process's ``Tensor.copy_`` bandwidth), ``quit``. Replies
+    to the last token, tokens, vLLM's cached tokens, engine steps to the first token), ``hits`` (vLLM's counters:
+    tokens hit in the connector and in its own cache), ``memcpy`` (this process's ``Tensor.copy_`` bandwidth),
+    ``quit``. Replies
     ``{"ready": ...}`` first, after a warm-up request (first-call costs stay out of the figures).
     """
     sizes = Sizes(Shape(**spec["sizes"].pop("shape")), **spec["sizes"])
@@ -251,8 +252,9 @@ def engine_main(spec: dict[str, Any], commands: Iterator[str], reply: Callable[[
         engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
         first = first_cpu = None
         tokens: list[int] = []
-        cached = 0
+        cached = steps = 0  # steps: engine steps to the first token (an async load waits one more)
         while engine.has_unfinished_requests():
+            steps += first is None
             for out in engine.step():
                 if first is None and out.outputs and out.outputs[0].token_ids:
                     first, first_cpu = time.perf_counter(), time.process_time()
@@ -260,7 +262,7 @@ def engine_main(spec: dict[str, Any], commands: Iterator[str], reply: Callable[[
                     tokens, cached = list(out.outputs[0].token_ids), out.num_cached_tokens or 0
         assert first is not None and first_cpu is not None
         return {"ttft": first - start, "ttft_cpu": first_cpu - start_cpu, "seconds": time.perf_counter() - start,
-                "tokens": tokens, "prompt_len": len(prompt), "cached": cached}  # fmt: skip
+                "tokens": tokens, "prompt_len": len(prompt), "cached": cached, "steps_to_first": steps}  # fmt: skip
 
     def hits() -> dict[str, float]:
         metrics = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
