@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +184,31 @@ class TestPartsMemoryStore(TestMemoryStore):
 
     def make_store(self) -> BlockStore:
         return memory_connector.PartsMemoryStore(f"conformance-parts-{id(self)}")
+
+
+class _Overwrites(memory_connector.PartsMemoryStore):
+    def put_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+        for key, value in zip(keys, parts, strict=True):
+            self._values[key] = b"".join(value)  # put() keeps a key's first value; this overwrites it
+        return [True] * len(keys)
+
+
+class _DropsAPart(memory_connector.PartsMemoryStore):
+    def put_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+        return self.put(keys, [b"".join([*value[:-1], bytes(value[-1].nbytes)]) for value in parts])
+
+
+@pytest.mark.parametrize(
+    ("broken", "message"),
+    [(_Overwrites, "write-once"), (_DropsAPart, "the concatenation of its parts")],
+    ids=["overwrites", "drops-a-part"],
+)
+def test_the_put_parts_check_fails_a_store_that_breaks_it(broken: type, message: str) -> None:
+    """The conformance check of ``put_parts`` catches each way a store can get it wrong, and says how."""
+    store = broken(f"broken-{broken.__name__}")
+    with pytest.raises(AssertionError, match=message):
+        StoreConformance().test_put_parts_stores_what_put_would(store)
+    TestPartsMemoryStore().test_put_parts_stores_what_put_would(memory_connector.PartsMemoryStore("unbroken"))
 
 
 def test_the_store_in_the_authoring_guide_passes_every_conformance_check(
