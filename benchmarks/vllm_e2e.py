@@ -254,7 +254,8 @@ def engine_main(spec: dict[str, Any], commands: Iterator[str], reply: Callable[[
         tokens: list[int] = []
         cached = steps = 0  # steps: engine steps to the first token (an async load waits one more)
         while engine.has_unfinished_requests():
-            steps += first is None
+            if first is None:
+                steps += 1
             for out in engine.step():
                 if first is None and out.outputs and out.outputs[0].token_ids:
                     first, first_cpu = time.perf_counter(), time.process_time()

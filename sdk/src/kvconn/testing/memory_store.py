@@ -92,7 +92,7 @@ class MemoryStore:
                     lengths.append(None)
                     continue
                 n = min(len(value), len(buffer))
-                buffer[:n] = value if n == len(value) else value[:n]  # slicing bytes copies them
+                buffer[:n] = memoryview(value)[:n]  # a view: slicing the bytes would copy them first
                 if (self._faults.corrupt or key in self._faults.damaged) and n:
                     buffer[n - 1] ^= 0xFF
                 lengths.append(len(value))
