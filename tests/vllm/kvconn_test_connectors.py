@@ -139,3 +139,23 @@ class FieldsConnector(kvconn.KVConnector):
             num_computed_tokens=cached.num_computed_tokens,  # type: ignore[arg-type]
             num_scheduled_tokens=scheduler_output.num_scheduled_tokens,  # type: ignore[arg-type]
         )
+
+
+class StepMetadata(KVConnectorMetadata):
+    step: int  # required: there is no default metadata to stand for an idle step
+
+
+class StepConnector(kvconn.KVConnector):
+    """Sends each step's number; its workers record what they were sent (the adapter never sends it idle)."""
+
+    Metadata = StepMetadata
+
+    def __init__(self, config: msgspec.Struct | None = None, **kwargs: object) -> None:
+        super().__init__(config, **kwargs)  # type: ignore[arg-type]
+        self.steps: list[int] = []
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepMetadata:
+        return StepMetadata(step=scheduler_output.step)
+
+    def start_load_kv(self, metadata: StepMetadata) -> None:
+        self.steps.append(metadata.step)

@@ -16,18 +16,36 @@ from kvconn_vllm.testing.harness import VllmLoop, make_request, make_scheduler
 PROMPT_47 = list(range(1000, 1047))
 
 
+def sent_metadata(output: Any, name: str, metadata_type: type[Any]) -> Any:
+    """Connector ``name``'s metadata out of vLLM's ``SchedulerOutput``, as its workers get it.
+
+    An idle step sends only names: each named connector's workers get its ``Metadata()`` default.
+    """
+    sent = output.kv_connector_metadata
+    if isinstance(sent, tuple):
+        assert name in sent, sent
+        return metadata_type()
+    return msgspec.msgpack.decode(sent.connectors[name], type=metadata_type)
+
+
+def sent_names(output: Any) -> set[str]:
+    """The connectors vLLM's ``SchedulerOutput`` carries metadata for."""
+    sent = output.kv_connector_metadata
+    return set(sent) if isinstance(sent, tuple) else set(sent.connectors)
+
+
 def dummy_meta(output: Any) -> Any:
     """The dummy's metadata out of vLLM's ``SchedulerOutput``, decoded as a worker does."""
     from kvconn_dummy import DummyMetadata
 
-    return msgspec.msgpack.decode(output.kv_connector_metadata.connectors["dummy"], type=DummyMetadata)
+    return sent_metadata(output, "dummy", DummyMetadata)
 
 
 def offered_tables(output: Any, name: str) -> dict[str, Any]:
     """What ``kvconn_test_connectors.TablesConnector`` (loaded as ``name``) shipped: the tables it was offered."""
     from kvconn_test_connectors import TablesMetadata
 
-    return msgspec.msgpack.decode(output.kv_connector_metadata.connectors[name], type=TablesMetadata).tables
+    return sent_metadata(output, name, TablesMetadata).tables
 
 
 def test_vllm_loads_dummy_by_module_path() -> None:
@@ -111,6 +129,7 @@ def test_workers_decode_only_metadata_a_hook_reads_and_send_no_report_without_ne
 ) -> None:
     """A step's fixed cost: nothing is decoded that no worker hook reads, and an empty report is not sent."""
     import kvconn_vllm.connector as adapter_module
+    from kvconn_vllm.connector import KVConnVllmMetadata
 
     decoded: list[str] = []
     decode = adapter_module.decode_metadata
@@ -122,8 +141,15 @@ def test_workers_decode_only_metadata_a_hook_reads_and_send_no_report_without_ne
     scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=3))
     loop = VllmLoop(scheduler)
     loop.run()
-    assert decoded == ["dummy"] * len(loop.outputs)  # the dummy reads its metadata in start_load_kv
-    assert all(tables in output.kv_connector_metadata.connectors for output in loop.outputs)
+    sent = [output.kv_connector_metadata for output in loop.outputs]
+    busy = [meta for meta in sent if isinstance(meta, KVConnVllmMetadata)]
+    assert decoded == ["dummy"] * len(busy)  # the dummy reads its metadata in start_load_kv
+    assert all(tables in meta.connectors for meta in busy)
+    # The last step only tells workers r0 finished: both connectors' metadata is their default, sent as names.
+    assert sent[-1] == (tables, "dummy")
+    assert b"kvconn" not in pickle.dumps(sent[-1])  # no class to look up on either side: vLLM pickles it each step
+    worker_dummy: Any = loop.worker.host.connectors["dummy"]
+    assert len([hook for hook, _ in worker_dummy.calls if hook == "start_load_kv"]) == len(sent)  # every step
 
     scheduler = make_scheduler(tables)
     scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=3))
@@ -133,6 +159,41 @@ def test_workers_decode_only_metadata_a_hook_reads_and_send_no_report_without_ne
         loop.step()
         reports.append(loop.last_kv_output and loop.last_kv_output.kv_connector_worker_meta)
     assert reports == [None] * len(loop.outputs) and scheduler.connector.host.degraded_events == 0
+
+
+@pytest.mark.usefixtures("runner")
+def test_a_connector_without_default_metadata_sends_it_every_step(test_connectors: str) -> None:
+    """Only a ``Metadata()`` default can stand for an idle step's metadata: one with a required field always goes."""
+    name = f"{test_connectors}:StepConnector"
+    scheduler = make_scheduler([name, "dummy"])
+    scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=3))
+    loop = VllmLoop(scheduler)
+    loop.run()
+    assert not any(isinstance(output.kv_connector_metadata, tuple) for output in loop.outputs)
+    worker: Any = loop.worker.host.connectors[name]
+    assert worker.steps == list(range(1, len(loop.outputs) + 1))
+
+
+def test_a_metadata_default_that_changes_each_time_never_stands_for_an_idle_step() -> None:
+    """The workers build the default themselves: it must encode the same on both sides, or the step is sent."""
+    from itertools import count
+
+    from kvconn import KVConnectorMetadata
+    from kvconn_vllm.connector import _default_blob
+
+    ticket = count()
+
+    class Drifting(KVConnectorMetadata):
+        n: int = msgspec.field(default_factory=lambda: next(ticket))
+
+    class Required(KVConnectorMetadata):
+        n: int
+
+    class Empty(KVConnectorMetadata):
+        blocks: list[int] = msgspec.field(default_factory=list)
+
+    assert _default_blob("d", Drifting) is None and _default_blob("r", Required) is None
+    assert _default_blob("e", Empty) == msgspec.msgpack.encode(Empty())
 
 
 @pytest.mark.usefixtures("runner")
@@ -148,7 +209,7 @@ def test_metadata_that_keeps_the_read_only_views_arrives_as_the_lists_vllm_sched
     loop.run()
     assert scheduler.connector.host.degraded_events == 0
     for output in loop.outputs:
-        sent = msgspec.msgpack.decode(output.kv_connector_metadata.connectors[name], type=FieldsMetadata)
+        sent = sent_metadata(output, name, FieldsMetadata)
         cached = output.scheduled_cached_reqs
         assert sent == FieldsMetadata(
             list(cached.req_ids), list(cached.num_computed_tokens), dict(output.num_scheduled_tokens)
@@ -382,8 +443,8 @@ def test_a_scheduler_only_connector_sends_workers_nothing(
     assert loop.worker.host.names == ["dummy"]
     with caplog.at_level(logging.WARNING, logger="kvconn.vllm"):
         loop.run()
-    assert all(set(o.kv_connector_metadata.connectors) == {"dummy"} for o in loop.outputs)
-    assert all(o.kv_connector_metadata.dropped == [] for o in loop.outputs)
+    assert all(sent_names(o) == {"dummy"} for o in loop.outputs)
+    assert all(isinstance(o.kv_connector_metadata, tuple) or not o.kv_connector_metadata.dropped for o in loop.outputs)
     adapter_warnings = [r for r in caplog.records if r.name == "kvconn.vllm"]
     assert not adapter_warnings  # no worker complains about metadata it cannot decode
 

@@ -48,8 +48,8 @@ class CachedRequestData(msgspec.Struct):
     """
 
     req_ids: Sequence[str] = msgspec.field(default_factory=list)
-    resumed_from_preemption: list[bool] = msgspec.field(default_factory=list)
-    new_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    resumed_from_preemption: Sequence[bool] = msgspec.field(default_factory=list)
+    new_token_ids: Sequence[list[int]] = msgspec.field(default_factory=list)
     new_block_ids: Sequence[BlockIds | None] = msgspec.field(default_factory=list)
     num_computed_tokens: Sequence[int] = msgspec.field(default_factory=list)
     all_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)

@@ -13,6 +13,8 @@ at this boundary (:mod:`.translate`). What crosses processes is plain data:
 * scheduler -> workers: :class:`KVConnVllmMetadata` (pickled by vLLM's
   ``MessageQueue``): each connector's metadata as msgpack bytes
   (:func:`kvconn.host.wire.encode_metadata`) and the blocks of the loads in flight;
+  on an idle step (every connector's metadata its ``Metadata()`` default, no load
+  in flight, no report awaited: most decode steps) a :data:`IdleStep` instead;
 * workers -> scheduler: :class:`KVConnVllmWorkerMetadata` (vLLM's
   ``kv_connector_worker_meta``): one :class:`~.reports.WorkerReport` per worker.
 
@@ -83,7 +85,7 @@ except ImportError:  # a vLLM that never runs its hybrid KV cache manager with a
         """Stand-in for vLLM's marker of connectors that handle several KV-cache groups."""
 
 
-__all__ = ["KVConnVllmConnector", "KVConnVllmMetadata", "KVConnVllmStats", "KVConnVllmWorkerMetadata"]
+__all__ = ["IdleStep", "KVConnVllmConnector", "KVConnVllmMetadata", "KVConnVllmStats", "KVConnVllmWorkerMetadata"]
 
 logger = logging.getLogger("kvconn.vllm")
 
@@ -115,10 +117,17 @@ class KVConnVllmMetadata(KVConnectorMetadata):
         return (KVConnVllmMetadata, (self.connectors, self.loads, self.failed_loads, self.dropped, self.report))
 
 
-#: A worker's metadata between steps (read, never changed).
+#: What the scheduler sends on an idle step: the connectors whose metadata is their ``Metadata()`` default.
+#: A builtin tuple of names, not a class instance: vLLM pickles the metadata every step, and a class costs a
+#: lookup of its module each way (~2 us a step, the largest share of an idle step's cost). vLLM only hands
+#: the metadata from its scheduler to its workers' ``bind_connector_metadata``; it never reads its type.
+IdleStep = tuple[str, ...]
+
+#: A worker's metadata between steps, and on an idle step (read, never changed).
 _UNBOUND = KVConnVllmMetadata()
-#: No request ids (shared, never changed: what a step without failed loads has).
+#: No request ids, no block ids (shared, never changed: what a step without failed loads has).
 _NO_IDS: frozenset[str] = frozenset()
+_NO_BLOCKS: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -199,6 +208,25 @@ def _tp_rank() -> int:
         return 0  # no distributed state (single process, tests)
 
 
+def _default_blob(name: str, metadata_type: type[KVConnMetadata]) -> bytes | None:
+    """``Metadata()`` encoded, if it has defaults for every field and encodes the same each time (else ``None``)."""
+    try:
+        blob = encode_metadata(name, metadata_type())
+    except (TypeError, KVConnError):  # a required field
+        return None
+    return blob if blob == encode_metadata(name, metadata_type()) else None
+
+
+def _idle_step(host: ConnectorHost, builders: list[str]) -> tuple[IdleStep | None, dict[str, bytes]]:
+    """The scheduler's :data:`IdleStep`, and each builder's default metadata encoded.
+
+    ``None`` when a builder's ``Metadata`` has no stable default: every step then sends its metadata.
+    """
+    blobs = {name: _default_blob(name, host.metadata_types[name]) for name in builders}
+    usable = {name: blob for name, blob in blobs.items() if blob is not None}
+    return (tuple(builders) if len(usable) == len(blobs) else None), usable
+
+
 def _failed_loads(loads: dict[str, LoadSpec]) -> tuple[set[str], set[int]]:
     """The async ones of loads that no connector will do, and all their blocks (reported invalid)."""
     return {r for r, (_, is_async) in loads.items() if is_async}, {b for blocks, _ in loads.values() for b in blocks}
@@ -252,14 +280,16 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             for n, c in self.host.connectors.items()
             if n in self._sent and hasattr(hook_object(c), "build_connector_meta")
         ]
+        self._idle, self._idle_blobs = _idle_step(self.host, self._builders)
         self._collector = ReportCollector(self.host.names, int(vllm_config.parallel_config.world_size))
         # worker side: metadata is decoded only for connectors with a worker hook that takes it
         self._readers = set(self.host.implementers("start_load_kv") + self.host.implementers("save_kv_layer"))
         self._bound = _UNBOUND
         self._undecoded: list[str] = []
         self._report: WorkerReport | None = None
-        self._invalid: set[int] = set()
-        self._failed_recving: set[str] = set()
+        # Kept between a step's end and vLLM's calls for them: read-only (replaced, never changed in place).
+        self._invalid: set[int] | frozenset[int] = _NO_BLOCKS
+        self._failed_recving: set[str] | frozenset[str] = _NO_IDS
         self._stats: dict[str, float] = {}
         self._saved = True  # no step open until metadata is bound
         self._late_layer_logged = False
@@ -296,26 +326,42 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             blocks_to_load = block_ids_in_range(block_ids, local_hit, end, self.context.block_size)
             self._failed_loads[request.request_id] = (blocks_to_load, plan.load_async or self._per_request)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnVllmMetadata:
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnVllmMetadata | IdleStep:
         self._step += 1
         output = translate_scheduler_output(scheduler_output, self._step)
         host = self._scheduler_host
         metadata = host.build_connector_meta(output, self._block_state(scheduler_output, output))
         encoded: dict[str, bytes] = {}
+        idle, defaults = self._idle, self._idle_blobs
         for name, meta in metadata.items():
             if name not in self._sent:
                 continue
             try:
-                encoded[name] = encode_metadata(name, meta)
+                blob = encoded[name] = encode_metadata(name, meta)
             except KVConnError as exc:  # its workers get no metadata and fail its loads
                 logger.warning("kvconn connector %r: metadata dropped this step: %s", name, exc)
+                continue
+            if idle is not None and blob != defaults[name]:
+                idle = None
         # encoded holds only builders' metadata: one missing was dropped
         dropped = [n for n in self._builders if n not in encoded] if len(encoded) < len(self._builders) else []
+        if idle is not None and not dropped and not self._failed_loads and not host.awaits_reports:
+            return idle  # nothing in flight: nothing for the workers to fail or report either
         failed: dict[str, LoadSpec] = {}
         if self._failed_loads:  # sent once, in a dict of the metadata's own
             failed, self._failed_loads = self._failed_loads, failed
         loads = host.loads_in_flight(built_last=True)  # sync loads run in this step only: sent once too
         return KVConnVllmMetadata(encoded, loads, failed, dropped, report=host.awaits_reports)
+
+    def sent_metadata(self, sent: KVConnVllmMetadata | IdleStep, name: str) -> bytes | None:
+        """Connector ``name``'s metadata, encoded, in what :meth:`build_connector_meta` returned (``None``: none sent).
+
+        On an idle step, the encoding of its ``Metadata()`` default: what its workers decode. For tools that
+        check what a connector sent (``kvconn validate --engine vllm``).
+        """
+        if isinstance(sent, tuple):
+            return self._idle_blobs.get(name) if name in sent else None
+        return sent.connectors.get(name)
 
     def _block_state(self, scheduler_output: Any, output: Any) -> KVConnectorBlockState:
         """vLLM's lazy block state (0.30+), or tables tracked from the outputs.
@@ -449,10 +495,15 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         is bound, before any layer, whatever order vLLM uses.
         """
         super().bind_connector_metadata(connector_metadata)
-        self._bound = connector_metadata if isinstance(connector_metadata, KVConnVllmMetadata) else _UNBOUND
-        decoded: dict[str, KVConnMetadata] = {}
         if self._undecoded:
             self._undecoded = []
+        if isinstance(connector_metadata, tuple):  # an idle step: the named connectors' metadata is the default
+            self._bound = _UNBOUND
+            types = self.host.metadata_types
+            self._begin_step({n: types[n]() for n in connector_metadata if n in self._readers} if self._readers else {})
+            return
+        self._bound = connector_metadata if isinstance(connector_metadata, KVConnVllmMetadata) else _UNBOUND
+        decoded: dict[str, KVConnMetadata] = {}
         for name, blob in self._bound.connectors.items() if self._readers else ():
             if name not in self._readers:
                 continue
@@ -461,7 +512,10 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             except WireError as exc:
                 logger.warning("%s; it sits this step out on this worker", exc)
                 self._undecoded.append(name)
-        self._worker_host.bind_connector_metadata(decoded)
+        self._begin_step(decoded)
+
+    def _begin_step(self, metadata: dict[str, KVConnMetadata]) -> None:
+        self._worker_host.bind_connector_metadata(metadata)
         self._saved = False
         self._worker_host.start_load_kv()
 
@@ -493,15 +547,29 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         The step's saves are complete first (the contract's order), even when
         vLLM defers its ``wait_for_save`` past this call.
         """
+        outputs, failed_async = self._end_step(finished_req_ids)
+        if _HAS_WORKER_META:
+            return None, None
+        sending = {r for out in outputs.values() for r in out.finished_sending}
+        recving = {r for out in outputs.values() for r in out.finished_recving} | failed_async
+        return sending or None, recving or None
+
+    def _end_step(self, finished_req_ids: set[str]) -> tuple[dict[str, KVConnectorOutput], set[str] | frozenset[str]]:
+        """End the worker step: its outputs and failed async loads, and what vLLM asks for next, kept.
+
+        Kept: the report (``build_connector_worker_meta``), the invalid blocks
+        (``get_block_ids_with_load_errors``) and the stats.
+        """
         self.wait_for_save()
         outputs = self._worker_host.get_finished(set(finished_req_ids))
-        bound = self._bound
+        bound, self._bound = self._bound, _UNBOUND
         for name, loads in bound.loads.items():
             out = outputs.setdefault(name, KVConnectorOutput())
             if out.failed or name in bound.dropped or name in self._undecoded:
                 out.failed = True  # the host recomputes its loads; vLLM learns it from the blocks below
                 out.invalid_block_ids |= {b for blocks, _ in loads.values() for b in blocks}
-        failed_async, self._invalid = _failed_loads(bound.failed_loads) if bound.failed_loads else (set(), set())
+        failed_async: set[str] | frozenset[str]
+        failed_async, self._invalid = _failed_loads(bound.failed_loads) if bound.failed_loads else (_NO_IDS, _NO_BLOCKS)
         # A step with nothing to report (the usual one) sends no report, unless the scheduler waits on a
         # transfer: vLLM calls update_connector_output only on a step with a forward or a report.
         news = bool(failed_async) or bound.report
@@ -509,19 +577,15 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             if out.is_empty():
                 continue
             news = True
-            self._invalid |= out.invalid_block_ids
+            if out.invalid_block_ids:
+                self._invalid = self._invalid | out.invalid_block_ids
             for key, value in out.stats.items():
                 if not key.startswith("_"):  # private gauges reach the connector's scheduler side only
                     self._stats[f"{name}.{key}"] = self._stats.get(f"{name}.{key}", 0) + value
-        self._report = WorkerReport(outputs, failed_async) if news else None
-        self._bound = _UNBOUND
+        self._report = WorkerReport(outputs, set(failed_async)) if news else None
         if self._per_request:  # vLLM takes these requests' failures, not blocks (see the module docstring)
-            self._failed_recving, self._invalid = failed_async, set()
-        if _HAS_WORKER_META:
-            return None, None
-        sending = {r for out in outputs.values() for r in out.finished_sending}
-        recving = {r for out in outputs.values() for r in out.finished_recving} | failed_async
-        return sending or None, recving or None
+            self._failed_recving, self._invalid = failed_async, _NO_BLOCKS
+        return outputs, failed_async
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """vLLM 0.33's report of a step's transfers: ``get_finished``'s, and the failed loads (several groups).
@@ -529,12 +593,12 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         A failed load is in ``finished_recving`` too, as ``KVConnectorTransferResults`` requires.
         """
         sending, recving = self.get_finished(finished_req_ids)
-        failed, self._failed_recving = self._failed_recving, set()
-        return KVConnectorTransferResults(set(sending or ()), set(recving or ()) | failed, failed)
+        failed, self._failed_recving = self._failed_recving, _NO_IDS
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()) | failed, set(failed))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        invalid, self._invalid = self._invalid, set()
-        return invalid
+        invalid, self._invalid = self._invalid, _NO_BLOCKS
+        return set(invalid)
 
     def get_kv_connector_stats(self) -> KVConnVllmStats | None:
         if not self._stats:

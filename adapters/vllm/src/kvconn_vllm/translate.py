@@ -22,6 +22,7 @@ What plugins see of vLLM:
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from itertools import repeat
 from types import MappingProxyType
 from typing import Any, TypeVar, overload
 
@@ -33,6 +34,7 @@ from kvconn.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 __all__ = [
     "ListView",
     "NewBlockIdsView",
+    "Repeat",
     "VllmRequestView",
     "context_from_vllm",
     "VLLM_KV_LAYOUT",
@@ -173,6 +175,42 @@ class NewBlockIdsView(ListView["BlockIds | None"]):
         return map(_copy_entry, self._items)
 
 
+class Repeat(ListView[T]):
+    """``n`` times one value as a read-only sequence, made in O(1): the usual step's per-request flags.
+
+    vLLM sends no per-request token lists and no resumed flags on most steps;
+    building ``[False] * n`` each step would cost time that grows with the batch.
+    """
+
+    __slots__ = ("_n", "_value")
+
+    def __init__(self, value: T, n: int) -> None:
+        super().__init__(())
+        self._value, self._n = value, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[T]: ...
+
+    def __getitem__(self, index: int | slice) -> T | list[T]:
+        if isinstance(index, slice):
+            return [self._value] * len(range(*index.indices(self._n)))
+        if not -self._n <= index < self._n:
+            raise IndexError(f"index {index} out of range for {self._n} requests")
+        return self._value
+
+    def __iter__(self) -> Iterator[T]:
+        return repeat(self._value, self._n)
+
+    def __contains__(self, value: object) -> bool:
+        return self._n > 0 and value == self._value
+
+
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -222,7 +260,7 @@ def context_from_vllm(
     )
 
 
-def _resumed_flags(cached: Any, resumed: Any) -> list[bool]:
+def _resumed_flags(cached: Any, resumed: Any) -> Sequence[bool]:
     """vLLM >= 0.11 has ``resumed_req_ids`` (a set, here non-empty); older ones a per-position list."""
     if resumed is not None:
         return [req_id in resumed for req_id in cached.req_ids]
@@ -242,10 +280,12 @@ def translate_scheduler_output(output: Any, step: int) -> SchedulerOutput:
     """
     cached = output.scheduled_cached_reqs
     n = len(cached.req_ids)
-    new_token_ids = [list(t) for t in cached.new_token_ids] if len(cached.new_token_ids) == n and n else [[]] * n
-    # The usual step (no new request, none resumed) builds no list comprehension.
+    new_token_ids: Sequence[list[int]] = (
+        [list(t) for t in cached.new_token_ids] if len(cached.new_token_ids) == n and n else Repeat([], n)
+    )
+    # The usual step (no new request, none resumed) builds nothing per request.
     resumed = getattr(cached, "resumed_req_ids", None)
-    flags = [False] * n if resumed is not None and not resumed else _resumed_flags(cached, resumed)
+    flags = Repeat(False, n) if resumed is not None and not resumed else _resumed_flags(cached, resumed)
     all_token_ids = getattr(cached, "all_token_ids", None)
     return SchedulerOutput(
         step=step,

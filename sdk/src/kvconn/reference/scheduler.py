@@ -324,9 +324,9 @@ class Scheduler(SchedulerUpdate):
     ) -> None:
         # The engine fills the fields' defaults, lists; plugins see them as read-only sequences.
         cast("list[str]", cached.req_ids).append(request.request_id)
-        cached.resumed_from_preemption.append(resumed)
+        cast("list[bool]", cached.resumed_from_preemption).append(resumed)
         on_worker = self._tokens_on_worker.get(request.request_id, 0)
-        cached.new_token_ids.append([] if resumed else request.all_token_ids[on_worker:])
+        cast("list[list[int]]", cached.new_token_ids).append([] if resumed else request.all_token_ids[on_worker:])
         cast("list[tuple[list[int], ...] | None]", cached.new_block_ids).append(block_ids)
         cast("list[int]", cached.num_computed_tokens).append(request.num_computed_tokens)
         if resumed:

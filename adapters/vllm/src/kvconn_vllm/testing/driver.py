@@ -114,7 +114,7 @@ class VllmDriver(VllmSchedulerMethods):
     def step(self, *, withhold: Collection[str] = ()) -> StepRecord:
         (output, metadata, offered, resolved), preempted, tables = self._play_step(withhold)
         sent = self.loop.outputs[-1].kv_connector_metadata
-        encoded = sent.connectors.get(self.name) if metadata is not None else None
+        encoded = self.adapter.sent_metadata(sent, self.name) if metadata is not None else None
         types = {self.name: self.metadata_type}
         decoded = decode_metadata(self.name, encoded, types) if encoded is not None else None
         kv_output = self.loop.last_kv_output  # None after a step without a forward whose workers reported nothing
