@@ -44,7 +44,7 @@ def test_every_scheduled_request_is_offered_its_live_table_through_block_fill_an
     seen = {"block_fill": 0, "preempted": 0}
 
     def check(output: Any) -> None:
-        encoded = output.kv_connector_metadata.connectors[tables_connector]
+        encoded = scheduler.connector.sent_metadata(output.kv_connector_metadata, tables_connector)
         tables = msgspec.msgpack.decode(encoded, type=TablesMetadata).tables
         live = {r: scheduler.kv_cache_manager.get_block_ids(r) for r in output.num_scheduled_tokens}
         assert tables == live  # every scheduled request, with its current table
