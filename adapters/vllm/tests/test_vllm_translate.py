@@ -169,11 +169,11 @@ def test_per_request_lists_are_read_only_views_over_vllms_own() -> None:
 def test_the_usual_steps_flags_and_token_lists_are_one_value_repeated_and_encode_as_lists() -> None:
     """A step vLLM sends no tokens or resumed flags for costs O(1), and reads as the lists it stands for."""
     from kvconn.host.wire import decode_scheduler_output, encode_scheduler_output
-    from kvconn_vllm.translate import Repeat, translate_scheduler_output
+    from kvconn_vllm.translate import ListView, Repeat, translate_scheduler_output
 
     output = translate_scheduler_output(_vllm_decode_step([None, None, None]), step=4)
     cached = output.scheduled_cached_reqs
-    assert isinstance(cached.resumed_from_preemption, Repeat) and isinstance(cached.new_token_ids, Repeat)
+    assert isinstance(cached.resumed_from_preemption, ListView) and isinstance(cached.new_token_ids, ListView)
     assert cached.resumed_from_preemption == [False] * 3 and cached.new_token_ids == [[], [], []]
     assert cached.resumed_from_preemption[-3] is False and cached.new_token_ids[1:] == [[], []]
     assert list(zip(cached.req_ids, cached.resumed_from_preemption, strict=True))[2] == ("r2", False)
@@ -184,4 +184,4 @@ def test_the_usual_steps_flags_and_token_lists_are_one_value_repeated_and_encode
         cached.new_token_ids.append([1])  # type: ignore[attr-defined]
     wire = decode_scheduler_output(encode_scheduler_output(output)).scheduled_cached_reqs
     assert wire.resumed_from_preemption == [False] * 3 and wire.new_token_ids == [[], [], []]
-    assert Repeat(False, 0) == [] and False not in Repeat(False, 0)
+    assert ListView(Repeat(False, 0)) == [] and False not in Repeat(False, 0) and list(Repeat(0, 2)) == [0, 0]

@@ -175,8 +175,8 @@ class NewBlockIdsView(ListView["BlockIds | None"]):
         return map(_copy_entry, self._items)
 
 
-class Repeat(ListView[T]):
-    """``n`` times one value as a read-only sequence, made in O(1): the usual step's per-request flags.
+class Repeat(Sequence[T]):
+    """``n`` times one value, made in O(1): what a :class:`ListView` shows of the usual step's per-request flags.
 
     vLLM sends no per-request token lists and no resumed flags on most steps;
     building ``[False] * n`` each step would cost time that grows with the batch.
@@ -185,19 +185,12 @@ class Repeat(ListView[T]):
     __slots__ = ("_n", "_value")
 
     def __init__(self, value: T, n: int) -> None:
-        super().__init__(())
         self._value, self._n = value, n
 
     def __len__(self) -> int:
         return self._n
 
-    @overload
-    def __getitem__(self, index: int) -> T: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[T]: ...
-
-    def __getitem__(self, index: int | slice) -> T | list[T]:
+    def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
             return [self._value] * len(range(*index.indices(self._n)))
         if not -self._n <= index < self._n:
@@ -281,11 +274,11 @@ def translate_scheduler_output(output: Any, step: int) -> SchedulerOutput:
     cached = output.scheduled_cached_reqs
     n = len(cached.req_ids)
     new_token_ids: Sequence[list[int]] = (
-        [list(t) for t in cached.new_token_ids] if len(cached.new_token_ids) == n and n else Repeat([], n)
+        [list(t) for t in cached.new_token_ids] if len(cached.new_token_ids) == n and n else ListView(Repeat([], n))
     )
     # The usual step (no new request, none resumed) builds nothing per request.
     resumed = getattr(cached, "resumed_req_ids", None)
-    flags = Repeat(False, n) if resumed is not None and not resumed else _resumed_flags(cached, resumed)
+    flags = ListView(Repeat(False, n)) if resumed is not None and not resumed else _resumed_flags(cached, resumed)
     all_token_ids = getattr(cached, "all_token_ids", None)
     return SchedulerOutput(
         step=step,
