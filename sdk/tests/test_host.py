@@ -130,6 +130,56 @@ def test_failed_worker_side_fails_its_loads_and_releases_its_delayed_frees() -> 
     assert update.finished_sending == {"done"}
 
 
+class DelaysFrees(Recorder):
+    def request_finished(self) -> bool:
+        return True
+
+
+class Listens(Recorder):
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.seen.append("update")
+
+
+def test_a_step_without_reports_is_counted_quietly_only_when_nothing_waits_on_one() -> None:
+    """``count_quiet_step``: the usual step costs no update; a delayed free still gets its stall bound counted."""
+    assert scheduler_host(a=sched()).count_quiet_step()
+    listening = Listens(role="scheduler")
+    assert not scheduler_host(a=listening).count_quiet_step()  # a connector told every step needs the update
+    host = ConnectorHost({"a": DelaysFrees(role="scheduler")}, role="scheduler", stall_steps=2)
+    (request,) = create_requests(1, 40)
+    assert host.count_quiet_step()  # counted: the stall bound below starts from this step
+    assert host.request_finished(request, ([1, 2],))
+    assert not host.count_quiet_step()  # the free waits on a report: the engine must update
+    released = [host.update_connector_output({}).finished_sending for _ in range(3)]
+    assert released == [set(), set(), {request.request_id}]  # unreported for stall_steps steps: released
+    assert host.error_counts == {("a", "get_finished"): 1}
+    assert host.count_quiet_step()  # nothing waits any more
+
+
+class Reports(Recorder):
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        return set(), set()
+
+
+class FailsToLoad(Recorder):
+    def start_load_kv(self, metadata: Named) -> None:
+        raise RuntimeError("boom in start_load_kv")
+
+
+def test_a_worker_step_without_news_returns_no_outputs_and_one_with_news_returns_every_connector() -> None:
+    """``get_finished`` leaves out connectors with nothing to report: the usual step returns no outputs at all."""
+    quiet = ConnectorHost({"a": Recorder(role="worker"), "b": Recorder(role="worker")}, role="worker")
+    quiet.bind_connector_metadata({"a": Named(name="x")})
+    assert quiet.get_finished(set()) == {}
+    failing = ConnectorHost({"a": FailsToLoad(role="worker")}, role="worker")
+    failing.bind_connector_metadata({"a": Named(name="x")})
+    failing.start_load_kv()
+    assert failing.get_finished(set()) == {"a": KVConnectorOutput(failed=True)}
+    assert failing.get_finished(set()) == {}  # back to quiet the next step
+    reporting = ConnectorHost({"a": Reports(role="worker"), "b": Recorder(role="worker")}, role="worker")
+    assert reporting.get_finished(set()) == {"a": KVConnectorOutput(), "b": KVConnectorOutput()}
+
+
 class Sleepy(Recorder):
     def build_connector_meta(self) -> Named:
         time.sleep(0.003)
@@ -342,7 +392,7 @@ def test_per_layer_hooks_skip_a_connector_for_the_rest_of_the_step_it_failed_in(
     flaky.fail_on, flaky.calls = (), []
     second = step()
     assert flaky.calls == [("wait", "L0"), ("save", "L0:f"), ("wait", "L1"), ("save", "L1:f")]  # back next step
-    assert not second["flaky"].failed
+    assert second == {}  # nobody failed and nobody reports: a step without news has no outputs
 
 
 @pytest.mark.parametrize(

@@ -163,6 +163,33 @@ def test_workers_decode_only_metadata_a_hook_reads_and_send_no_report_without_ne
     assert reports == [None] * len(loop.outputs) and scheduler.connector.host.degraded_events == 0
 
 
+def test_a_step_without_news_builds_nothing_and_hands_vllm_fresh_sets_each_step(test_connectors: str) -> None:
+    """The usual step's short path: no outputs on the worker, the step only counted on the scheduler.
+
+    What vLLM gets from the worker is still new each step: it keeps those sets in its own output.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+    from vllm.v1.outputs import KVConnectorOutput
+
+    scheduler = make_scheduler(f"{test_connectors}:TablesConnector")  # no worker hook, no update_connector_output
+    scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=3))
+    loop = VllmLoop(scheduler)
+    loop.run()
+    worker = loop.worker
+    first = worker.get_transfer_results({"r0"})
+    first.finished_sending.add("changed by vLLM")
+    first.failed_recving.add("changed by vLLM")
+    second = worker.get_transfer_results(set())
+    assert first is not second and second == KVConnectorTransferResults()
+    assert worker.get_block_ids_with_load_errors() == set() and worker.build_connector_worker_meta() is None
+    host = scheduler.connector.host
+    assert not host.awaits_reports and host.count_quiet_step()
+    output = KVConnectorOutput(finished_sending={"stale"}, finished_recving={"stale"})
+    scheduler.connector.update_connector_output(output)  # no worker metadata: nobody had news
+    assert output.finished_sending is None and output.finished_recving is None
+    assert host.degraded_events == 0
+
+
 @pytest.mark.usefixtures("runner")
 def test_a_connector_without_default_metadata_sends_it_every_step(test_connectors: str) -> None:
     """Only a ``Metadata()`` default can stand for an idle step's metadata: one with a required field always goes."""

@@ -173,8 +173,12 @@ def test_the_usual_steps_flags_and_token_lists_are_one_value_repeated_and_encode
 
     output = translate_scheduler_output(_vllm_decode_step([None, None, None]), step=4)
     cached = output.scheduled_cached_reqs
-    assert isinstance(cached.resumed_from_preemption, ListView) and isinstance(cached.new_token_ids, ListView)
+    assert isinstance(cached.resumed_from_preemption, Repeat) and isinstance(cached.new_token_ids, Repeat)
     assert cached.resumed_from_preemption == [False] * 3 and cached.new_token_ids == [[], [], []]
+    assert cached.resumed_from_preemption != [False] * 2 and cached.resumed_from_preemption != "FFF"
+    assert repr(cached.resumed_from_preemption) == "Repeat([False, False, False])"
+    with pytest.raises(TypeError):
+        hash(cached.resumed_from_preemption)  # equal to a list, so unhashable like one
     assert cached.resumed_from_preemption[-3] is False and cached.new_token_ids[1:] == [[], []]
     assert list(zip(cached.req_ids, cached.resumed_from_preemption, strict=True))[2] == ("r2", False)
     assert False in cached.resumed_from_preemption and True not in cached.resumed_from_preemption

@@ -421,6 +421,9 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         the host decided (e.g. a free delayed by two connectors waits for both).
         """
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if worker_meta is None and _HAS_WORKER_META and self._scheduler_host.count_quiet_step():
+            connector_output.finished_sending = connector_output.finished_recving = None  # no worker had news
+            return
         failed_recving: set[str] | frozenset[str]
         if isinstance(worker_meta, KVConnVllmWorkerMetadata):
             outputs, failed_recving = self._collector.collect(worker_meta.reports)
@@ -563,6 +566,9 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         self.wait_for_save()
         outputs = self._worker_host.get_finished(set(finished_req_ids))
         bound, self._bound = self._bound, _UNBOUND
+        if not outputs and bound is _UNBOUND:  # the usual step: no report, no load, nothing awaited
+            self._report, self._invalid, self._failed_recving = None, _NO_BLOCKS, _NO_IDS
+            return outputs, _NO_IDS
         for name, loads in bound.loads.items():
             out = outputs.setdefault(name, KVConnectorOutput())
             if out.failed or name in bound.dropped or name in self._undecoded:
@@ -592,9 +598,9 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
 
         A failed load is in ``finished_recving`` too, as ``KVConnectorTransferResults`` requires.
         """
-        sending, recving = self.get_finished(finished_req_ids)
+        self._end_step(finished_req_ids)  # a vLLM with transfer results has worker metadata: the sets are its own
         failed, self._failed_recving = self._failed_recving, _NO_IDS
-        return KVConnectorTransferResults(set(sending or ()), set(recving or ()) | failed, set(failed))
+        return KVConnectorTransferResults(set(), set(failed), set(failed))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid = self._invalid, _NO_BLOCKS

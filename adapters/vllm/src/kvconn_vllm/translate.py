@@ -103,14 +103,30 @@ def _copy_entry(tables: BlockIds | None) -> BlockIds | None:
     return None if tables is None else tuple(map(list, tables))
 
 
-class ListView(Sequence[T]):
+class _ReadOnlySequence(Sequence[T]):
+    """What plugins get in place of a list: equal to any sequence of the same items, unhashable like a list."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable like them
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self)!r})"
+
+
+class ListView(_ReadOnlySequence[T]):
     """One of vLLM's lists as plugins see it: read-only, made in O(1), nothing copied.
 
     Why a view: vLLM sends its ``SchedulerOutput`` to its workers after the
     connectors ran, so a plugin must not be able to change it; and copying a
     list of every scheduled request each step costs kvconn time that grows
     with the batch (each copy touches every element), whether a plugin reads
-    it or not. It compares equal to any sequence of the same items.
+    it or not.
     """
 
     __slots__ = ("_items",)
@@ -137,16 +153,6 @@ class ListView(Sequence[T]):
 
     def __contains__(self, value: object) -> bool:
         return value in self._items
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
-            return NotImplemented
-        return list(self) == list(other)
-
-    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable like them
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({list(self)!r})"
 
 
 class NewBlockIdsView(ListView["BlockIds | None"]):
@@ -175,8 +181,8 @@ class NewBlockIdsView(ListView["BlockIds | None"]):
         return map(_copy_entry, self._items)
 
 
-class Repeat(Sequence[T]):
-    """``n`` times one value, made in O(1): what a :class:`ListView` shows of the usual step's per-request flags.
+class Repeat(_ReadOnlySequence[T]):
+    """``n`` times one value, made in O(1), read-only: the usual step's per-request flags and token lists.
 
     vLLM sends no per-request token lists and no resumed flags on most steps;
     building ``[False] * n`` each step would cost time that grows with the batch.
@@ -274,11 +280,11 @@ def translate_scheduler_output(output: Any, step: int) -> SchedulerOutput:
     cached = output.scheduled_cached_reqs
     n = len(cached.req_ids)
     new_token_ids: Sequence[list[int]] = (
-        [list(t) for t in cached.new_token_ids] if len(cached.new_token_ids) == n and n else ListView(Repeat([], n))
+        [list(t) for t in cached.new_token_ids] if len(cached.new_token_ids) == n and n else Repeat([], n)
     )
     # The usual step (no new request, none resumed) builds nothing per request.
     resumed = getattr(cached, "resumed_req_ids", None)
-    flags = ListView(Repeat(False, n)) if resumed is not None and not resumed else _resumed_flags(cached, resumed)
+    flags = Repeat(False, n) if resumed is not None and not resumed else _resumed_flags(cached, resumed)
     all_token_ids = getattr(cached, "all_token_ids", None)
     return SchedulerOutput(
         step=step,

@@ -229,10 +229,10 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
 
     def update_connector_output(self, outputs: Mapping[str, KVConnectorOutput]) -> StepUpdate:
         """Hand each connector its worker report and merge what the engine must do."""
+        if not outputs and self.count_quiet_step():
+            return StepUpdate()
         update = StepUpdate()
         self._step += 1
-        if not outputs and not self._impls["update_connector_output"] and not self.awaits_reports:
-            return update  # no report, nothing in flight, nobody to tell: the usual step
         empty = KVConnectorOutput()
         self._notify("update_connector_output", lambda name: (outputs.get(name, empty),))
         for name in self.connectors:
@@ -248,6 +248,19 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
             if not failed:
                 update.invalid_block_ids |= out.invalid_block_ids
         return update
+
+    def count_quiet_step(self) -> bool:
+        """Count a step on which no worker reported anything, if that is all it takes: the usual step.
+
+        ``False`` (nothing counted) when the step needs :meth:`update_connector_output`:
+        a connector implements that hook, or has a transfer in flight, whose stall
+        bound counts the reports. ``True``: the step is counted and there is nothing
+        to apply (the empty :class:`StepUpdate`), so an engine may skip building one.
+        """
+        if self._impls["update_connector_output"] or self.awaits_reports:
+            return False
+        self._step += 1
+        return True
 
     def _report_ok(self, name: str, out: KVConnectorOutput) -> bool:
         """Whether a worker report speaks only of the connector's own loads; a bad one fails its step.

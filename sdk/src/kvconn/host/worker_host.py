@@ -137,9 +137,17 @@ class WorkerHost(ConnectorHost, role=KVConnectorRole.WORKER):
     def get_finished(self, finished_req_ids: set[str]) -> dict[str, KVConnectorOutput]:
         """Collect each connector's report for this step and end the step.
 
-        A report of the wrong type (not sets of request ids, block ids and
-        numeric stats) is a bad answer: that connector's step failed.
+        A connector left out reported nothing: on the usual step (no connector
+        implements a reporting hook, none failed) the result is empty, so that
+        an engine pays nothing per connector for a step without news. A report
+        of the wrong type (not sets of request ids, block ids and numeric
+        stats) is a bad answer: that connector's step failed.
         """
+        if not self._reporting and not self._failed_this_step:
+            self._metadata = {}
+            if self._layered:
+                self._plan_layers()
+            return {}
         outputs = {name: KVConnectorOutput() for name in self.connectors}
         if self._reporting:
             for name, (sending, recving) in self._each("get_finished", (finished_req_ids,), answers.finished):
