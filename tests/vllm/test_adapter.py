@@ -190,6 +190,29 @@ def test_a_step_without_news_builds_nothing_and_hands_vllm_fresh_sets_each_step(
     assert host.degraded_events == 0
 
 
+def test_metadata_equal_to_its_default_is_not_encoded_and_an_idle_step_goes_as_names(
+    test_connectors: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh ``Metadata()``-equal value costs no encode: its workers decode the default's bytes either way."""
+    from kvconn_test_connectors import HandoffMetadata
+
+    import kvconn_vllm.connector as adapter_module
+
+    name = f"{test_connectors}:HandoffConnector"
+    encoded: list[Any] = []
+    encode = adapter_module.encode_metadata
+    monkeypatch.setattr(adapter_module, "encode_metadata", lambda n, meta: encoded.append(meta) or encode(n, meta))
+    scheduler = make_scheduler(name, {"delay_free": False, "hit_tokens": 32})
+    scheduler.add_request(make_request("hit0", PROMPT_47, max_tokens=4))
+    loop = VllmLoop(scheduler)
+    encoded.clear()  # the defaults, encoded at start-up by each side
+    loop.run()
+    assert [meta.loads for meta in encoded] == [{"hit0": [1, 2]}]  # only the step with a load encodes
+    sent = [sent_metadata(output, name, HandoffMetadata) for output in loop.outputs]
+    assert sent[0].loads == {"hit0": [1, 2]} and all(meta == HandoffMetadata() for meta in sent[1:])
+    assert isinstance(loop.outputs[-1].kv_connector_metadata, tuple)  # nothing in flight: names only
+
+
 @pytest.mark.usefixtures("runner")
 def test_a_connector_without_default_metadata_sends_it_every_step(test_connectors: str) -> None:
     """Only a ``Metadata()`` default can stand for an idle step's metadata: one with a required field always goes."""

@@ -281,6 +281,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             if n in self._sent and hasattr(hook_object(c), "build_connector_meta")
         ]
         self._idle, self._idle_blobs = _idle_step(self.host, self._builders)
+        self._idle_defaults = {name: self.host.metadata_types[name]() for name in self._idle_blobs}
         self._collector = ReportCollector(self.host.names, int(vllm_config.parallel_config.world_size))
         # worker side: metadata is decoded only for connectors with a worker hook that takes it
         self._readers = set(self.host.implementers("start_load_kv") + self.host.implementers("save_kv_layer"))
@@ -335,6 +336,9 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         idle, defaults = self._idle, self._idle_blobs
         for name, meta in metadata.items():
             if name not in self._sent:
+                continue
+            if idle is not None and meta == self._idle_defaults[name]:  # what its workers decode: nothing to encode
+                encoded[name] = defaults[name]
                 continue
             try:
                 blob = encoded[name] = encode_metadata(name, meta)

@@ -22,6 +22,7 @@ What plugins see of vLLM:
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from functools import lru_cache
 from itertools import repeat
 from types import MappingProxyType
 from typing import Any, TypeVar, overload
@@ -259,6 +260,12 @@ def context_from_vllm(
     )
 
 
+@lru_cache(maxsize=8)
+def _none_resumed(n: int) -> Repeat[bool]:
+    """The usual step's resumed flags: read-only, so one per batch size serves every step."""
+    return Repeat(False, n)
+
+
 def _resumed_flags(cached: Any, resumed: Any) -> Sequence[bool]:
     """vLLM >= 0.11 has ``resumed_req_ids`` (a set, here non-empty); older ones a per-position list."""
     if resumed is not None:
@@ -284,7 +291,7 @@ def translate_scheduler_output(output: Any, step: int) -> SchedulerOutput:
     )
     # The usual step (no new request, none resumed) builds nothing per request.
     resumed = getattr(cached, "resumed_req_ids", None)
-    flags = Repeat(False, n) if resumed is not None and not resumed else _resumed_flags(cached, resumed)
+    flags = _none_resumed(n) if resumed is not None and not resumed else _resumed_flags(cached, resumed)
     all_token_ids = getattr(cached, "all_token_ids", None)
     return SchedulerOutput(
         step=step,
