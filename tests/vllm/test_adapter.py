@@ -517,18 +517,27 @@ def test_vllm_stats_hold_the_counters_and_no_private_gauges() -> None:
     assert seen == {"offload.blocks_saved": 4, "offload.bytes_saved": 4 * 2 * 16 * 2 * 64 * 2}
 
 
-def test_the_vllm_step_overhead_benchmark_runs(tmp_path: Any) -> None:
-    """Its --quick smoke run (the main tier skips it: no vLLM there); figures finite, no timing asserted."""
+@pytest.mark.parametrize(
+    "script", [["vllm_step_overhead.py"], ["vllm_step_before_after.py", "HEAD"]], ids=lambda argv: argv[0]
+)
+def test_the_vllm_step_benchmarks_run(tmp_path: Any, script: list[str]) -> None:
+    """Their --quick smoke runs (the main tier skips them: no vLLM there); figures finite, no timing asserted.
+
+    The before/after script compares this checkout's HEAD with its working tree (it needs git).
+    """
     import json
     import math
     import subprocess
     import sys
     from pathlib import Path
 
-    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    repo = Path(__file__).resolve().parents[2]
+    if len(script) > 1 and not (repo / ".git").exists():
+        pytest.skip("vllm_step_before_after.py reads the earlier tree from git, and this is not a git checkout")
+    benchmarks = repo / "benchmarks"
     out = tmp_path / "result.json"
     proc = subprocess.run(
-        [sys.executable, "vllm_step_overhead.py", "--quick", "--json", str(out)],
+        [sys.executable, *script, "--quick", "--json", str(out)],
         capture_output=True, text=True, timeout=300, cwd=benchmarks,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
