@@ -256,6 +256,8 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
         a connector implements that hook, or has a transfer in flight, whose stall
         bound counts the reports. ``True``: the step is counted and there is nothing
         to apply (the empty :class:`StepUpdate`), so an engine may skip building one.
+        Not among the monitored calls (:data:`~kvconn.host.MONITORED_CALLS`): such a
+        step has no report to watch.
         """
         if self._impls["update_connector_output"] or self.awaits_reports:
             return False
