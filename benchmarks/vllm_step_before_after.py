@@ -12,6 +12,8 @@ inside each one's calls, the difference, and where each microsecond went.
 Runs in the vLLM venv, from a git checkout::
 
     cd benchmarks && ../.venv-vllm/bin/python vllm_step_before_after.py fc7f3aa
+
+Without a revision it compares the working tree with ``HEAD`` (what an uncommitted change does).
 """
 
 from __future__ import annotations
@@ -95,7 +97,9 @@ def difference(first: list[float], second: list[float]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("rev", help="the earlier tree (a git revision of this repository)")
+    parser.add_argument(
+        "rev", nargs="?", default="HEAD", help="the earlier tree, a git revision of this repository (default: HEAD)"
+    )
     parser.add_argument("--cpu", action="store_true", help="meter this thread's CPU time (default: wall time)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (a smoke run)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON to FILE")
@@ -113,7 +117,14 @@ def main(argv: list[str] | None = None) -> int:
          "after over bare %"],
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:
-        adapter = import_tree(args.rev, Path(scratch))
+        try:
+            adapter = import_tree(args.rev, Path(scratch))
+        except subprocess.CalledProcessError as exc:
+            why = exc.stderr.decode(errors="replace").strip()
+            print(
+                f"cannot run: git cannot give the tree {args.rev!r} ({why}); run it in a git checkout", file=sys.stderr
+            )
+            return 2
         for running in sizes:
             meters = {who: Meter(clock) for who in ("bare", "before", "after")}
             steps = {
