@@ -27,11 +27,10 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from benchlib import Bench, round_times
-from vllm_step_overhead import Load, Meter, hosted, metered_rounds, step_function
+from vllm_step_overhead import Load, Meter, bare_connector_class, hosted, metered_rounds, step_function
 
 from kvconn_vllm.testing.harness import prepare_environment, vllm_import_error
 
@@ -42,6 +41,8 @@ PACKAGES = {"kvconn": "sdk/src/kvconn", "kvconn_vllm": "adapters/vllm/src/kvconn
 _IMPORT = re.compile(r"\b(from|import) (kvconn|kvconn_vllm)\b(?=[.\s])")
 #: This tree's no-op connector, as its adapter loads it (by module path: the benchmarks folder is on the path).
 NOOP = "vllm_step_overhead:NoOpConnector"
+#: What the earlier tree's adapter hosts instead: the no-op connector against its own ``kvconn``.
+BEFORE_CONFIG = {"kvconn_connector": "noop_before:NoOpConnector"}
 
 NOOP_BEFORE = """
 import kvconn_before
@@ -73,21 +74,6 @@ def import_tree(rev: str, into: Path) -> type:
     from kvconn_vllm_before.connector import KVConnVllmConnector  # type: ignore[import-not-found]
 
     return KVConnVllmConnector  # type: ignore[no-any-return]
-
-
-def hosted_before(adapter: type, running: int, meter: Meter) -> Callable[[], None]:
-    """Steps of a scheduler whose connector is the earlier tree's adapter hosting its no-op connector."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    load = Load(NOOP, running)
-    scheduler = load.scheduler
-    transfer = scheduler.vllm_config.kv_transfer_config
-    transfer.kv_connector_extra_config = {
-        **transfer.kv_connector_extra_config,
-        "kvconn_connector": "noop_before:NoOpConnector",
-    }
-    scheduler.connector = adapter(scheduler.vllm_config, KVConnectorRole.SCHEDULER, scheduler.kv_cache_config)
-    return step_function(load, adapter(scheduler.vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config), meter)
 
 
 def difference(first: list[float], second: list[float]) -> float:
@@ -125,11 +111,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"cannot run: git cannot give the tree {args.rev!r} ({why}); run it in a git checkout", file=sys.stderr
             )
             return 2
+        bare = bare_connector_class()
         for running in sizes:
             meters = {who: Meter(clock) for who in ("bare", "before", "after")}
             steps = {
-                "bare": hosted(NOOP, running, bare=True, meter=meters["bare"]),
-                "before": hosted_before(adapter, running, meters["before"]),
+                "bare": hosted(NOOP, running, adapter=bare, meter=meters["bare"]),
+                "before": hosted(NOOP, running, adapter=adapter, extra=BEFORE_CONFIG, meter=meters["before"]),
                 "after": hosted(NOOP, running, meter=meters["after"]),
             }
             plain = step_function(Load(None, running))

@@ -227,16 +227,29 @@ def step_function(load: Load, worker: Any = None, meter: Meter | None = None) ->
     return step
 
 
-def hosted(connector: str, running: int, *, bare: bool = False, meter: Meter | None = None) -> Callable[[], None]:
-    """Steps of a scheduler with kvconn's adapter hosting ``connector`` (or, ``bare``, a bare vLLM connector)."""
+def hosted(
+    connector: str,
+    running: int,
+    *,
+    adapter: type | None = None,
+    extra: dict[str, Any] | None = None,
+    meter: Meter | None = None,
+) -> Callable[[], None]:
+    """Steps of a scheduler whose connector is kvconn's adapter hosting ``connector``.
+
+    ``adapter`` puts another vLLM connector class in its place (the bare connector, an earlier tree's
+    adapter), with ``extra`` added to its ``kv_connector_extra_config``.
+    """
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvconn_vllm import KVConnVllmConnector
 
     load = Load(connector, running)
     scheduler = load.scheduler
-    cls = bare_connector_class() if bare else KVConnVllmConnector
-    if bare:  # vLLM configured for a connector, with the bare one in its place
+    cls = adapter or KVConnVllmConnector
+    if adapter is not None:  # vLLM configured for kvconn's adapter, with this one in its place
+        transfer = scheduler.vllm_config.kv_transfer_config
+        transfer.kv_connector_extra_config = {**transfer.kv_connector_extra_config, **(extra or {})}
         scheduler.connector = cls(scheduler.vllm_config, KVConnectorRole.SCHEDULER, scheduler.kv_cache_config)
     return step_function(load, cls(scheduler.vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config), meter)
 
@@ -307,15 +320,16 @@ def main(argv: list[str] | None = None) -> int:
     over_bare: dict[int, float] = {}
     cpu_over_bare: dict[int, float] = {}
     breakdowns: dict[str, dict[str, float]] = {}
+    bare_class = bare_connector_class()
     for running in sizes:
         meter, bare_meter = Meter(), Meter()
         plain = step_function(Load(None, running))
-        bare, with_kvconn = hosted(noop, running, bare=True), hosted(noop, running, meter=meter)
+        bare, with_kvconn = hosted(noop, running, adapter=bare_class), hosted(noop, running, meter=meter)
         rounds = round_times(plain, bare, with_kvconn, repeat=repeat, min_time=0.1, clock=time.thread_time)
         base, bare_s, kvconn_s = (statistics.median(r) for r in rounds)
         steps = max(3, int(0.1 / kvconn_s))
         # The bare connector metered the same way: what the meter and vLLM's calls of any connector cost in a step.
-        metered_bare = hosted(noop, running, bare=True, meter=bare_meter)
+        metered_bare = hosted(noop, running, adapter=bare_class, meter=bare_meter)
         (inside, one_clock, _), (bare_inside, _, _) = metered_rounds(
             [(with_kvconn, meter), (metered_bare, bare_meter)], meter_rounds, steps
         )
@@ -326,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu, bare_cpu = Meter(time.thread_time), Meter(time.thread_time)
         cpu_steps = [
             (hosted(noop, running, meter=cpu), cpu),
-            (hosted(noop, running, bare=True, meter=bare_cpu), bare_cpu),
+            (hosted(noop, running, adapter=bare_class, meter=bare_cpu), bare_cpu),
         ]
         made, bare_made = cpu.calls.copy(), bare_cpu.calls.copy()
         (cpu_inside, _, by_call), (bare_cpu_inside, _, bare_by_call) = metered_rounds(cpu_steps, meter_rounds, steps)

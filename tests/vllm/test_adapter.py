@@ -231,7 +231,7 @@ def test_a_metadata_default_that_changes_each_time_never_stands_for_an_idle_step
     from itertools import count
 
     from kvconn import KVConnectorMetadata
-    from kvconn_vllm.connector import _default_blob
+    from kvconn_vllm.connector import _stable_default
 
     ticket = count()
 
@@ -244,8 +244,8 @@ def test_a_metadata_default_that_changes_each_time_never_stands_for_an_idle_step
     class Empty(KVConnectorMetadata):
         blocks: list[int] = msgspec.field(default_factory=list)
 
-    assert _default_blob("d", Drifting) is None and _default_blob("r", Required) is None
-    assert _default_blob("e", Empty) == msgspec.msgpack.encode(Empty())
+    assert _stable_default("d", Drifting) is None and _stable_default("r", Required) is None
+    assert _stable_default("e", Empty) == (Empty(), msgspec.msgpack.encode(Empty()))
 
 
 @pytest.mark.usefixtures("runner")

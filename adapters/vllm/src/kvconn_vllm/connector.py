@@ -208,23 +208,25 @@ def _tp_rank() -> int:
         return 0  # no distributed state (single process, tests)
 
 
-def _default_blob(name: str, metadata_type: type[KVConnMetadata]) -> bytes | None:
-    """``Metadata()`` encoded, if it has defaults for every field and encodes the same each time (else ``None``)."""
+def _stable_default(name: str, metadata_type: type[KVConnMetadata]) -> tuple[KVConnMetadata, bytes] | None:
+    """``Metadata()`` and its encoding, if it has defaults for every field and encodes the same each time."""
     try:
-        blob = encode_metadata(name, metadata_type())
+        default, blob = metadata_type(), encode_metadata(name, metadata_type())
     except (TypeError, KVConnError):  # a required field
         return None
-    return blob if blob == encode_metadata(name, metadata_type()) else None
+    return (default, blob) if blob == encode_metadata(name, default) else None
 
 
-def _idle_step(host: ConnectorHost, builders: list[str]) -> tuple[IdleStep | None, dict[str, bytes]]:
-    """The scheduler's :data:`IdleStep`, and each builder's default metadata encoded.
+def _idle_step(
+    host: ConnectorHost, builders: list[str]
+) -> tuple[IdleStep | None, dict[str, tuple[KVConnMetadata, bytes]]]:
+    """The scheduler's :data:`IdleStep`, and each builder's default metadata with its encoding.
 
     ``None`` when a builder's ``Metadata`` has no stable default: every step then sends its metadata.
     """
-    blobs = {name: _default_blob(name, host.metadata_types[name]) for name in builders}
-    usable = {name: blob for name, blob in blobs.items() if blob is not None}
-    return (tuple(builders) if len(usable) == len(blobs) else None), usable
+    found = {name: _stable_default(name, host.metadata_types[name]) for name in builders}
+    defaults = {name: pair for name, pair in found.items() if pair is not None}
+    return (tuple(builders) if len(defaults) == len(found) else None), defaults
 
 
 def _failed_loads(loads: dict[str, LoadSpec]) -> tuple[set[str], set[int]]:
@@ -280,8 +282,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             for n, c in self.host.connectors.items()
             if n in self._sent and hasattr(hook_object(c), "build_connector_meta")
         ]
-        self._idle, self._idle_blobs = _idle_step(self.host, self._builders)
-        self._idle_defaults = {name: self.host.metadata_types[name]() for name in self._idle_blobs}
+        self._idle, self._defaults = _idle_step(self.host, self._builders)
         self._collector = ReportCollector(self.host.names, int(vllm_config.parallel_config.world_size))
         # worker side: metadata is decoded only for connectors with a worker hook that takes it
         self._readers = set(self.host.implementers("start_load_kv") + self.host.implementers("save_kv_layer"))
@@ -333,19 +334,19 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         host = self._scheduler_host
         metadata = host.build_connector_meta(output, self._block_state(scheduler_output, output))
         encoded: dict[str, bytes] = {}
-        idle, defaults = self._idle, self._idle_blobs
+        idle, defaults = self._idle, self._defaults
         for name, meta in metadata.items():
             if name not in self._sent:
                 continue
-            if idle is not None and meta == self._idle_defaults[name]:  # what its workers decode: nothing to encode
-                encoded[name] = defaults[name]
+            if idle is not None and meta == defaults[name][0]:  # what its workers decode: nothing to encode
+                encoded[name] = defaults[name][1]
                 continue
             try:
                 blob = encoded[name] = encode_metadata(name, meta)
             except KVConnError as exc:  # its workers get no metadata and fail its loads
                 logger.warning("kvconn connector %r: metadata dropped this step: %s", name, exc)
                 continue
-            if idle is not None and blob != defaults[name]:
+            if idle is not None and blob != defaults[name][1]:
                 idle = None
         # encoded holds only builders' metadata: one missing was dropped
         dropped = [n for n in self._builders if n not in encoded] if len(encoded) < len(self._builders) else []
@@ -364,7 +365,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         check what a connector sent (``kvconn validate --engine vllm``).
         """
         if isinstance(sent, tuple):
-            return self._idle_blobs.get(name) if name in sent else None
+            return self._defaults[name][1] if name in sent else None
         return sent.connectors.get(name)
 
     def _block_state(self, scheduler_output: Any, output: Any) -> KVConnectorBlockState:
