@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -25,10 +27,16 @@ def _module() -> Any:
     return module
 
 
-def _run(sizes: Any, ttft: float, hits: int, wall: float, tokens: list[int]) -> dict[str, Any]:
+def _run(
+    sizes: Any, ttft: float, hits: int, wall: float, tokens: list[int], own: float | None = None
+) -> dict[str, Any]:
+    """A made-up run: every request takes ``wall / requests`` seconds, ``own`` of them inside the connector."""
+    count = sizes.turns * sizes.conversations
     requests = [
         {"conv": c, "turn": t, "ttft": ttft if t else 1.0, "ttft_cpu": ttft if t else 1.0, "tokens": tokens,
-         "prompt_len": sizes.prompt_len(t), "cached": 0}
+         "prompt_len": sizes.prompt_len(t), "cached": 0, "seconds": wall / count, "own_s": own,
+         "own_by_call_s": {} if own is None else {"start_load_kv": own * 0.75, "get_num_new_matched_tokens": own / 4},
+         "own_total_s": own}
         for t in range(sizes.turns) for c in range(sizes.conversations)
     ]  # fmt: skip
     return {"requests": requests, "wall_s": wall, "external_hit_tokens": hits, "memcpy_bytes_per_s": 1 << 30,
@@ -44,8 +52,10 @@ def test_report_rows_match_the_columns_and_targets_follow_the_figures(tmp_path: 
     runs = {
         "none": _run(sizes, 1.0, 0, 10.0, [5]),
         "fit": _run(sizes, 0.100, 0, 5.0, [5]),
-        "offload": _run(sizes, 0.1015, hits, 5.1, [5]),  # 1.5 ms over fit: within 2x memcpy
-        "mooncake": _run(sizes, 0.2, hits, 12.0, [6]),  # 2x fit, slower than none, different tokens
+        # 1.5 ms over fit, 1.5 ms its own: within 2x memcpy; 1.5 ms of a 1.3 s request (0.1%)
+        "offload": _run(sizes, 0.1015, hits, 5.1, [5], own=0.0015),
+        # 2x fit, slower than none, different tokens; 50 ms of a 3 s request (1.7%)
+        "mooncake": _run(sizes, 0.2, hits, 12.0, [6], own=0.05),
     }
     chat = e2e.summarise(runs, sizes)
     noreuse = e2e.summarise_noreuse({n: r for n, r in runs.items() if n != "fit"})
@@ -57,10 +67,20 @@ def test_report_rows_match_the_columns_and_targets_follow_the_figures(tmp_path: 
         ("offload: evicted-turn TTF", True),
         ("offload: whole-run throug", True),
         ("offload: time over fit <=", True),
+        ("offload: its own time per", True),
         ("mooncake (real master): e", False),  # 2x fit
         ("no reuse: every connector", False),  # mooncake: 10 s / 12 s of none's rate
+        ("no reuse: every connector", False),  # mooncake: its own time 1.7% of its requests'
         ("every run's tokens equal ", False),  # mooncake's differ
     ]
+    assert chat["offload"]["own_by_call_ms"] == pytest.approx(
+        {"get_num_new_matched_tokens": 0.375, "start_load_kv": 1.125}
+    )
+    own = e2e.COLUMNS.index("own ms/turn")
+    assert chat["none"]["own_ms_p50"] is None and bench.rows[0][own] == "-"
+    assert bench.rows[2][own : own + 2] == pytest.approx([1.5, 1.5], rel=0.05)  # 1.5 ms, a memcpy of ~1 ms
+    request_s = 12.0 / (sizes.turns * sizes.conversations)
+    assert noreuse["mooncake"]["own_share_pct"] == pytest.approx(0.05 / request_s * 100)
     out = tmp_path / "e2e.json"
     bench.finish(argparse.Namespace(quick=True, json=out))
     assert json.loads(out.read_text())["rows"][0][0] == "none"
