@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import msgspec
@@ -50,6 +51,23 @@ def test_pin_auto_uses_pageable_memory_and_says_so_once(caplog: pytest.LogCaptur
     assert worker.num_slots == (1 << 16) // (2 * 2 * 16 * 2 * 8 * 2)
     worker.shutdown()
     assert worker.pool is None
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from Linux's /proc")
+def test_the_pool_is_committed_when_the_caches_are_registered() -> None:
+    """No save pays the page faults of a fresh pool inside a step: its pages are in memory from the start."""
+    pool_bytes = 128 << 20
+    worker = load_connector("offload", role="worker", config={"pool_bytes": pool_bytes, "pin_memory": "never"}).side
+    before = _resident_bytes()
+    worker.register_kv_caches({f"layer.{i}": torch.zeros(8, 2, 16, 2, 8, dtype=torch.float16) for i in range(2)})
+    assert _resident_bytes() - before >= 0.9 * pool_bytes
+    assert not worker.pool.any()
+    worker.shutdown()
 
 
 def test_manager_never_evicts_pinned_or_pending_entries() -> None:

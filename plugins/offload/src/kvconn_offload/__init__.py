@@ -4,8 +4,10 @@ Connector name ``offload``. The scheduler side keeps an LRU (or FIFO) index
 of block hashes over a fixed pool of host slots, saves each full block on the
 step that fills it and loads the longest offloaded prefix on a hit (async, or
 with ``load_async: false`` in the step that computes the rest of the prompt);
-the worker side owns the pool (pinned when an accelerator is present) and
-moves blocks with batched gathers/scatters.
+the worker side owns the pool (pinned when an accelerator is present, and
+committed when the KV caches are registered: all of ``pool_bytes`` is taken
+then, so no save faults pages in during a step) and moves blocks with
+batched gathers/scatters.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pool_bytes: Annotated[
         Annotated[int, msgspec.Meta(ge=1, le=MAX_POOL_BYTES)] | None,
         msgspec.Meta(
-            description="Host pool size in bytes (rounded down to whole offloaded blocks); "
-            "the scheduler learns the block count from the worker's first report"
+            description="Host pool size in bytes (rounded down to whole offloaded blocks), taken when the worker "
+            "starts; the scheduler learns the block count from the worker's first report"
         ),
     ] = None
     block_size_multiple: Annotated[

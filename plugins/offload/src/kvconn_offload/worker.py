@@ -132,13 +132,15 @@ class OffloadWorker:
         mode = self.config.pin_memory
         self.pinned = mode == "always" or (mode == "auto" and on_device and torch.cuda.is_available())
         shape = (len(names), self.num_slots * self.multiple, *first.shape[1:])
-        pool = torch.empty(shape, dtype=first.dtype, pin_memory=self.pinned)
+        # Zeroed, not empty: the pool's pages are committed here, once. An empty pageable pool faults a page in
+        # on the first save into each slot, inside a step: that save ran ~3x a memcpy (benchmarks/RESULTS.md).
+        pool = torch.zeros(shape, dtype=first.dtype, pin_memory=self.pinned)
         self.pool = pool
         self._copier = BlockCopier(wide_rows(pool, 2))
         if on_device:
             self._stream = torch.cuda.Stream(device=first.device)
         logger.info(
-            "offload pool: %d offloaded blocks, %.1f MiB of %s host memory%s",
+            "offload pool: %d offloaded blocks, %.1f MiB of %s host memory, committed%s",
             self.num_slots,
             pool.numel() * pool.element_size() / 2**20,
             "pinned" if self.pinned else "pageable",
