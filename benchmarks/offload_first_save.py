@@ -29,7 +29,7 @@ from kvconn_offload import BlockCopier, CopyPlan, wide_rows
 BLOCK_SHAPE = (2, 32, 4, 64)
 
 
-def first_saves(pool: Any, kv: list[Any], blocks: int, rounds: int) -> Callable[[int], float]:
+def first_saves(pool: Any, kv: list[Any], blocks: int) -> Callable[[int], float]:
     """Round ``r``: the seconds to save ``blocks`` blocks of every layer into host blocks ``r * blocks ...``."""
     copier = BlockCopier(wide_rows(pool, 2))
     device = list(range(1, blocks + 1))
@@ -57,8 +57,8 @@ def main() -> int:
     for blocks in sizes:
         kv = [wide_rows(torch.randn(blocks + 1, *BLOCK_SHAPE)) for _ in range(layers)]
         shape = (layers, rounds * blocks, *BLOCK_SHAPE)
-        committed = first_saves(torch.zeros(shape), kv, blocks, rounds)
-        empty = first_saves(torch.empty(shape), kv, blocks, rounds)
+        committed = first_saves(torch.zeros(shape), kv, blocks)
+        empty = first_saves(torch.empty(shape), kv, blocks)
         times: dict[str, list[float]] = {"committed": [], "empty": [], "again": []}
         for round_ in range(rounds):
             times["committed"].append(committed(round_))

@@ -211,10 +211,12 @@ def _tp_rank() -> int:
 def _stable_default(name: str, metadata_type: type[KVConnMetadata]) -> tuple[KVConnMetadata, bytes] | None:
     """``Metadata()`` and its encoding, if it has defaults for every field and encodes the same each time."""
     try:
-        default, blob = metadata_type(), encode_metadata(name, metadata_type())
+        default = metadata_type()
+        blob = encode_metadata(name, default)
+        again = encode_metadata(name, metadata_type())  # a worker builds its own default
     except (TypeError, KVConnError):  # a required field
         return None
-    return (default, blob) if blob == encode_metadata(name, default) else None
+    return (default, blob) if blob == again else None
 
 
 def _idle_step(
