@@ -10,8 +10,11 @@ scattered device block ids. Host slots are either ``contiguous`` (as the
 manager hands out the lowest free slots on an empty pool: one run across all
 requests) or ``scattered`` (a random subset of a pool twice that size: the
 fragmented-pool fallback). The reference is one contiguous ``copy_`` of the
-same bytes: the machine's memcpy limit on CPU, torch's own pinned
-host<->device ``copy_`` on CUDA. Rounds are interleaved (save, load,
+same bytes: the machine's memcpy limit on CPU (``copy_`` uses all of
+torch's threads), torch's own pinned host<->device ``copy_`` on CUDA. On CPU
+with several torch threads the same hooks also run with torch set to one
+thread ("1 thread"), in the same rounds: what the copies gain from torch's
+threads (long runs go through torch's kernels, which split them over those). Rounds are interleaved (save, load,
 reference in turn, so a noisy neighbour hits each alike); a ratio is the
 median over rounds of reference time / hook time in the same round. The
 loaded KV is checked bit-exact against what was saved.
@@ -96,6 +99,10 @@ def bench(block_tokens: int, layout: str, args: argparse.Namespace) -> dict[str,
         step(save_meta)
 
     runs: dict[str, Callable[[], None]] = {"save": save, "load": lambda: step(load_meta)}
+    single = not cuda and torch.get_num_threads() > 1
+    if single:  # the same hooks with torch on one thread: what its kernels' threads buy (long runs go through them)
+        runs["save 1 thread"] = _on_one_thread(save)
+        runs["load 1 thread"] = _on_one_thread(lambda: step(load_meta))
     if cuda:
         runs["d2h"] = lambda: dst.copy_(src, non_blocking=True)
         runs["h2d"] = lambda: src.copy_(dst, non_blocking=True)
@@ -111,7 +118,8 @@ def bench(block_tokens: int, layout: str, args: argparse.Namespace) -> dict[str,
     ref_save, ref_load = ("d2h", "h2d") if cuda else ("contiguous", "contiguous")
     stats = worker.get_kv_connector_stats()
     calls = args.warmup + args.repeats
-    assert stats["blocks_saved"] == n * (calls + 1) and stats["blocks_loaded"] == n * calls, stats
+    each = 2 if single else 1  # steps per round of each kind
+    assert stats["blocks_saved"] == n * (each * calls + 1) and stats["blocks_loaded"] == n * each * calls, stats
     assert not worker.get_block_ids_with_load_errors()
     for t in kv.values():
         assert torch.equal(t[saved], t[loaded]), "loaded KV differs from what was saved"
@@ -125,7 +133,27 @@ def bench(block_tokens: int, layout: str, args: argparse.Namespace) -> dict[str,
         **{f"{name}_gbps": nbytes / statistics.median(ts) / 1e9 for name, ts in times.items()},
         "save_ratio": _ratio(times[ref_save], times["save"]),
         "load_ratio": _ratio(times[ref_load], times["load"]),
+        **(
+            {
+                "save_1_thread_ratio": _ratio(times[ref_save], times["save 1 thread"]),
+                "load_1_thread_ratio": _ratio(times[ref_load], times["load 1 thread"]),
+            }
+            if single
+            else {}
+        ),
     }
+
+
+def _on_one_thread(fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            fn()
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
 
 
 def _ratio(reference: list[float], measured: list[float]) -> float:
@@ -156,17 +184,19 @@ def main() -> int:
     results = [bench(bt, layout, args) for bt in args.block_tokens for layout in ("contiguous", "scattered")]
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     gbps = [k for k in results[0] if k.endswith("_gbps")]
+    single = "load_1_thread_ratio" in results[0]
     columns = ["block tokens", "host slots", "requests", "MiB", *[k.removesuffix("_gbps") + " GB/s" for k in gbps]]
     table = Bench(
         f"offload worker hooks vs a contiguous copy: {args.layers} layers x {args.kv_heads} KV heads x head dim "
         f"{args.head_dim}, float16, {args.tokens} tokens per step in {args.request_blocks}-block requests, "
         f"device {args.device} ({where}), torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{args.repeats} interleaved rounds",
-        [*columns, "save/ref", "load/ref"],
+        [*columns, "save/ref", "load/ref", *(["1 thread: save/ref", "1 thread: load/ref"] if single else [])],
     )
     for r in results:
         cells = [r["block_tokens"], r["layout"], r["requests"], r["mib"], *[r[k] for k in gbps]]
-        table.row(*cells, r["save_ratio"], r["load_ratio"])
+        singles = [r["save_1_thread_ratio"], r["load_1_thread_ratio"]] if single else []
+        table.row(*cells, r["save_ratio"], r["load_ratio"], *singles)
         goal = TARGET if r["layout"] == "contiguous" else TARGET_SCATTERED
         worst = min(r["save_ratio"], r["load_ratio"])
         table.target(

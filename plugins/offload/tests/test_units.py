@@ -14,7 +14,7 @@ from kvconn import ConnectorConfigError, KVConnectorBlockState, KVConnectorOutpu
 from kvconn.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from kvconn.reference.request import Request
 from kvconn_offload import BlockCopier, BlockTransfer, CopyPlan, OffloadManager, OffloadMetadata, wide_rows
-from kvconn_offload.copy import MAX_RUNS
+from kvconn_offload.copy import MAX_RUNS, PARALLEL_ELEMS
 from kvconn_offload.scheduler import LOADS_DONE_STAT, STORES_DONE_STAT
 
 
@@ -248,6 +248,40 @@ def test_copier_round_trip_is_bit_exact(row_elems: int, scattered: bool) -> None
     assert torch.equal(back[device], kv[device])
     with pytest.raises(IndexError, match="out of range"):
         copier.save(1, wide_rows(kv[:10]), plan)  # block ids past the cache: refused, never clipped
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_runs_go_through_torchs_kernels_only_when_torch_has_threads(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    index_select, index_copy_ = torch.index_select, torch.Tensor.index_copy_
+
+    def select(*args: Any, **kwargs: Any) -> Any:
+        calls.append("save")
+        return index_select(*args, **kwargs)
+
+    def copy(self: torch.Tensor, *args: Any) -> Any:
+        calls.append("load")
+        return index_copy_(self, *args)
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(torch, "index_select", select)
+    monkeypatch.setattr(torch.Tensor, "index_copy_", copy)
+    gen = torch.Generator().manual_seed(7)
+    kv = torch.randn(64, 1 << 12, generator=gen)  # 16 KiB rows: PARALLEL_ELEMS is 32 of them
+    pool = torch.zeros(2, 96, 1 << 12)
+    copier = BlockCopier(wide_rows(pool, 2))
+    device = torch.randperm(64, generator=gen)[:40].tolist()
+    host = [*range(36), *range(50, 54)]  # a run of 36 rows (torch's, with threads) and one of 4 (numpy's)
+    plan = CopyPlan.build(device, host)
+    assert -(-PARALLEL_ELEMS // wide_rows(kv).shape[1]) == 32
+    copier.save(1, wide_rows(kv), plan)
+    assert torch.equal(pool[1, host], kv[device]) and not pool[0].any()
+    back = torch.zeros_like(kv)
+    copier.load(1, wide_rows(back), plan)
+    assert torch.equal(back[device], kv[device]) and not back[[i for i in range(64) if i not in device]].any()
+    assert calls == (["save", "load"] if threads > 1 else [])
 
 
 NO_CUDA = "needs a CUDA device (torch.cuda.is_available() is False); scripts/gpu-check.sh runs it on a GPU machine"

