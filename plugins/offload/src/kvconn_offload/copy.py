@@ -22,12 +22,13 @@ check, so the plan checks its block ids against the tensors first (for both
 paths). Threads of kvconn's own lost: a helper thread taking half of each
 save made vLLM's saves 1.7x slower, likely because torch's threads still
 spin on the cores right after a layer's compute, where torch's kernels hand
-the work to those very threads. The manager hands out the
-lowest free slots, so a step's stores (and the loads of blocks stored
-together) are one run or a few. A fragmented plan whose runs are short
-(more than :data:`MAX_RUNS` runs averaging under :data:`RUN_BYTES`) copies
-through a small reused staging buffer instead, in chunks that stay in the
-CPU cache. No Python loop per block.
+the work to those very threads.
+
+The manager hands out the lowest free slots, so a step's stores (and the
+loads of blocks stored together) are one run or a few. A fragmented plan
+whose runs are short (more than :data:`MAX_RUNS` runs averaging under
+:data:`RUN_BYTES`) copies through a small reused staging buffer instead, in
+chunks that stay in the CPU cache. No Python loop per block.
 
 On CUDA the same plan runs on a side stream: saves gather on the device, then
 copy each run to pinned host memory non-blocking; loads copy runs to a device
