@@ -2,22 +2,23 @@
 
 Times the ``offload`` connector's worker side as an engine drives it for one
 many-request step: ``start_load_kv(metadata)``, ``save_kv_layer`` per layer,
-``wait_for_save``, ``get_finished`` (and on CUDA a device synchronize, so the
-side-stream copies are inside the time). A *save step* stores ``--tokens``
-tokens of every layer, a *load step* loads them back into other device
-blocks; both are split into requests of ``--request-blocks`` blocks at
-scattered device block ids. Host slots are either ``contiguous`` (as the
+``wait_for_save``, ``get_finished`` (and on CUDA a device synchronize, so
+the side-stream copies are inside the time). A *save step* stores
+``--tokens`` tokens of every layer, a *load step* loads them back into other
+device blocks; both are split into requests of ``--request-blocks`` blocks
+at scattered device block ids. Host slots are either ``contiguous`` (as the
 manager hands out the lowest free slots on an empty pool: one run across all
 requests) or ``scattered`` (a random subset of a pool twice that size: the
 fragmented-pool fallback). The reference is one contiguous ``copy_`` of the
-same bytes: the machine's memcpy limit on CPU (``copy_`` uses all of
-torch's threads), torch's own pinned host<->device ``copy_`` on CUDA. On CPU
-with several torch threads the same hooks also run with torch set to one
-thread ("1 thread"), in the same rounds: what the copies gain from torch's
-threads (long runs go through torch's kernels, which split them over those). Rounds are interleaved (save, load,
-reference in turn, so a noisy neighbour hits each alike); a ratio is the
-median over rounds of reference time / hook time in the same round. The
-loaded KV is checked bit-exact against what was saved.
+same bytes: the machine's memcpy limit on CPU (``copy_`` uses all of torch's
+threads), torch's own pinned host<->device ``copy_`` on CUDA. On CPU with
+several torch threads the same hooks also run with torch set to one thread
+("1 thread"), in the same rounds: what the copies gain from torch's threads
+(long runs go through torch's kernels, which split them over those). Rounds
+are interleaved (save, load, reference in turn, so a noisy neighbour hits
+each alike); a ratio is the median over rounds of reference time / hook time
+in the same round. The loaded KV is checked bit-exact against what was
+saved.
 
     python benchmarks/offload_bandwidth.py [--device cuda] [--layers 8] [--threads 1] [--json out.json] [--quick]
 """
