@@ -20,8 +20,10 @@ holding the whole working set: the best any connector can do), kvconn
 ``offload`` (and, only when ``--configs`` names it, ``offload-sync``: its
 ``load_async: false``), kvconn ``mooncake`` on the real ``mooncake_master`` (inside a
 network namespace, from plugins/mooncake/tests/mooncake_netns.py; root
-needed) and vLLM's own ``example`` connector (``ExampleConnector``: KV on
-disk, in a temp dir). Each has its own engine subprocess (vLLM keeps
+needed; and, only when ``--configs`` names it, ``mooncake-async``: its
+``save_async: true``; each Mooncake engine in a namespace of its own) and
+vLLM's own ``example`` connector (``ExampleConnector``: KV on disk, in a temp
+dir). Each has its own engine subprocess (vLLM keeps
 process-wide state), with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless
 ``--multiprocess``, this checkout's sources first on ``PYTHONPATH``.
 
@@ -102,10 +104,10 @@ FP32 = 4
 RUN_TIMEOUT_S = 900
 #: One request's reply (a 2k-token prefill takes seconds; more on a loaded machine).
 REQUEST_TIMEOUT_S = 300
-CONFIGS = ("none", "fit", "offload", "offload-sync", "mooncake", "example")
-#: what a run measures unless ``--configs`` says otherwise (``offload-sync``: offload's two load modes side by side)
+CONFIGS = ("none", "fit", "offload", "offload-sync", "mooncake", "mooncake-async", "example")
+#: what a run measures unless ``--configs`` says otherwise (``offload-sync``, ``mooncake-async``: a mode side by side)
 DEFAULT_CONFIGS = ("none", "fit", "offload", "mooncake", "example")
-CONNECTORS = ("offload", "offload-sync", "mooncake", "example")
+CONNECTORS = ("offload", "offload-sync", "mooncake", "mooncake-async", "example")
 
 
 @dataclass(frozen=True)
@@ -505,12 +507,12 @@ def engine_spec(
     """What ``--child`` needs to build configuration ``name``'s engine (``mooncake``: that connector's config)."""
     spec: dict[str, Any] = {
         "model": model, "sizes": asdict(sizes), "blocks": sizes.fit_blocks if name == "fit" else sizes.small_blocks,
-        "connector": None if name in ("none", "fit") else name.removesuffix("-sync"), "device": device,
+        "connector": None if name in ("none", "fit") else name.partition("-")[0], "device": device,
     }  # fmt: skip
     if name.startswith("offload"):  # a host pool holding every pass's working set twice over
         spec["config"] = {"pool_bytes": 2 * sizes.stored_bytes, "load_async": name == "offload"}
-    if name == "mooncake":
-        spec["config"] = mooncake
+    if name.startswith("mooncake"):  # a namespace each: one master, and no engine may hit another's saves
+        spec["config"] = {**(mooncake or {}), "namespace": name, "save_async": name == "mooncake-async"}
     if name == "example":
         spec["storage"] = tempfile.mkdtemp(prefix="example-connector-", dir=tmp)
     return spec
@@ -592,7 +594,7 @@ def run_all(
     subprocess.run(build, env=child_env(multiprocess), check=True, timeout=RUN_TIMEOUT_S, capture_output=True)
     with ExitStack() as stack:
         netns, mooncake = None, None
-        if "mooncake" in configs:
+        if any(name.startswith("mooncake") for name in configs):
             netns, mooncake = stack.enter_context(mooncake_master(python, max(64 << 20, 2 * sizes.stored_bytes)))
         engines: dict[str, Engine] = {}
         for name in configs:  # all start at once: start-ups are most of a run on busy cores
@@ -810,7 +812,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--configs",
         default=",".join(DEFAULT_CONFIGS),
-        help=f"a comma-separated subset of {','.join(CONFIGS)} (default: all but offload-sync)",
+        help=f"a comma-separated subset of {','.join(CONFIGS)} (default: all but offload-sync and mooncake-async)",
     )
     parser.add_argument("--multiprocess", action="store_true", help="vLLM's engine core in its own process")
     parser.add_argument("--device", choices=sorted(PLATFORMS), default="cpu",

@@ -86,17 +86,29 @@ def test_mooncake_embedded_store_is_refused_when_workers_run_in_other_processes(
 
 
 @pytest.mark.parametrize(
-    ("connectors", "tp"),
-    [(["mooncake", CONTRACT], 1), (["offload", "mooncake"], 1), (["mooncake", CONTRACT], 2)],
-    ids=["mooncake", "offload+mooncake", "mooncake-tp2"],
+    ("connectors", "tp", "save_async"),
+    [
+        (["mooncake", CONTRACT], 1, False),
+        (["offload", "mooncake"], 1, False),
+        (["mooncake", CONTRACT], 2, False),
+        (["mooncake", CONTRACT], 1, True),
+    ],
+    ids=["mooncake", "offload+mooncake", "mooncake-tp2", "mooncake-saves-async"],
 )
 def test_mooncake_on_a_real_master_in_a_multiprocess_engine(
-    tiny_model: str, baseline: dict[str, Any], netns_harness: Any, run_engine: Any, connectors: list[str], tp: int
+    tiny_model: str,
+    baseline: dict[str, Any],
+    netns_harness: Any,
+    run_engine: Any,
+    connectors: list[str],
+    tp: int,
+    save_async: bool,
 ) -> None:
     """The real store, shared by vLLM's scheduler and worker processes, inside a network namespace.
 
     With two tensor-parallel ranks each stores its own shard of every block under keys of its own: the shards
-    have one layout, so a rank loading another's would pass every check but the tokens.
+    have one layout, so a rank loading another's would pass every check but the tokens. With ``save_async`` the
+    scheduler offers blocks whose put its worker may still be running (the worker lets it land before a load).
     """
     env = tp2_env() if tp == 2 else None
     h = netns_harness
@@ -107,6 +119,7 @@ def test_mooncake_on_a_real_master_in_a_multiprocess_engine(
             "local_hostname": "127.0.0.1",
             "protocol": "tcp",
             "global_segment_size": 64 << 20,
+            "save_async": save_async,
         }
         config = {name: mooncake if name == "mooncake" else None for name in connectors}
         spec = {"model": tiny_model, "connector": connectors, "config": config, "tp": tp}

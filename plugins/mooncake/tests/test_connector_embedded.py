@@ -20,9 +20,12 @@ from kvconn_mooncake import EmbeddedStore, MooncakeConnector
 from kvconn_mooncake.codes import LEASE_EXPIRED, NOT_FOUND, RPC_FAIL
 
 
-@pytest.mark.parametrize("block_size", [16, 256])
-def test_save_then_load_is_bit_exact(scenarios: types.ModuleType, embedded_config: dict, block_size: int) -> None:
-    scenarios.check_save_then_load(scenarios.save_then_load(embedded_config, block_size), block_size)
+@pytest.mark.parametrize(("block_size", "save_async"), [(16, False), (256, False), (16, True)])
+def test_save_then_load_is_bit_exact(
+    scenarios: types.ModuleType, embedded_config: dict, block_size: int, save_async: bool
+) -> None:
+    config = {**embedded_config, "save_async": save_async}
+    scenarios.check_save_then_load(scenarios.save_then_load(config, block_size), block_size)
 
 
 @pytest.mark.parametrize("block_size", [16, 256])

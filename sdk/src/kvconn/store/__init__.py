@@ -8,7 +8,7 @@ write-once ``put``, ``get`` into caller-given buffers, ``close``);
 
 from __future__ import annotations
 
-from .config import LoadAsync, MaxBackoff, SaveDecode, StoreConfig
+from .config import LoadAsync, MaxBackoff, SaveAsync, SaveDecode, StoreConfig
 from .connector import StoreConnector
 from .guard import StoreGuard, StoreUnavailable
 from .integrity import HEADER_BYTES, Integrity
@@ -26,6 +26,7 @@ __all__ = [
     "LoadAsync",
     "MaxBackoff",
     "PartsStore",
+    "SaveAsync",
     "SaveDecode",
     "ScatterStore",
     "StoreBlock",

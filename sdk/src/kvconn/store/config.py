@@ -6,13 +6,20 @@ from typing import Annotated
 
 import msgspec
 
-__all__ = ["LoadAsync", "MaxBackoff", "SaveDecode", "StoreConfig"]
+__all__ = ["LoadAsync", "MaxBackoff", "SaveAsync", "SaveDecode", "StoreConfig"]
 
 #: Upper bound of the durations, in seconds (a longer wait is a typo).
 MAX_SECONDS = 3600.0
 
 # The types of the options a store's Config may give another default (``load_async: LoadAsync = False``).
 LoadAsync = Annotated[bool, msgspec.Meta(description="load on a worker thread while the engine runs other requests")]
+SaveAsync = Annotated[
+    bool,
+    msgspec.Meta(
+        description="put a step's saves on a worker thread while the engine computes the next step (copied into "
+        "staging first; other engines sharing the store see them once the put returns)"
+    ),
+]
 SaveDecode = Annotated[bool, msgspec.Meta(description="save blocks filled during decode too (not only the prompt's)")]
 MaxBackoff = Annotated[
     float,
@@ -49,6 +56,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ),
     ] = 1000
     save_decode: SaveDecode = True
+    save_async: SaveAsync = False
     integrity_secret: (
         Annotated[
             str,

@@ -13,10 +13,15 @@
   group. A request loading on a step saves nothing that step (what it
   computes may rest on a failed load). A finished request with unsaved
   blocks keeps them (delayed free) until the worker reports their save landed.
+* With ``save_async`` a put lands after its step: until its deadline has
+  passed, a lookup counts what it saves as stored (the worker settles its put
+  in flight before any load, so it reads its own writes; a put that failed
+  makes that load fail, and the block is recomputed like an evicted one).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 
 from ..block_state import BlockIds, KVConnectorBlockState
@@ -51,6 +56,8 @@ class StoreScheduler(StoreSide):
         self._final: dict[str, list[StoreBlock]] = {}  # finished, saves not sent yet
         self._unsent: set[str] = set()  # in _final at the last report: no build_connector_meta ran since
         self._sending: set[str] = set()  # finished, saves sent, not reported landed yet
+        #: save_async: (group, block hash) -> when its save went out, oldest first (a lookup counts it stored)
+        self._in_flight: dict[tuple[int, bytes], float] = {}
         self._step = 0
 
     # ---------------------------------------------------------------- lookup
@@ -82,7 +89,19 @@ class StoreScheduler(StoreSide):
             self.stats.degraded("lookup_failed", len(keys), "lookups failed (store off or late): counted as misses")
             return start
         width = end - start
+        if self._in_flight:
+            self._forget_landed()
+            saving = self._in_flight
+            present = [ok or (g, hashes[start + j]) in saving for g in range(len(self.groups))
+                       for j, ok in enumerate(present[g * width : (g + 1) * width])]  # fmt: skip
         return loadable_hit(self.groups, self.block_size, start, end, lambda g, i: present[g * width + i - start])
+
+    def _forget_landed(self) -> None:
+        """Drop the in-flight saves whose put's deadline has passed: it returned, or failed, by now."""
+        horizon = time.monotonic() - self.config.timeout_s
+        saving = self._in_flight
+        while saving and next(iter(saving.values())) < horizon:
+            del saving[next(iter(saving))]
 
     # -------------------------------------------------------------- requests
 
@@ -131,6 +150,12 @@ class StoreScheduler(StoreSide):
             meta.finished_saves.append(req_id)
             self._sending.add(req_id)
         self._final.clear()
+        if self.config.save_async and meta.saves:
+            self._forget_landed()
+            now = time.monotonic()
+            for b in meta.saves:
+                self._in_flight.pop((b.group, b.block_hash), None)  # re-inserted last: oldest first
+                self._in_flight[(b.group, b.block_hash)] = now
         return meta
 
     def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> bool:

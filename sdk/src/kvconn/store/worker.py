@@ -19,9 +19,22 @@ request's blocks until that report too, ``Scheduler.finish_requests``); a value
 that fails verification is reported failed in that same report
 (``get_block_ids_with_load_errors``: the engine recomputes the block, never
 reading what the store wrote), and a get past its deadline is not reported until
-it returns. A staged load past its deadline is abandoned at once. Nothing here
-raises into the engine: a failed load reports its blocks (the engine recomputes
-them), a failed save is skipped; both are counted and logged once.
+it returns. A staged load past its deadline is abandoned at once.
+
+With ``save_async`` a step's put runs on the store's worker threads while the
+engine computes the next step. Its values are gathered into staging first (the
+engine may free or reuse any block once the step ends: a held request's blocks
+on this step's report, others on a preemption), so a held request is reported
+in ``finished_sending`` as soon as its blocks are copied, and the put never
+reads a KV cache. One put is in flight at a time: the next step's save, and
+any step's load, wait for it within its deadline (bounded staging memory, and
+a worker reads its own writes: the scheduler offers what it sent for saving
+as stored until that put's deadline has passed, see
+:class:`~kvconn.store.StoreScheduler`).
+
+Nothing here raises into the engine: a failed load reports its blocks (the
+engine recomputes them), a failed save is skipped; both are counted and logged
+once.
 """
 
 from __future__ import annotations
@@ -74,6 +87,16 @@ class _Load:
     late: bool = False
 
 
+@dataclass
+class _Save:
+    """A step's batched put in flight (``save_async``): its staged values' sizes, and the staging it reads."""
+
+    future: Future[Sequence[bool]]
+    sizes: list[int]
+    buffers: list[bytearray]
+    started: float = field(default_factory=time.monotonic)
+
+
 class StoreWorker(StoreSide):
     """The worker side of every :class:`~kvconn.store.StoreConnector`."""
 
@@ -86,6 +109,7 @@ class StoreWorker(StoreSide):
         self._errors: set[int] = set()
         self._recving: set[str] = set()
         self._buffers = StagingBuffers()
+        self._saving: _Save | None = None
         #: the store last judged, and whether it is a PartsStore and a ScatterStore (see :meth:`_judge`)
         self._judged: tuple[BlockStore | None, bool, bool] = (None, False, False)
 
@@ -111,6 +135,8 @@ class StoreWorker(StoreSide):
         self._metadata = metadata
         if not metadata.loads:
             return
+        if self._saving is not None:  # the scheduler may offer what that put is saving: read this worker's writes
+            self._settle_save(wait=True)
         blocks, bad = self._addressable(metadata.loads)
         self._fail([b.block_id for b in bad], "load_failed_unaddressable", "loads named blocks this worker lacks")
         groups = self._plan(blocks)
@@ -238,7 +264,9 @@ class StoreWorker(StoreSide):
 
         Through staging (gathered, then sealed in place), or, when the store
         is a :class:`~kvconn.store.PartsStore` and the KV caches are host
-        memory, straight from the KV caches (:meth:`_save_in_place`).
+        memory, straight from the KV caches (:meth:`_save_in_place`). With
+        ``save_async``, always through staging, and the put is only started
+        here (see the module docstring).
         """
         metadata = self._metadata
         if metadata is None or not metadata.saves:
@@ -248,9 +276,11 @@ class StoreWorker(StoreSide):
         by_group: dict[int, dict[bytes, int]] = {}
         for b in blocks:
             by_group.setdefault(b.group, {}).setdefault(b.block_hash, b.block_id)  # a prefix computed twice: once
-        if self._judge()[1] and all(self._layouts[g].in_place for g in by_group):
+        if not self.config.save_async and self._judge()[1] and all(self._layouts[g].in_place for g in by_group):
             self._save_in_place(by_group)
             return
+        if self._saving is not None:  # the last step's put, still in flight: one at a time
+            self._settle_save(wait=True)
         keys: list[bytes] = []
         values: list[memoryview] = []
         buffers: list[bytearray] = []
@@ -267,8 +297,15 @@ class StoreWorker(StoreSide):
                 keys.append(key)
                 values.append(value)
         sizes = [len(v) - HEADER_BYTES for v in values]
-        if self._put(lambda store: store.put(keys, values), sizes):
-            self._buffers.give(buffers)  # else dropped: a late put may still be reading them
+        if not self.config.save_async:
+            if self._put(lambda store: store.put(keys, values), sizes):
+                self._buffers.give(buffers)  # else dropped: a late put may still be reading them
+            return
+        try:
+            self._saving = _Save(self.guard.submit("put", lambda store: store.put(keys, values)), sizes, buffers)
+        except StoreUnavailable:
+            self._save_off(sizes)
+            self._buffers.give(buffers)  # no put started: nothing reads them
 
     def _judge(self) -> tuple[BlockStore | None, bool, bool]:
         """The store, whether it is a :class:`~kvconn.store.PartsStore` and a :class:`~kvconn.store.ScatterStore`.
@@ -307,15 +344,48 @@ class StoreWorker(StoreSide):
     def _put(self, put: Callable[[BlockStore], Sequence[bool]], sizes: Sequence[int]) -> bool:
         """One batched put within the deadline (value ``i`` holds ``sizes[i]`` payload bytes), counted; False: off."""
         try:
-            stored = list(self.guard.call("put", put))
+            stored = self.guard.call("put", put)
         except StoreUnavailable:
-            self.stats.degraded("save_failed_store_off", len(sizes), "saves failed (the store is off, late or raised)")
+            self._save_off(sizes)
             return False
+        self._saved(sizes, stored)
+        return True
+
+    def _settle_save(self, *, wait: bool) -> None:
+        """Count the put in flight once it returned (``wait``: within what is left of its deadline).
+
+        One that raised, or is past its deadline, trips the store; its staging
+        is dropped then, as a late put may still read it.
+        """
+        save = self._saving
+        assert save is not None
+        left = self.config.timeout_s - (time.monotonic() - save.started)
+        if not (wait or save.future.done() or left <= 0):
+            return
+        self._saving = None
+        try:
+            stored = self.guard.result("put", save.future, timeout=max(left, 0.0))
+        except StoreUnavailable:
+            self._save_off(save.sizes)
+            return
+        self._saved(save.sizes, stored)
+        self._buffers.give(save.buffers)
+
+    def _save_off(self, sizes: Sequence[int]) -> None:
+        self.stats.degraded("save_failed_store_off", len(sizes), "saves failed (the store is off, late or raised)")
+
+    def _saved(self, sizes: Sequence[int], stored: Sequence[bool]) -> None:
+        """Count a put's answers: value ``i`` held ``sizes[i]`` payload bytes."""
         saved = [size for size, ok in zip(sizes, stored, strict=True) if ok]
         self.stats.count("blocks_saved", len(saved))
         self.stats.count("bytes_saved", sum(saved))
         self.stats.degraded("save_failed_refused", len(sizes) - len(saved), "the store refused values (full?)")
-        return True
+
+    def shutdown(self) -> None:
+        """Let the put in flight land (within its deadline), then close the store: a clean stop loses no save."""
+        if self._saving is not None:
+            self._settle_save(wait=True)
+        super().shutdown()
 
     # ---------------------------------------------------------------- reports
 
@@ -323,6 +393,8 @@ class StoreWorker(StoreSide):
         """Held requests whose saves ran this step, and async loads that landed (or were abandoned)."""
         metadata, self._metadata = self._metadata, None
         sending = set(metadata.finished_saves) if metadata is not None else set()
+        if self._saving is not None:
+            self._settle_save(wait=False)
         if not self._pending and not self._recving:
             return sending, set()
         still: list[_Load] = []
