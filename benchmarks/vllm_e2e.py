@@ -25,7 +25,8 @@ needed; and, only when ``--configs`` names it, ``mooncake-async``: its
 vLLM's own ``example`` connector (``ExampleConnector``: KV on disk, in a temp
 dir). Each has its own engine subprocess (vLLM keeps
 process-wide state), with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless
-``--multiprocess``, this checkout's sources first on ``PYTHONPATH``.
+``--multiprocess`` (then each with the same reserved cores: vLLM's CPU backend
+reserves one more for a connector), this checkout's sources first on ``PYTHONPATH``.
 
 **Side by side**: all engines start at once and stay alive for the whole run;
 the driver sends the workloads' requests one at a time, round by round (round
@@ -408,7 +409,8 @@ def child_env(multiprocess: bool) -> dict[str, str]:
     """Offline; this checkout's sources first.
 
     No ``VLLM_CPU_KVCACHE_SPACE``: the engine's KV cache is sized by ``kv_cache_memory_bytes`` (a few MiB,
-    not the gigabytes vLLM would take), and that legacy variable, in whole GiB, would override it.
+    not the gigabytes vLLM would take), and that legacy variable, in whole GiB, would override it. With the
+    engine core in its own process, the same reserved cores for every configuration, connector or not.
     """
     path = os.pathsep.join([*(str(ROOT / s) for s in SOURCES), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env = {
@@ -416,6 +418,11 @@ def child_env(multiprocess: bool) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
     }  # fmt: skip
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if multiprocess:
+        # vLLM's CPU backend binds its worker's threads to all cores but the reserved ones, and reserves one more
+        # with a kv_transfer_config (for NIXL's transfer thread): the model would get a core fewer with a
+        # connector than without (on two cores, where that leaves none, a core more). One reservation for all.
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     return env
 
 

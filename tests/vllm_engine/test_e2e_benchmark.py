@@ -9,12 +9,14 @@ other configurations.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import subprocess
 import sys
 import types
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -53,3 +55,28 @@ def test_vllm_e2e_quick_through_the_cli(tmp_path: Path, mooncake_or_none: types.
     assert figures and all(math.isfinite(x) for x in figures)
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "vLLM end to end" in proc.stdout
+
+
+def test_multiprocess_runs_bind_the_model_to_the_same_cores_with_a_connector_or_without(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's CPU backend reserves a core more when a kv_transfer_config is set; ``--multiprocess`` evens it out.
+
+    Without that, the model of every connector's engine would run on other cores than ``none``'s and ``fit``'s
+    (a core fewer, or on two cores a core more), and the benchmark would compare engines, not connectors. Run
+    through vLLM's own thread-binding manager, with what it reads of the engine's config.
+    """
+    from vllm.config import KVTransferConfig
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    for key, value in importlib.import_module("vllm_e2e").child_env(multiprocess=True).items():
+        monkeypatch.setenv(key, value)
+
+    def cores(kv_transfer_config: KVTransferConfig | None) -> tuple[list[list[int]], list[int]]:
+        parallel = SimpleNamespace(local_world_size=1, data_parallel_rank_local=None, _api_process_count=1)
+        manager = OMPProcessManager(SimpleNamespace(parallel_config=parallel, kv_transfer_config=kv_transfer_config))
+        return manager.cpu_lists, manager.reserved_cpu_list
+
+    with_connector = cores(KVTransferConfig(kv_connector="KVConnConnector", kv_role="kv_both"))
+    assert with_connector == cores(None), "a connector's engine gets other cores for its model than no connector's"
