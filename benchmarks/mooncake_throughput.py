@@ -24,8 +24,13 @@ that the connector's load is bit-exact in every layer, and then removes every ke
 (so the store needs one round's worth of memory). Round 0 warms up and is not
 counted. Prints a Markdown table: the median time of each row, and its ratio to
 the raw contiguous call, the median of the per-round ratios (paired rounds cancel
-most of the drift of a shared machine). Usage: ``python
-benchmarks/mooncake_throughput.py [--blocks N] [--layers L] [--rounds R] [--quick] [--json FILE]``.
+most of the drift of a shared machine). ``--gap-ms`` idles that long before each
+timed call, as an engine's puts and gets come between steps of compute (caches
+and the client's threads go cold). ``--first-touch`` keeps every round's values,
+so each put lands in pages of the segment that were never written, as an engine's
+puts do until its segment has filled once. Usage: ``python
+benchmarks/mooncake_throughput.py [--blocks N] [--layers L] [--rounds R] [--gap-ms MS] [--first-touch] [--quick]
+[--json FILE]``.
 """
 
 from __future__ import annotations
@@ -133,6 +138,7 @@ def inner(args: argparse.Namespace) -> dict[str, Any]:
         }
         labels = list(saves_and_loads)
         for label in _rotated(labels[:4], r) + _rotated(labels[4:], r):
+            time.sleep(args.gap_ms / 1000)  # untimed: an engine's calls come between steps of compute
             seconds = _timed(saves_and_loads[label])
             if r:
                 times.setdefault(label, []).append(seconds)
@@ -143,7 +149,8 @@ def inner(args: argparse.Namespace) -> dict[str, Any]:
             assert all(torch.equal(t[1 : 1 + n], t[start : start + n]) for t in kv.values()), "loaded KV differs"
         for t in kv.values():
             t[1 + n :].zero_()
-        client.remove_all(True)
+        if not args.first_touch:  # else the next round's values land in pages of the segment never written
+            client.remove_all(True)
     worker.shutdown()
     return {"blocks": n, "value_bytes": value_bytes, "times": times}
 
@@ -188,6 +195,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--segment-mib", type=int, default=0, help="store size (default: enough for one round)")
+    parser.add_argument("--gap-ms", type=float, default=0.0, help="idle milliseconds before each timed call")
+    parser.add_argument("--first-touch", action="store_true", help="keep all rounds' values: puts in fresh pages")
     parser.add_argument("--json", type=pathlib.Path, metavar="FILE", help="also write the results as JSON to FILE")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (a smoke run)")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
@@ -195,7 +204,8 @@ def main() -> int:
     if args.quick:
         args.blocks, args.rounds = 16, 2
     value_mib = args.layers * 64 / 1024
-    args.segment_mib = args.segment_mib or int(args.blocks * value_mib * 4 * 1.3) + 64  # one round's values
+    rounds_kept = args.rounds + 1 if args.first_touch else 1
+    args.segment_mib = args.segment_mib or int(args.blocks * value_mib * 4 * 1.3 * rounds_kept) + 64  # the values kept
     if args.inner:
         print("RESULT " + json.dumps(inner(args)))
         return 0
@@ -204,7 +214,8 @@ def main() -> int:
     if reason:
         print(f"cannot run the Mooncake benchmark here: {reason}", file=sys.stderr)
         return 2
-    argv = [f"--blocks={args.blocks}", f"--layers={args.layers}", f"--rounds={args.rounds}", "--inner"]
+    argv = [f"--blocks={args.blocks}", f"--layers={args.layers}", f"--rounds={args.rounds}", f"--gap-ms={args.gap_ms}"]
+    argv += ["--first-touch"] * args.first_touch + ["--inner"]
     argv.append(f"--segment-mib={args.segment_mib}")
     with h.netns() as ns, h.mooncake_master(ns, lease_ttl_ms=5000) as m:
         run = h.run_python(ns, script=__file__, args=argv, env=m.client_env(), timeout=600, python=sys.executable)

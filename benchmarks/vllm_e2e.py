@@ -20,8 +20,9 @@ holding the whole working set: the best any connector can do), kvconn
 ``offload`` (and, only when ``--configs`` names it, ``offload-sync``: its
 ``load_async: false``), kvconn ``mooncake`` on the real ``mooncake_master`` (inside a
 network namespace, from plugins/mooncake/tests/mooncake_netns.py; root
-needed; and, only when ``--configs`` names it, ``mooncake-async``: its
-``save_async: true``; each Mooncake engine in a namespace of its own) and
+needed; and, only when ``--configs`` names them, ``mooncake-async``: its
+``save_async: true``, and ``mooncake-warm``: its ``warm_segment: true``; each
+Mooncake engine in a namespace of its own) and
 vLLM's own ``example`` connector (``ExampleConnector``: KV on disk, in a temp
 dir). Each has its own engine subprocess (vLLM keeps
 process-wide state), with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless
@@ -105,10 +106,10 @@ FP32 = 4
 RUN_TIMEOUT_S = 900
 #: One request's reply (a 2k-token prefill takes seconds; more on a loaded machine).
 REQUEST_TIMEOUT_S = 300
-CONFIGS = ("none", "fit", "offload", "offload-sync", "mooncake", "mooncake-async", "example")
-#: what a run measures unless ``--configs`` says otherwise (``offload-sync``, ``mooncake-async``: a mode side by side)
+CONFIGS = ("none", "fit", "offload", "offload-sync", "mooncake", "mooncake-async", "mooncake-warm", "example")
+#: what a run measures unless ``--configs`` says otherwise (``offload-sync``, ``mooncake-*``: a mode side by side)
 DEFAULT_CONFIGS = ("none", "fit", "offload", "mooncake", "example")
-CONNECTORS = ("offload", "offload-sync", "mooncake", "mooncake-async", "example")
+CONNECTORS = ("offload", "offload-sync", "mooncake", "mooncake-async", "mooncake-warm", "example")
 
 
 @dataclass(frozen=True)
@@ -519,7 +520,8 @@ def engine_spec(
     if name.startswith("offload"):  # a host pool holding every pass's working set twice over
         spec["config"] = {"pool_bytes": 2 * sizes.stored_bytes, "load_async": name == "offload"}
     if name.startswith("mooncake"):  # a namespace each: one master, and no engine may hit another's saves
-        spec["config"] = {**(mooncake or {}), "namespace": name, "save_async": name == "mooncake-async"}
+        spec["config"] = {**(mooncake or {}), "namespace": name, "save_async": name == "mooncake-async",
+                          "warm_segment": name == "mooncake-warm"}  # fmt: skip
     if name == "example":
         spec["storage"] = tempfile.mkdtemp(prefix="example-connector-", dir=tmp)
     return spec
@@ -819,7 +821,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--configs",
         default=",".join(DEFAULT_CONFIGS),
-        help=f"a comma-separated subset of {','.join(CONFIGS)} (default: all but offload-sync and mooncake-async)",
+        help=f"a comma-separated subset of {','.join(CONFIGS)} (default: {','.join(DEFAULT_CONFIGS)})",
     )
     parser.add_argument("--multiprocess", action="store_true", help="vLLM's engine core in its own process")
     parser.add_argument("--device", choices=sorted(PLATFORMS), default="cpu",

@@ -190,6 +190,16 @@ def test_a_store_started_before_its_master_connects_within_an_interval_of_it_com
     guard.close()
 
 
+def test_a_warm_up_that_fails_leaves_the_store_working(caplog: pytest.LogCaptureFixture) -> None:
+    """``warm_segment`` is best effort: a client that cannot do it (this stand-in has no ``get_hostname``) connects."""
+    client = StandInClient()
+    with listener(MASTER_ANSWER) as address:
+        guard = _guard(dataclasses.replace(_settings(address), warm_segment=True), client)
+        assert _eventually(lambda: _answers(guard))
+    guard.close()
+    assert "mooncake segment warm-up failed" in caplog.text and "get_hostname" in caplog.text
+
+
 def test_a_client_with_a_call_still_running_is_abandoned_not_closed() -> None:
     """Any call after ``close()`` crashes the real client: a late call keeps it from being closed under it."""
     client = StandInClient()

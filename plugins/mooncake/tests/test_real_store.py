@@ -50,9 +50,12 @@ def test_save_load_fill_steps_and_isolation(real_store: types.ModuleType, scenar
         block_256 = _run(h, ns, m.client_env(), {}, ("save_then_load", {"block_size": 256}))
         saved_async = _run(h, ns, m.client_env(), {"save_async": True, "namespace": "async"},
                            ("save_then_load", {"block_size": 16}))  # fmt: skip
+        warmed = _run(h, ns, m.client_env(), {"warm_segment": True, "namespace": "warm"},
+                      ("save_then_load", {"block_size": 16}))  # fmt: skip
     scenarios.check_save_then_load(results["save_then_load"], 16)
     scenarios.check_save_then_load(block_256["save_then_load"], 256)
     scenarios.check_save_then_load(saved_async["save_then_load"], 16)
+    scenarios.check_save_then_load(warmed["save_then_load"], 16)
     scenarios.check_fill_steps(results["fill_steps"])
     scenarios.check_isolation(results["isolation"])
 
@@ -245,3 +248,41 @@ def test_values_another_client_wrote_under_our_keys_never_load(real_store: types
         assert r["stats"]["load_failed_integrity_foreign"] > 0 and r["stats"]["load_failed_integrity_short"] > 0
         assert r["reported"]["degraded_events"] > 0
     assert keyed["stats"]["load_failed_integrity_unsigned"] > 0
+
+
+WARM_CODE = """
+import json, sys
+import msgspec
+sys.path.insert(0, {tests!r})
+import scenarios
+from kvconn_mooncake.config import MooncakeConfig, resolve_backend
+from kvconn_mooncake.mooncake_store import WARM_VALUE_BYTES, connect, import_client, warm_segment
+
+settings = resolve_backend(msgspec.convert(scenarios.real_store_config(), MooncakeConfig))
+client = connect(settings, import_client())
+value = bytes(range(256)) * 4096
+kept = client.put("before-the-warm-up", value)
+keys = warm_segment(client, settings.global_segment_size)
+left = [code for code in client.batch_is_exist(keys) if code == 1]
+stored = client.put("after-the-warm-up", value)
+print("RESULT " + json.dumps({{"written": len(keys) * WARM_VALUE_BYTES, "segment": settings.global_segment_size,
+                              "left": len(left), "stored": [kept, stored],
+                              "read": [client.get(k) == value for k in ("before-the-warm-up", "after-the-warm-up")]}}))
+"""
+
+
+def test_warm_segment_writes_most_of_the_segment_and_leaves_nothing_behind(real_store: types.ModuleType) -> None:
+    """``warm_segment``: throw-away values fill 90% of the client's segment, are removed, and the store still works.
+
+    Its speed-up is a benchmark's business (``mooncake_throughput.py --first-touch``); here, that it wrote the
+    segment (not a value short of 80% of it), kept nothing, and evicted nothing a later put or get needs.
+    """
+    h = real_store
+    code = WARM_CODE.format(tests=str(pathlib.Path(__file__).parent))
+    with h.netns() as ns, h.mooncake_master(ns) as m:
+        r = h.run_python(ns, code=code, env=m.client_env(), timeout=120, python=sys.executable)
+    assert r.ok, f"rc={r.rc}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    result = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["written"] >= 0.8 * result["segment"], result
+    assert result["left"] == 0, f"warm-up values left in the store: {result}"
+    assert result["stored"] == [0, 0] and result["read"] == [True, True], result
