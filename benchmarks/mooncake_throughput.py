@@ -214,9 +214,8 @@ def main() -> int:
     if reason:
         print(f"cannot run the Mooncake benchmark here: {reason}", file=sys.stderr)
         return 2
-    argv = [f"--blocks={args.blocks}", f"--layers={args.layers}", f"--rounds={args.rounds}", f"--gap-ms={args.gap_ms}"]
-    argv += ["--first-touch"] * args.first_touch + ["--inner"]
-    argv.append(f"--segment-mib={args.segment_mib}")
+    argv = [f"--blocks={args.blocks}", f"--layers={args.layers}", f"--rounds={args.rounds}", f"--gap-ms={args.gap_ms}",
+            f"--segment-mib={args.segment_mib}", *["--first-touch"] * args.first_touch, "--inner"]  # fmt: skip
     with h.netns() as ns, h.mooncake_master(ns, lease_ttl_ms=5000) as m:
         run = h.run_python(ns, script=__file__, args=argv, env=m.client_env(), timeout=600, python=sys.executable)
     if not run.ok:

@@ -84,7 +84,7 @@ class MooncakeConfig(StoreConfig, kw_only=True):
         bool,
         msgspec.Meta(
             description="write this client's segment once at start-up (throw-away values, removed again), so that "
-            "saves never pay its first-touch page faults; start-up takes longer, about a second per GiB"
+            "saves never pay its first-touch page faults; start-up takes longer, up to about a second per GiB"
         ),
     ] = False
     setup_timeout_s: Annotated[

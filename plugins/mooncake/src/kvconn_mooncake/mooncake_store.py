@@ -119,7 +119,8 @@ def warm_segment(client: Any, segment_bytes: int) -> list[str]:
     values, placed in this client's segment first (``preferred_segment``),
     fill :data:`WARM_SHARE` of it (under the master's eviction watermark, so
     that nothing is evicted for them) and are removed again. Best effort: a
-    refused put ends the warm-up early, and nothing here fails the connection.
+    refused put ends the warm-up early; :func:`connect` logs what it raises
+    and connects anyway.
     """
     from mooncake.store import ReplicateConfig
 
