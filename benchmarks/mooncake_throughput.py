@@ -28,9 +28,10 @@ most of the drift of a shared machine). ``--gap-ms`` idles that long before each
 timed call, as an engine's puts and gets come between steps of compute (caches
 and the client's threads go cold). ``--first-touch`` keeps every round's values,
 so each put lands in pages of the segment that were never written, as an engine's
-puts do until its segment has filled once. Usage: ``python
-benchmarks/mooncake_throughput.py [--blocks N] [--layers L] [--rounds R] [--gap-ms MS] [--first-touch] [--quick]
-[--json FILE]``.
+puts do until its segment has filled once; with ``--cold`` too, the connector does
+not fault its segment in at connect time (``warm_segment: false``), so those puts pay
+the page faults. Usage: ``python benchmarks/mooncake_throughput.py [--blocks N]
+[--layers L] [--rounds R] [--gap-ms MS] [--first-touch] [--cold] [--quick] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def inner(args: argparse.Namespace) -> dict[str, Any]:
         global_segment_size=args.segment_mib << 20,
         local_buffer_size=64 << 20,
         timeout_s=30.0,
+        warm_segment=not args.cold,
     )
     worker: Any = MooncakeConnector(config, role=KVConnectorRole.WORKER, context=context).side
     kv = {name: torch.randn((3 * n + 1, 2, bs, heads, dim)).half() for name in names}
@@ -197,6 +199,7 @@ def main() -> int:
     parser.add_argument("--segment-mib", type=int, default=0, help="store size (default: enough for one round)")
     parser.add_argument("--gap-ms", type=float, default=0.0, help="idle milliseconds before each timed call")
     parser.add_argument("--first-touch", action="store_true", help="keep all rounds' values: puts in fresh pages")
+    parser.add_argument("--cold", action="store_true", help="warm_segment: false (the segment is not faulted in)")
     parser.add_argument("--json", type=pathlib.Path, metavar="FILE", help="also write the results as JSON to FILE")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (a smoke run)")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
@@ -215,7 +218,8 @@ def main() -> int:
         print(f"cannot run the Mooncake benchmark here: {reason}", file=sys.stderr)
         return 2
     argv = [f"--blocks={args.blocks}", f"--layers={args.layers}", f"--rounds={args.rounds}", f"--gap-ms={args.gap_ms}",
-            f"--segment-mib={args.segment_mib}", *["--first-touch"] * args.first_touch, "--inner"]  # fmt: skip
+            f"--segment-mib={args.segment_mib}", *["--first-touch"] * args.first_touch,
+            *["--cold"] * args.cold, "--inner"]  # fmt: skip
     with h.netns() as ns, h.mooncake_master(ns, lease_ttl_ms=5000) as m:
         run = h.run_python(ns, script=__file__, args=argv, env=m.client_env(), timeout=600, python=sys.executable)
     if not run.ok:

@@ -50,12 +50,12 @@ def test_save_load_fill_steps_and_isolation(real_store: types.ModuleType, scenar
         block_256 = _run(h, ns, m.client_env(), {}, ("save_then_load", {"block_size": 256}))
         saved_async = _run(h, ns, m.client_env(), {"save_async": True, "namespace": "async"},
                            ("save_then_load", {"block_size": 16}))  # fmt: skip
-        warmed = _run(h, ns, m.client_env(), {"warm_segment": True, "namespace": "warm"},
+        cold = _run(h, ns, m.client_env(), {"warm_segment": False, "namespace": "cold"},
                       ("save_then_load", {"block_size": 16}))  # fmt: skip
     scenarios.check_save_then_load(results["save_then_load"], 16)
     scenarios.check_save_then_load(block_256["save_then_load"], 256)
     scenarios.check_save_then_load(saved_async["save_then_load"], 16)
-    scenarios.check_save_then_load(warmed["save_then_load"], 16)
+    scenarios.check_save_then_load(cold["save_then_load"], 16)
     scenarios.check_fill_steps(results["fill_steps"])
     scenarios.check_isolation(results["isolation"])
 
@@ -256,26 +256,39 @@ import msgspec
 sys.path.insert(0, {tests!r})
 import scenarios
 from kvconn_mooncake.config import MooncakeConfig, resolve_backend
-from kvconn_mooncake.mooncake_store import WARM_VALUE_BYTES, connect, import_client, warm_segment
+from kvconn_mooncake.mooncake_store import _anonymous_mapping, connect, import_client, warm_segment
 
-settings = resolve_backend(msgspec.convert(scenarios.real_store_config(), MooncakeConfig))
+def resident(start):  # kB of the mapping at ``start`` in memory, from /proc/self/smaps
+    lines = iter(open("/proc/self/smaps").read().splitlines())
+    for line in lines:
+        if line.split()[0].split("-")[0] == format(start, "x"):
+            return next(int(l.split()[1]) for l in lines if l.startswith("Rss:"))
+
+config = msgspec.convert({{**scenarios.real_store_config(), "warm_segment": False}}, MooncakeConfig)
+settings = resolve_backend(config)
 client = connect(settings, import_client())
 value = bytes(range(256)) * 4096
 kept = client.put("before-the-warm-up", value)
-keys = warm_segment(client, settings.global_segment_size)
-left = [code for code in client.batch_is_exist(keys) if code == 1]
+desc = client.get_replica_desc("before-the-warm-up")[0].get_memory_descriptor().buffer_descriptor
+start, end = _anonymous_mapping(desc.buffer_address)
+before = resident(start)
+faulted = warm_segment(client, settings.global_segment_size)
+after = resident(start)
 stored = client.put("after-the-warm-up", value)
-print("RESULT " + json.dumps({{"written": len(keys) * WARM_VALUE_BYTES, "segment": settings.global_segment_size,
-                              "left": len(left), "stored": [kept, stored],
+print("RESULT " + json.dumps({{"segment": settings.global_segment_size, "mapping": end - start, "faulted": faulted,
+                              "resident_kib": [before, after], "probes_left": client.remove_by_regex("^kvconn-warm"),
+                              "own": desc.transport_endpoint == client.get_hostname(), "stored": [kept, stored],
                               "read": [client.get(k) == value for k in ("before-the-warm-up", "after-the-warm-up")]}}))
 """
 
 
-def test_warm_segment_writes_most_of_the_segment_and_leaves_nothing_behind(real_store: types.ModuleType) -> None:
-    """``warm_segment``: throw-away values fill 90% of the client's segment, are removed, and the store still works.
+def test_warm_segment_faults_the_segment_in_without_writing_it(real_store: types.ModuleType) -> None:
+    """``warm_segment``: the client's segment is resident afterwards, what it held reads back, nothing is left stored.
 
-    Its speed-up is a benchmark's business (``mooncake_throughput.py --first-touch``); here, that it wrote the
-    segment (not a value short of 80% of it), kept nothing, and evicted nothing a later put or get needs.
+    Its speed-up is a benchmark's business (``mooncake_throughput.py --first-touch [--cold]``); here, that the
+    mapping holding the segment went from mostly absent to resident (at least the segment's size, at most twice it
+    faulted in), that a value stored before it is intact (the advice faults pages in without writing them), and
+    that its probe value is gone.
     """
     h = real_store
     code = WARM_CODE.format(tests=str(pathlib.Path(__file__).parent))
@@ -283,6 +296,10 @@ def test_warm_segment_writes_most_of_the_segment_and_leaves_nothing_behind(real_
         r = h.run_python(ns, code=code, env=m.client_env(), timeout=120, python=sys.executable)
     assert r.ok, f"rc={r.rc}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     result = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    assert result["written"] >= 0.8 * result["segment"], result
-    assert result["left"] == 0, f"warm-up values left in the store: {result}"
+    assert result["own"] and result["segment"] <= result["faulted"] <= min(result["mapping"], 2 * result["segment"]), (
+        result
+    )
+    before, after = result["resident_kib"]
+    assert before < result["segment"] // 2048 and after * 1024 >= result["segment"], result
+    assert result["probes_left"] == 0, f"the warm-up's probe value was left in the store: {result}"
     assert result["stored"] == [0, 0] and result["read"] == [True, True], result

@@ -19,14 +19,18 @@ are :class:`kvconn.store.StoreGuard`'s (the store is opened on its threads):
   refuses calls once closing, and a client with a call still in flight (one
   past its deadline) is abandoned rather than closed.
 * A segment is allocated but not written: the first put into each page of
-  it pays a page fault, 3-5x the put's time. ``warm_segment`` writes it once
-  at connect time (:func:`warm_segment`).
+  it pays a page fault, 5x the put's time. ``warm_segment`` (on by default)
+  faults the client's own segment in once at connect time, without writing
+  it (:func:`warm_segment`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
+import mmap
+import os
 import socket
 import struct
 import threading
@@ -45,11 +49,6 @@ __all__ = ["SharedClient", "connect", "import_client", "probe_master", "warm_seg
 logger = logging.getLogger("kvconn_mooncake")
 
 T = TypeVar("T")
-
-#: The warm-up's throw-away values: bytes each, how many a put carries, and the share of the segment they fill.
-WARM_VALUE_BYTES = 4 << 20
-WARM_BATCH = 16
-WARM_SHARE = 0.9
 
 #: A coro_rpc request (yalantinglibs, the master's RPC framing) for function id 0, which no server registers:
 #: a master answers at once with an error response starting with the same magic byte.
@@ -110,44 +109,80 @@ def connect(settings: RealStoreSettings, factory: Callable[[], Any]) -> Any:
     return client
 
 
-def warm_segment(client: Any, segment_bytes: int) -> list[str]:
-    """Write the client's own segment once, so that no save pays its first-touch page faults; the keys it used.
+def warm_segment(client: Any, segment_bytes: int) -> int:
+    """Fault in the memory of the client's own segment, so that no save pays a first-touch page fault; its bytes.
 
-    Mooncake allocates a segment without writing it: a put into a part never
-    written faults in a page per 4 KiB, and a 12 MiB put took 5x as long as
-    one into pages already written (benchmarks/RESULTS.md, runs AA-AE). Throw-away
-    values, placed in this client's segment first (``preferred_segment``),
-    fill :data:`WARM_SHARE` of it (under the master's eviction watermark, so
-    that nothing is evicted for them) and are removed again. Best effort: a
-    refused put ends the warm-up early; :func:`connect` logs what it raises
-    and connects anyway.
+    Mooncake maps a segment without touching it: a put into a part never
+    written faults in a page per 4 KiB (and the kernel zeroes each), and a
+    12 MiB put took 5-6x as long as one into pages already there
+    (benchmarks/RESULTS.md, "Mooncake's segment faulted in at connect time").
+    ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) faults pages in *without
+    writing them*: whatever a page holds (another client's value, put there the
+    moment the segment was mounted) stays as it is, the master stores nothing,
+    and nothing is evicted. The binding does not say where the segment is, so a
+    1-byte probe value placed in this client's segment (``preferred_segment``)
+    names an address in it, and is removed again; the advice covers
+    ``segment_bytes`` on either side of it, within the mapping that holds it
+    (the whole segment, wherever the probe landed, and never more than twice
+    its size, should Mooncake carve it out of a larger arena). Raises ``OSError`` (with why) when the probe landed
+    in another client's segment, the address is in no private anonymous
+    mapping of this process, or the kernel refuses the advice; :func:`connect`
+    logs it and connects anyway.
     """
     from mooncake.store import ReplicateConfig
 
     started = time.perf_counter()
-    value = bytearray(WARM_VALUE_BYTES)
-    ptr = ctypes.addressof(ctypes.c_char.from_buffer(value))
+    probe = bytearray(1)
+    ptr = ctypes.addressof(ctypes.c_char.from_buffer(probe))
     config = ReplicateConfig()
-    config.preferred_segment = client.get_hostname()
-    prefix = f"kvconn-warm-{uuid.uuid4().hex}"
-    count = int(segment_bytes * WARM_SHARE) // WARM_VALUE_BYTES
-    written: list[str] = []
-    client.register_buffer(ptr, len(value))
+    config.preferred_segment = own = client.get_hostname()
+    key = f"kvconn-warm-probe-{uuid.uuid4().hex}"
+    client.register_buffer(ptr, len(probe))
     try:
-        for first in range(0, count, WARM_BATCH):
-            keys = [f"{prefix}-{i}" for i in range(first, min(first + WARM_BATCH, count))]
-            codes = client.batch_put_from(keys, [ptr] * len(keys), [len(value)] * len(keys), config)
-            written += [key for key, code in zip(keys, codes, strict=True) if code == OK]
-            if any(code != OK for code in codes):
-                logger.warning("mooncake segment warm-up stopped early: a put returned %s", sorted(set(codes)))
-                break
+        if client.batch_put_from([key], [ptr], [len(probe)], config) != [OK]:
+            raise OSError("the probe value could not be stored")
+        try:
+            buffer = client.get_replica_desc(key)[0].get_memory_descriptor().buffer_descriptor
+        finally:
+            client.remove(key)
     finally:
-        if written:
-            client.batch_remove(written, False)
         client.unregister_buffer(ptr)
-    logger.info("mooncake segment warmed: %d MiB written in %.2f s", len(written) * WARM_VALUE_BYTES >> 20,
-                time.perf_counter() - started)  # fmt: skip
-    return written
+    if buffer.transport_endpoint != own:
+        raise OSError(f"the probe landed in segment {buffer.transport_endpoint!r}, not this client's ({own!r})")
+    address = int(buffer.buffer_address)
+    start, end = _anonymous_mapping(address)
+    page = mmap.PAGESIZE
+    start = max(start, (address - segment_bytes) // page * page)
+    end = min(end, -(-(address + segment_bytes) // page) * page)
+    if _libc().madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"madvise(MADV_POPULATE_WRITE) refused: {os.strerror(errno)} (Linux 5.14+ needed)")
+    logger.info("mooncake segment faulted in: %d MiB in %.2f s", (end - start) >> 20, time.perf_counter() - started)
+    return end - start
+
+
+#: ``madvise`` advice: fault pages in writable, as a write would, without writing them (Linux 5.14+).
+MADV_POPULATE_WRITE = 23
+
+
+def _anonymous_mapping(address: int) -> tuple[int, int]:
+    """The ``[start, end)`` of this process's private anonymous mapping holding ``address``; ``OSError`` if none."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(bound, 16) for bound in fields[0].split("-"))
+            if start <= address < end:
+                if fields[1] != "rw-p" or fields[4] != "0" or len(fields) > 5:  # perms, inode, path
+                    raise OSError(f"the segment's address is in mapping {line.strip()!r}, not private anonymous memory")
+                return start, end
+    raise OSError(f"the segment's address {address:#x} is in no mapping of this process")
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 class SharedClient:
