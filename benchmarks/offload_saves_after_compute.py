@@ -6,8 +6,8 @@ saves at the end of the step"): the first copy right after a layer's matrix
 products is the slow one, whatever reads or writes memory before it. This
 drives one step the way an engine does: ``layers`` layers, each a matrix
 product standing in for its compute (a ``[tokens, 1024] @ [1024, 4096]`` fp32
-product, the shape of ``vllm_e2e.py``'s MLP), then writes the step's blocks of
-that layer's KV cache, with the save either
+product, of the order of one layer of ``vllm_e2e.py``'s model: hidden 1024, MLP
+2 x 2816), then writes the step's blocks of that layer's KV cache, with the save either
 
 * **per layer**: :class:`kvconn_offload.BlockCopier` right after each layer
   (offload's schedule until this change), or
@@ -24,18 +24,18 @@ saved blocks are checked bit-exact against the KV caches.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 from benchlib import Bench, parse_args
+from offload_first_save import BLOCK_SHAPE
 
 from kvconn import ConnectorContext, KVCacheGroupSpec, load_connector
 from kvconn_offload import BlockCopier, BlockTransfer, CopyPlan, OffloadMetadata, wide_rows
 
-#: vllm_e2e.py's model: a block of 32 tokens x 4 KV heads x head dim 64, K and V, fp32 (64 KiB).
-BLOCK_SHAPE = (2, 32, 4, 64)
 HIDDEN, MLP = 1024, 4096
 
 
@@ -54,11 +54,8 @@ def schedules(layers: int, blocks: int, tokens: int) -> tuple[dict[str, Schedule
     x = torch.randn(tokens, HIDDEN)
     device, slots = list(range(1, blocks + 1)), list(range(blocks))
     pool = torch.zeros(layers, blocks, *BLOCK_SHAPE)
-    copier, plan, rows = (
-        BlockCopier(wide_rows(pool, 2)),
-        CopyPlan.build(device, slots),
-        [wide_rows(t) for t in kv.values()],
-    )
+    copier, plan = BlockCopier(wide_rows(pool, 2)), CopyPlan.build(device, slots)
+    rows = [wide_rows(t) for t in kv.values()]
     keys = [s.to_bytes(8, "little") for s in slots]
     meta = OffloadMetadata(store_seq=0, stores=[BlockTransfer("r", [device], [slots], slots=slots, keys=keys)])
 
@@ -117,7 +114,7 @@ def main() -> int:
                 if round_:
                     times[who].append(seconds)
         ratios[blocks] = statistics.median(p / e for p, e in zip(times["per layer"], times["at the end"], strict=True))
-        mib = layers * blocks * torch.zeros(BLOCK_SHAPE).numel() * 4 / (1 << 20)
+        mib = layers * blocks * math.prod(BLOCK_SHAPE) * 4 / (1 << 20)
         ms = {who: statistics.median(t) * 1e3 for who, t in times.items()}
         bench.row(blocks, mib, ms["per layer"], ms["at the end"], ratios[blocks])
     bench.target(

@@ -50,6 +50,10 @@ logger = logging.getLogger("kvconn_mooncake")
 
 T = TypeVar("T")
 
+#: ``madvise`` advice: fault pages in writable, as a write would, without writing them (Linux 5.14+).
+MADV_POPULATE_WRITE = 23
+
+
 #: A coro_rpc request (yalantinglibs, the master's RPC framing) for function id 0, which no server registers:
 #: a master answers at once with an error response starting with the same magic byte.
 _RPC_MAGIC = 21
@@ -124,10 +128,10 @@ def warm_segment(client: Any, segment_bytes: int) -> int:
     names an address in it, and is removed again; the advice covers
     ``segment_bytes`` on either side of it, within the mapping that holds it
     (the whole segment, wherever the probe landed, and never more than twice
-    its size, should Mooncake carve it out of a larger arena). Raises ``OSError`` (with why) when the probe landed
-    in another client's segment, the address is in no private anonymous
-    mapping of this process, or the kernel refuses the advice; :func:`connect`
-    logs it and connects anyway.
+    its size, should Mooncake carve it out of a larger arena). Raises
+    ``OSError`` (with why) when the probe landed in another client's segment,
+    the address is in no private anonymous mapping of this process, or the
+    kernel refuses the advice; :func:`connect` logs it and connects anyway.
     """
     from mooncake.store import ReplicateConfig
 
@@ -159,10 +163,6 @@ def warm_segment(client: Any, segment_bytes: int) -> int:
         raise OSError(errno, f"madvise(MADV_POPULATE_WRITE) refused: {os.strerror(errno)} (Linux 5.14+ needed)")
     logger.info("mooncake segment faulted in: %d MiB in %.2f s", (end - start) >> 20, time.perf_counter() - started)
     return end - start
-
-
-#: ``madvise`` advice: fault pages in writable, as a write would, without writing them (Linux 5.14+).
-MADV_POPULATE_WRITE = 23
 
 
 def _anonymous_mapping(address: int) -> tuple[int, int]:

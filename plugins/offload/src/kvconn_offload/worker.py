@@ -23,18 +23,17 @@ matrix products, the first copy out of the KV cache ran 4-5x slower than the
 same copy made after another copy (a 2-block save: 130 us a layer inside vLLM,
 against 30 us for the same copies back to back; benchmarks/RESULTS.md,
 "Offload's CPU saves at the end of the step"). Nothing is lost by waiting: a
-CPU copy overlaps no compute, and a forward writes each layer's blocks once,
-so the rows a save reads are the same at the step's end. On CUDA copies run non-blocking on one side
-stream (so they run in issue order: a slot re-stored after a load is written
-after that load read it). Each use of the side stream first waits for the work
-issued so far on the compute stream, so a save reads a layer only after it was
-written and a load writes blocks only after earlier compute is done with them.
-Every tensor the copies use is allocated on the side stream, so the caching
-allocator never hands its memory to the compute stream while a copy still
-runs. Completion is polled with events, and the next step's compute waits for
-the previous store job, so no device block freed by preemption is overwritten
-while a copy still reads it.
-"""
+CPU copy overlaps no compute, and a forward writes each layer's blocks once, so
+the rows a save reads are the same at the step's end. On CUDA copies run
+non-blocking on one side stream (so they run in issue order: a slot re-stored
+after a load is written after that load read it). Each use of the side stream
+first waits for the work issued so far on the compute stream, so a save reads a
+layer only after it was written and a load writes blocks only after earlier
+compute is done with them. Every tensor the copies use is allocated on the side
+stream, so the caching allocator never hands its memory to the compute stream
+while a copy still runs. Completion is polled with events, and the next step's
+compute waits for the previous store job, so no device block freed by
+preemption is overwritten while a copy still reads it."""
 
 from __future__ import annotations
 
