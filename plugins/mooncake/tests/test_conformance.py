@@ -1,7 +1,8 @@
 """The mooncake connector (embedded backend) passes every check of kvconn's conformance suite.
 
-With its defaults (prompt blocks only, sync loads through staging), with ``save_decode`` on, and with
-``load_async`` on (each value read straight into the KV caches and verified there).
+With its defaults (prompt blocks only, sync loads through staging, each put in ``wait_for_save``), with
+``save_decode`` on, with ``load_async`` on (each value read straight into the KV caches and verified there), and
+with ``save_async`` on (each step's put on a store thread behind the next step).
 """
 
 from __future__ import annotations
@@ -30,3 +31,8 @@ class TestMooncakeEmbeddedDecodeCacheConformance(ConnectorConformance):
 class TestMooncakeEmbeddedAsyncInPlaceConformance(ConnectorConformance):
     connector = "mooncake"
     config: ClassVar[dict[str, Any]] = {**EMBEDDED, "embedded_store": "conformance-async", "load_async": True}
+
+
+class TestMooncakeEmbeddedSavesAsyncConformance(ConnectorConformance):
+    connector = "mooncake"
+    config: ClassVar[dict[str, Any]] = {**EMBEDDED, "embedded_store": "conformance-saves-async", "save_async": True}
