@@ -302,18 +302,19 @@ def test_long_runs_go_through_torchs_kernels_only_when_torch_has_threads(
     assert calls == (["save", "load"] if threads > 1 else [])
 
 
-def test_path_chooser_takes_the_lower_mean_and_tries_the_other_path_now_and_then() -> None:
+def test_path_chooser_takes_the_lower_mean_and_tries_the_other_path_as_rarely_as_it_is_slow() -> None:
     paths = PathChooser(explore_every=4, weight=0.5)
     assert paths.pick() is True  # no mean yet: torch's threads first, then numpy's thread
-    paths.record(True, 3e-6, 1000)
+    paths.record(True, 3.0, 1)  # seconds a byte, in exact binary fractions
     assert paths.pick() is False
-    paths.record(False, 1e-6, 1000)
-    picks = [paths.pick() for _ in range(8)]  # copies 3..10: every 4th tries torch's threads again
-    assert picks == [False, True, False, False, False, True, False, False]
-    paths.record(True, 0.0, 1000)  # torch's threads now free: 3e-9 s/B halves towards 0 ...
-    assert paths.seconds_per_byte == pytest.approx({True: 1.5e-9, False: 1e-9})
-    paths.record(True, 0.0, 1000)  # ... and goes under numpy's mean: it takes over
-    assert [paths.pick() for _ in range(4)] == [True, False, True, True]  # copy 12 tries numpy's thread
+    paths.record(False, 1.0, 1)
+    picks = [paths.pick() for _ in range(24)]  # torch's threads 3x slower: tried once every 4 * 3 copies
+    assert [i for i, threads in enumerate(picks) if threads] == [11, 23]
+    paths.record(True, 0.0, 1)  # torch's threads now free: their mean halves towards 0 ...
+    assert paths.seconds_per_byte == {True: 1.5, False: 1.0}
+    paths.record(True, 0.0, 1)  # ... and goes under numpy's mean: it takes over, numpy's tried every 4 / 0.75
+    picks = [paths.pick() for _ in range(12)]
+    assert [i for i, threads in enumerate(picks) if not threads] == [5, 11]
 
 
 def test_long_runs_take_numpy_when_torchs_threads_have_been_slower(monkeypatch: pytest.MonkeyPatch) -> None:

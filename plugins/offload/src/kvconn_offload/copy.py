@@ -134,25 +134,30 @@ class PathChooser:
 
     Each path keeps a moving mean of its seconds per byte (stalls included:
     a step waits for the mean, not the median). Until both have one, the
-    paths alternate; then every copy takes the lower mean, except every
-    :attr:`explore_every`-th, which takes the other path so that its mean
-    follows a machine whose load changes. The cost of that: one copy in
-    ``explore_every`` on the slower path.
+    paths alternate; then copies take the lower mean, and the other path is
+    tried again once every :attr:`explore_every` copies times its slowdown,
+    so that its mean follows a machine whose load changes. Trying a path
+    ``r`` times slower once per ``explore_every * r`` copies costs at most
+    ``1 / explore_every`` of the copies' time, however slow it is (one
+    thread against a many-core socket's split copy).
     """
 
     explore_every: int = 16
     weight: float = 0.25  # of the newest copy in a path's mean
     seconds_per_byte: dict[bool, float] = field(default_factory=dict)  # True: torch's threads
-    _copies: int = 0
+    _since_tried: int = 0  # copies on the faster path since the slower one was last tried
 
     def pick(self) -> bool:
         """True: this copy goes through torch's threads."""
-        self._copies += 1
         means = self.seconds_per_byte
         if len(means) < 2:
             return True not in means
         faster = means[True] <= means[False]
-        return faster if self._copies % self.explore_every else not faster
+        self._since_tried += 1
+        if self._since_tried * means[faster] >= self.explore_every * means[not faster]:
+            self._since_tried = 0
+            return not faster
+        return faster
 
     def record(self, threads: bool, seconds: float, nbytes: int) -> None:
         """Fold one copy of ``nbytes`` that took ``seconds`` on path ``threads`` into that path's mean."""
