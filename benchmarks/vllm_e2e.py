@@ -20,8 +20,8 @@ holding the whole working set: the best any connector can do), kvconn
 ``offload`` (and, only when ``--configs`` names it, ``offload-sync``: its
 ``load_async: false``), kvconn ``mooncake`` on the real ``mooncake_master`` (inside a
 network namespace, from plugins/mooncake/tests/mooncake_netns.py; root
-needed; and, only when ``--configs`` names them, ``mooncake-async``: its
-``save_async: true``, and ``mooncake-cold``: its ``warm_segment: false``; each
+needed; and, only when ``--configs`` names them, ``mooncake-sync``: its
+``save_async: false``, and ``mooncake-cold``: its ``warm_segment: false``; each
 Mooncake engine in a namespace of its own) and
 vLLM's own ``example`` connector (``ExampleConnector``: KV on disk, in a temp
 dir). Each has its own engine subprocess (vLLM keeps
@@ -106,10 +106,10 @@ FP32 = 4
 RUN_TIMEOUT_S = 900
 #: One request's reply (a 2k-token prefill takes seconds; more on a loaded machine).
 REQUEST_TIMEOUT_S = 300
-CONFIGS = ("none", "fit", "offload", "offload-sync", "mooncake", "mooncake-async", "mooncake-cold", "example")
+CONFIGS = ("none", "fit", "offload", "offload-sync", "mooncake", "mooncake-sync", "mooncake-cold", "example")
 #: what a run measures unless ``--configs`` says otherwise (``offload-sync``, ``mooncake-*``: a mode side by side)
 DEFAULT_CONFIGS = ("none", "fit", "offload", "mooncake", "example")
-CONNECTORS = ("offload", "offload-sync", "mooncake", "mooncake-async", "mooncake-cold", "example")
+CONNECTORS = ("offload", "offload-sync", "mooncake", "mooncake-sync", "mooncake-cold", "example")
 
 
 @dataclass(frozen=True)
@@ -520,7 +520,7 @@ def engine_spec(
     if name.startswith("offload"):  # a host pool holding every pass's working set twice over
         spec["config"] = {"pool_bytes": 2 * sizes.stored_bytes, "load_async": name == "offload"}
     if name.startswith("mooncake"):  # a namespace each: one master, and no engine may hit another's saves
-        spec["config"] = {**(mooncake or {}), "namespace": name, "save_async": name == "mooncake-async",
+        spec["config"] = {**(mooncake or {}), "namespace": name, "save_async": name != "mooncake-sync",
                           "warm_segment": name != "mooncake-cold"}  # fmt: skip
     if name == "example":
         spec["storage"] = tempfile.mkdtemp(prefix="example-connector-", dir=tmp)

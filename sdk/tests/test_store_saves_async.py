@@ -101,6 +101,24 @@ def test_the_put_runs_behind_the_step_from_staging_and_a_held_request_is_release
     assert all(torch.equal(dst[name][5], saved[name]) for name in dst)  # what was computed, not what came after
 
 
+def test_settle_saves_waits_for_the_put_in_flight_and_counts_it() -> None:
+    """What a tool reading the store right after a step calls: the store as the step left it."""
+    namespace = uuid.uuid4().hex
+    writer, _ = _worker(namespace, save_async=True)
+    writer.settle_saves()  # nothing in flight: returns at once
+    faults(namespace).running.clear()  # the put blocks until the timer lets the store run (deadline 2 s)
+    _step(writer, [StoreBlock("a", 0, 1, bytes(32))])
+    timer = threading.Timer(0.2, faults(namespace).running.set)
+    timer.start()
+    try:
+        writer.settle_saves()
+        assert writer.get_kv_connector_stats()["blocks_saved"] == 1
+        assert AsyncConnector.stores[namespace].contains([writer.keys.key(0, bytes(32))]) == [True]
+    finally:
+        timer.cancel()
+        faults(namespace).running.set()
+
+
 def test_one_put_is_in_flight_at_a_time_and_a_late_one_degrades_to_not_saved() -> None:
     namespace = uuid.uuid4().hex
     writer, _ = _worker(namespace, save_async=True, timeout_s=0.2, retry_interval_s=60.0)

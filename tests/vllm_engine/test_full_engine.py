@@ -88,12 +88,12 @@ def test_mooncake_embedded_store_is_refused_when_workers_run_in_other_processes(
 @pytest.mark.parametrize(
     ("connectors", "tp", "save_async"),
     [
-        (["mooncake", CONTRACT], 1, False),
-        (["offload", "mooncake"], 1, False),
-        (["mooncake", CONTRACT], 2, False),
         (["mooncake", CONTRACT], 1, True),
+        (["offload", "mooncake"], 1, True),
+        (["mooncake", CONTRACT], 2, True),
+        (["mooncake", CONTRACT], 1, False),
     ],
-    ids=["mooncake", "offload+mooncake", "mooncake-tp2", "mooncake-saves-async"],
+    ids=["mooncake", "offload+mooncake", "mooncake-tp2", "mooncake-saves-sync"],
 )
 def test_mooncake_on_a_real_master_in_a_multiprocess_engine(
     tiny_model: str,
@@ -107,8 +107,9 @@ def test_mooncake_on_a_real_master_in_a_multiprocess_engine(
     """The real store, shared by vLLM's scheduler and worker processes, inside a network namespace.
 
     With two tensor-parallel ranks each stores its own shard of every block under keys of its own: the shards
-    have one layout, so a rank loading another's would pass every check but the tokens. With ``save_async`` the
-    scheduler offers blocks whose put its worker may still be running (the worker lets it land before a load).
+    have one layout, so a rank loading another's would pass every check but the tokens. With ``save_async`` (the
+    default) the scheduler offers blocks whose put its worker may still be running (the worker lets it land before a
+    load); without it each put runs in ``wait_for_save``.
     """
     env = tp2_env() if tp == 2 else None
     h = netns_harness

@@ -1,8 +1,8 @@
 """The mooncake connector (embedded backend) passes every check of kvconn's conformance suite.
 
-With its defaults (prompt blocks only, sync loads through staging, each put in ``wait_for_save``), with
-``save_decode`` on, with ``load_async`` on (each value read straight into the KV caches and verified there), and
-with ``save_async`` on (each step's put on a store thread behind the next step).
+With its defaults (prompt blocks only, sync loads through staging, each step's put on a store thread behind the
+next step), with ``save_decode`` on, with ``load_async`` on (each value read straight into the KV caches and verified
+there), and with ``save_async`` off (each put in ``wait_for_save``, straight from the KV caches).
 """
 
 from __future__ import annotations
@@ -33,6 +33,6 @@ class TestMooncakeEmbeddedAsyncInPlaceConformance(ConnectorConformance):
     config: ClassVar[dict[str, Any]] = {**EMBEDDED, "embedded_store": "conformance-async", "load_async": True}
 
 
-class TestMooncakeEmbeddedSavesAsyncConformance(ConnectorConformance):
+class TestMooncakeEmbeddedSavesSyncConformance(ConnectorConformance):
     connector = "mooncake"
-    config: ClassVar[dict[str, Any]] = {**EMBEDDED, "embedded_store": "conformance-saves-async", "save_async": True}
+    config: ClassVar[dict[str, Any]] = {**EMBEDDED, "embedded_store": "conformance-saves-sync", "save_async": False}

@@ -151,7 +151,8 @@ def test_no_save_on_a_load_step_and_held_blocks_saved_after_finish(
     with Engine("mooncake", embedded_config) as writer:
         writer.generate([[*prefix, 1]], max_tokens=1)
     prompt = prefix + list(range(40))  # loads 4 blocks, computes 2.5 more and finishes on that step
-    with Engine("mooncake", embedded_config) as reader:
+    sync = {**embedded_config, "save_async": False}  # a finished request is held until its put (in the step) lands
+    with Engine("mooncake", sync) as reader:
         seen = _spy_metadata(reader)
         assert reader.generate([prompt], max_tokens=1) == Engine().generate([prompt], max_tokens=1)
         assert reader.stats.prompt_tokens_loaded == 64

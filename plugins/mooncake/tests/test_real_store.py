@@ -48,13 +48,13 @@ def test_save_load_fill_steps_and_isolation(real_store: types.ModuleType, scenar
             ("isolation", {}),
         )  # fmt: skip
         block_256 = _run(h, ns, m.client_env(), {}, ("save_then_load", {"block_size": 256}))
-        saved_async = _run(h, ns, m.client_env(), {"save_async": True, "namespace": "async"},
-                           ("save_then_load", {"block_size": 16}))  # fmt: skip
+        saved_sync = _run(h, ns, m.client_env(), {"save_async": False, "namespace": "sync"},
+                          ("save_then_load", {"block_size": 16}))  # fmt: skip
         cold = _run(h, ns, m.client_env(), {"warm_segment": False, "namespace": "cold"},
                       ("save_then_load", {"block_size": 16}))  # fmt: skip
     scenarios.check_save_then_load(results["save_then_load"], 16)
     scenarios.check_save_then_load(block_256["save_then_load"], 256)
-    scenarios.check_save_then_load(saved_async["save_then_load"], 16)
+    scenarios.check_save_then_load(saved_sync["save_then_load"], 16)
     scenarios.check_save_then_load(cold["save_then_load"], 16)
     scenarios.check_fill_steps(results["fill_steps"])
     scenarios.check_isolation(results["isolation"])

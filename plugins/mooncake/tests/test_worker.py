@@ -27,7 +27,11 @@ VALUE_BYTES = (2 * 2 * 4 * 8 * 2, 2 * 4 * 3 * 2)  # fp16: group 0 (two layers), 
 
 
 def _worker(name: str, secret: str | None = None, **context: int) -> StoreWorker:
-    config = MooncakeConnector.Config(backend="embedded", embedded_store=name, integrity_secret=secret)
+    """A worker whose puts run in ``wait_for_save`` (its counters are read right after; ``save_async``, Mooncake's
+    default, is sdk/tests/test_store_saves_async.py's and the conformance suite's)."""
+    config = MooncakeConnector.Config(
+        backend="embedded", embedded_store=name, integrity_secret=secret, save_async=False
+    )
     ctx = ConnectorContext(kv_cache_groups=GROUPS, **context)
     worker = MooncakeConnector(config, role=KVConnectorRole.WORKER, context=ctx).side
     assert isinstance(worker, StoreWorker)

@@ -16,7 +16,7 @@ from typing import Annotated, ClassVar, Literal
 import msgspec
 
 from kvconn import ConnectorConfigError
-from kvconn.store import LoadAsync, MaxBackoff, SaveDecode, StoreConfig
+from kvconn.store import LoadAsync, MaxBackoff, SaveAsync, SaveDecode, StoreConfig
 from kvconn.store.config import MAX_SECONDS
 
 __all__ = ["ENV_VARS", "MooncakeConfig", "RealStoreSettings", "resolve_backend"]
@@ -105,9 +105,11 @@ class MooncakeConfig(StoreConfig, kw_only=True):
         int, msgspec.Meta(description="capacity of the embedded store (LRU eviction beyond)", ge=1, le=MAX_BYTES)
     ] = 1 << 30
     # Mooncake's own defaults for options every store connector has (a master that comes back is used again
-    # within max_backoff_s: its client reconnects by itself):
+    # within max_backoff_s: its client reconnects by itself; a put to another node's segment, or a synchronous
+    # one in a busy engine, costs milliseconds the next step need not wait for: benchmarks/RESULTS.md):
     load_async: LoadAsync = False
     save_decode: SaveDecode = False
+    save_async: SaveAsync = True
     max_backoff_s: MaxBackoff = 5.0
 
 

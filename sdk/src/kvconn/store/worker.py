@@ -381,10 +381,19 @@ class StoreWorker(StoreSide):
         self.stats.count("bytes_saved", sum(saved))
         self.stats.degraded("save_failed_refused", len(sizes) - len(saved), "the store refused values (full?)")
 
-    def shutdown(self) -> None:
-        """Let the put in flight land (within its deadline), then close the store: a clean stop loses no save."""
+    def settle_saves(self) -> None:
+        """Wait for the put in flight (``save_async``), within its deadline, and count it.
+
+        For tools and tests that read the store or :attr:`stats` right after a
+        step: with ``save_async`` the step's put may still be running, so they
+        would see the store as it was before it. A no-op without a put in flight.
+        """
         if self._saving is not None:
             self._settle_save(wait=True)
+
+    def shutdown(self) -> None:
+        """Let the put in flight land (within its deadline), then close the store: a clean stop loses no save."""
+        self.settle_saves()
         super().shutdown()
 
     # ---------------------------------------------------------------- reports
