@@ -66,6 +66,9 @@ RUN_BYTES = 1 << 16
 #: torch splits no smaller copy over them (``at::internal::GRAIN_SIZE``).
 PARALLEL_ELEMS = 32768
 
+#: A copy of one run: ``(pair rows, host blocks)``, the slices of the plan and of the pool it covers.
+RunCopy = Callable[[slice, slice], Any]
+
 #: Bytes staged per chunk by the CPU fallback (fits a core's L2 cache: the second pass reads from it).
 _STAGE_BYTES = 1 << 20
 
@@ -204,15 +207,11 @@ class BlockCopier:
             return
         kv, pool, device = self._host_views(layer, kv_rows, plan)
         if self._one_pass(plan, kv):
-            parallel = _parallel_rows(kv_rows)
-            for start, end, host in plan.runs:
-                rows, hosts = slice(start, end), slice(host, host + end - start)
-                one = partial(numpy.take, kv, device[rows], axis=0, out=pool[hosts], mode="clip")
-                if end - start < parallel:
-                    one()
-                    continue
-                threads = partial(torch.index_select, kv_rows, 0, plan.device[rows], out=self.pool[layer, hosts])
-                self.paths["save"].timed((end - start) * kv.shape[1], threads, one)
+            self._each_run(
+                "save", plan, kv_rows, kv.shape[1],
+                lambda rows, hosts: numpy.take(kv, device[rows], axis=0, out=pool[hosts], mode="clip"),
+                lambda rows, hosts: torch.index_select(kv_rows, 0, plan.device[rows], out=self.pool[layer, hosts]),
+            )  # fmt: skip
         else:
             for start, end, staging in self._chunks(len(plan), kv):
                 numpy.take(kv, device[start:end], axis=0, out=staging, mode="clip")
@@ -230,19 +229,30 @@ class BlockCopier:
             return
         kv, pool, device = self._host_views(layer, kv_rows, plan)
         if self._one_pass(plan, kv):
-            parallel = _parallel_rows(kv_rows)
-            for start, end, host in plan.runs:
-                rows, hosts = slice(start, end), slice(host, host + end - start)
-                one = partial(kv.__setitem__, device[rows], pool[hosts])
-                if end - start < parallel:
-                    one()
-                    continue
-                threads = partial(kv_rows.index_copy_, 0, plan.device[rows], self.pool[layer, hosts])
-                self.paths["load"].timed((end - start) * kv.shape[1], threads, one)
+            self._each_run(
+                "load", plan, kv_rows, kv.shape[1],
+                lambda rows, hosts: kv.__setitem__(device[rows], pool[hosts]),
+                lambda rows, hosts: kv_rows.index_copy_(0, plan.device[rows], self.pool[layer, hosts]),
+            )  # fmt: skip
         else:
             for start, end, staging in self._chunks(len(plan), kv):
                 numpy.take(pool, plan.host.numpy()[start:end], axis=0, out=staging, mode="clip")
                 kv[device[start:end]] = staging
+
+    def _each_run(
+        self, direction: str, plan: CopyPlan, kv_rows: Any, row_bytes: int, one: RunCopy, threads: RunCopy
+    ) -> None:
+        """Copy each run of ``plan`` (CPU, one pass): ``one(rows, hosts)`` for a short run (numpy's thread); a long
+        one through the path ``direction``'s :class:`PathChooser` picks (``threads``: torch's kernels)."""
+        parallel = _parallel_rows(kv_rows)
+        for start, end, host in plan.runs:
+            rows, hosts = slice(start, end), slice(host, host + end - start)
+            if end - start < parallel:
+                one(rows, hosts)
+            else:
+                self.paths[direction].timed(
+                    (end - start) * row_bytes, partial(threads, rows, hosts), partial(one, rows, hosts)
+                )
 
     def _host_views(self, layer: int, kv_rows: Any, plan: CopyPlan) -> tuple[Any, Any, Any]:
         """numpy byte views of ``kv_rows`` and the layer's pool, and the plan's device ids."""

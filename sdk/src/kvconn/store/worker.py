@@ -135,8 +135,7 @@ class StoreWorker(StoreSide):
         self._metadata = metadata
         if not metadata.loads:
             return
-        if self._saving is not None:  # the scheduler may offer what that put is saving: read this worker's writes
-            self._settle_save(wait=True)
+        self.settle_saves()  # the scheduler may offer what a put in flight is saving: read this worker's writes
         blocks, bad = self._addressable(metadata.loads)
         self._fail([b.block_id for b in bad], "load_failed_unaddressable", "loads named blocks this worker lacks")
         groups = self._plan(blocks)
@@ -279,8 +278,7 @@ class StoreWorker(StoreSide):
         if not self.config.save_async and self._judge()[1] and all(self._layouts[g].in_place for g in by_group):
             self._save_in_place(by_group)
             return
-        if self._saving is not None:  # the last step's put, still in flight: one at a time
-            self._settle_save(wait=True)
+        self.settle_saves()  # the last step's put, if still in flight: one at a time
         keys: list[bytes] = []
         values: list[memoryview] = []
         buffers: list[bytearray] = []
