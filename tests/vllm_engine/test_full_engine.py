@@ -42,7 +42,7 @@ def test_the_workload_needs_a_connector_and_is_sensitive_to_kv(baseline: dict[st
     [
         pytest.param(["offload", CONTRACT], False, None, id="offload"),
         pytest.param("offload", True, None, id="offload-by-vllm-short-name"),
-        pytest.param("offload", False, {"load_async": False}, id="offload-sync-loads"),
+        pytest.param("offload", False, {"load_async": True}, id="offload-async-loads"),  # default: sync on CPU
         pytest.param(["dummy", "mooncake", CONTRACT], False, None, id="dummy+mooncake-embedded"),
     ],
 )

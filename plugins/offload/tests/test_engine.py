@@ -66,6 +66,22 @@ def test_prefix_loaded_from_host_is_bit_exact(prefix: list[int], multiple: int, 
     assert engine.worker_host is not None and engine.worker_host.num_tracked_requests() == {"offload": 0}
 
 
+@pytest.mark.parametrize(("load_async", "waits"), [("auto", 0), (False, 0), (True, 1)])
+def test_a_hit_on_host_kv_caches_loads_in_the_step_that_computes_the_prompt_by_default(
+    prefix: list[int], load_async: bool | str, waits: int
+) -> None:
+    """The reference engine's KV caches are in host memory: ``auto`` loads sync, no step of waiting for the copies."""
+    engine = Engine("offload", {"pool_blocks": 64, "load_async": load_async}, enable_prefix_caching=False)
+    engine.generate([prefix + tokens(9, seed=2)], max_tokens=1)
+    request = engine.add_request(prefix + tokens(11, seed=3), max_tokens=1)
+    steps = 0
+    while not request.output_token_ids:
+        engine.step()
+        steps += 1
+    assert engine.stats.prompt_tokens_loaded == 256
+    assert steps == 1 + waits
+
+
 def test_no_partial_block_is_saved() -> None:
     engine = Engine("offload", {"pool_blocks": 64}, enable_prefix_caching=False, num_blocks=64)
     engine.generate([tokens(40, seed=4)], max_tokens=7)  # 46 tokens computed: two full blocks

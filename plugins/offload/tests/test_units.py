@@ -15,7 +15,7 @@ from kvconn.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from kvconn.reference.request import Request
 from kvconn_offload import BlockCopier, BlockTransfer, CopyPlan, OffloadManager, OffloadMetadata, wide_rows
 from kvconn_offload.copy import MAX_RUNS, PARALLEL_ELEMS, PathChooser
-from kvconn_offload.scheduler import LOADS_DONE_STAT, STORES_DONE_STAT
+from kvconn_offload.scheduler import BLOCKING_COPIES_STAT, LOADS_DONE_STAT, STORES_DONE_STAT
 
 
 @pytest.mark.parametrize(
@@ -26,6 +26,7 @@ from kvconn_offload.scheduler import LOADS_DONE_STAT, STORES_DONE_STAT
         ({"block_size_multiple": 0}, "field 'block_size_multiple': expected int >= 1"),
         ({"pin_memory": "sometimes"}, "field 'pin_memory'"),
         ({"eviction": "mru"}, "field 'eviction'"),
+        ({"load_async": "sometimes"}, "field 'load_async'"),
         ({"pool_size": 3}, "unknown field 'pool_size'; valid fields: pool_blocks, pool_bytes"),
     ],
 )
@@ -125,6 +126,24 @@ def test_finished_request_keeps_its_blocks_until_its_store_is_done() -> None:
     assert sched.get_num_tracked_requests() == 0
     # the store is complete: a request with the same prefix hits both blocks
     assert sched.get_num_new_matched_tokens(Request("c", list(range(100, 140)), 4, 16), 0) == (32, True)
+
+
+@pytest.mark.parametrize(
+    ("load_async", "blocking", "expected"),
+    [("auto", 1.0, False), ("auto", 0.0, True), (True, 1.0, True), (False, 0.0, False)],
+    ids=["auto-host", "auto-accelerator", "true", "false"],
+)
+def test_load_async_auto_follows_whether_the_workers_copies_block_the_step(
+    load_async: bool | str, blocking: float, expected: bool
+) -> None:
+    """On host KV caches the copies block the step either way: a hit loads in the step that computes the prompt."""
+    sched = load_connector("offload", role="scheduler", config={"pool_blocks": 8, "load_async": load_async}).side
+    prompt = list(range(100, 140))
+    writer = Request("a", prompt, 4, 16)
+    sched.update_state_after_alloc(writer, ([3, 5, 9],), 0)
+    sched.build_connector_meta(*_step(writer, 0, 40, ([3, 5, 9],)))
+    sched.update_connector_output(KVConnectorOutput(stats={STORES_DONE_STAT: 1, BLOCKING_COPIES_STAT: blocking}))
+    assert sched.get_num_new_matched_tokens(Request("c", prompt, 4, 16), 0) == (32, expected)
 
 
 def test_blocks_a_load_found_stale_are_no_longer_offered() -> None:

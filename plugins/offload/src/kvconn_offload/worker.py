@@ -50,7 +50,7 @@ from kvconn import ConnectorConfigError, ConnectorContext
 from .config import OffloadConfig
 from .copy import BlockCopier, CopyPlan, wide_rows
 from .metadata import BlockTransfer, OffloadMetadata
-from .scheduler import LOADS_DONE_STAT, POOL_SLOTS_STAT, STORES_DONE_STAT
+from .scheduler import BLOCKING_COPIES_STAT, LOADS_DONE_STAT, POOL_SLOTS_STAT, STORES_DONE_STAT
 
 __all__ = ["OffloadWorker", "check_pin_mode"]
 
@@ -295,6 +295,7 @@ class OffloadWorker:
             stats[LOADS_DONE_STAT] = self._loads_done
         if self._report_slots and self._copier is not None:
             stats[POOL_SLOTS_STAT] = self.num_slots
+            stats[BLOCKING_COPIES_STAT] = float(self._stream is None)
             self._report_slots = False
         return stats
 
