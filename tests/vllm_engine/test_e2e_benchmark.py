@@ -80,3 +80,17 @@ def test_multiprocess_runs_bind_the_model_to_the_same_cores_with_a_connector_or_
 
     with_connector = cores(KVTransferConfig(kv_connector="KVConnConnector", kv_role="kv_both"))
     assert with_connector == cores(None), "a connector's engine gets other cores for its model than no connector's"
+
+
+def test_offload_hit_while_decoding_quick(tmp_path: Path) -> None:
+    """On host KV caches offload's default loads a hit in the step that computes it; ``load_async: true`` waits one."""
+    out = tmp_path / "hit.json"
+    script = REPO / "benchmarks" / "offload_hit_while_decoding.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--json", str(out)], capture_output=True,
+                          text=True, timeout=900, cwd=script.parent)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    doc = json.loads(out.read_text())
+    steps = {mode: {r["steps_to_first"] for run in runs for r in run} for mode, runs in doc["runs"].items()}
+    assert steps == {"async": {2}, "default": {1}}
+    (loaded,) = [t for t in doc["targets"] if t["target"].startswith("every hit loaded its prefix")]
+    assert loaded["met"], loaded["measured"]  # a hit in every engine, the same first token in both modes
