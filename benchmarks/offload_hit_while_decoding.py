@@ -22,6 +22,7 @@ in both modes.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -49,24 +50,19 @@ def scenario(quick: bool) -> dict[str, int]:
 
 def child(spec: dict[str, Any]) -> None:
     """One engine (in this process): ``spec["reps"]`` hits among decoding requests; the results to ``spec["out"]``."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     sizes, shape = spec["sizes"], (e2e.QUICK if spec["quick"] else e2e.FULL).shape
-    config = {"pool_blocks": 256, **MODES[spec["mode"]]}
-    llm = LLM(
-        model=spec["model"], skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=True,
-        block_size=e2e.BLOCK_SIZE, max_model_len=sizes["max_len"], max_num_seqs=BACKGROUND + 1,
-        max_num_batched_tokens=sizes["max_len"], enable_prefix_caching=True,
-        kv_cache_memory_bytes=sizes["blocks"] * e2e.BLOCK_SIZE * shape.kv_bytes_per_token,
-        kv_transfer_config=e2e.transfer_config("offload", config, None),
-    )  # fmt: skip
-    engine = llm.llm_engine
+    transfer = e2e.transfer_config("offload", {"pool_blocks": 256, **MODES[spec["mode"]]}, None)
+    engine = e2e.build_llm(spec["model"], shape, sizes["blocks"], transfer, max_model_len=sizes["max_len"],
+                           max_num_seqs=BACKGROUND + 1, max_num_batched_tokens=sizes["max_len"]).llm_engine  # fmt: skip
+    ids = itertools.count()
     first_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     decode = SamplingParams(max_tokens=sizes["max_len"] // 4, temperature=0.0, ignore_eos=True)
 
     def run_alone(prompt: list[int]) -> None:
-        engine.add_request(f"alone{len(prompt)}-{prompt[-1]}", TokensPrompt(prompt_token_ids=prompt), first_only)
+        engine.add_request(f"alone{next(ids)}", TokensPrompt(prompt_token_ids=prompt), first_only)
         while engine.has_unfinished_requests():
             engine.step()
 

@@ -277,6 +277,19 @@ def connector_class(transfer: Any) -> type:
     return KVConnectorFactory.get_connector_class(transfer)  # type: ignore[no-any-return]
 
 
+def build_llm(model: str, shape: Shape, blocks: int, transfer: Any, **limits: int) -> Any:
+    """vLLM's ``LLM`` as every engine of these benchmarks runs it: ``model`` (of ``shape``), fp32,
+    eager, prefix caching on, a KV cache of ``blocks`` blocks, ``transfer`` (``None``: no connector); ``limits``:
+    ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``."""
+    from vllm import LLM
+
+    return LLM(
+        model=model, skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=True, block_size=BLOCK_SIZE,
+        enable_prefix_caching=True, kv_cache_memory_bytes=blocks * BLOCK_SIZE * shape.kv_bytes_per_token,
+        disable_log_stats=False, kv_transfer_config=transfer, **limits,
+    )  # fmt: skip
+
+
 def engine_main(spec: dict[str, Any], commands: Iterator[str], reply: Callable[[dict[str, Any]], None]) -> None:
     """One configuration's engine, serving the driver until ``quit``: one JSON command per line in, one reply out.
 
@@ -291,7 +304,7 @@ def engine_main(spec: dict[str, Any], commands: Iterator[str], reply: Callable[[
     """
     sizes = Sizes(Shape(**spec["sizes"].pop("shape")), **spec["sizes"])
     shape = sizes.shape
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     transfer = transfer_config(spec["connector"], spec.get("config"), spec.get("storage"))
@@ -299,13 +312,8 @@ def engine_main(spec: dict[str, Any], commands: Iterator[str], reply: Callable[[
     clock = ConnectorClock() if transfer is not None and in_process else None
     if clock is not None:
         clock.wrap(connector_class(transfer))
-    llm = LLM(
-        model=spec["model"], skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=True,
-        block_size=BLOCK_SIZE, max_model_len=sizes.max_model_len, max_num_seqs=4,
-        max_num_batched_tokens=max(2048, sizes.max_model_len), enable_prefix_caching=True,
-        kv_cache_memory_bytes=spec["blocks"] * BLOCK_SIZE * shape.kv_bytes_per_token, disable_log_stats=False,
-        kv_transfer_config=transfer,
-    )  # fmt: skip
+    llm = build_llm(spec["model"], shape, spec["blocks"], transfer, max_model_len=sizes.max_model_len,
+                    max_num_seqs=4, max_num_batched_tokens=max(2048, sizes.max_model_len))  # fmt: skip
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=sizes.output, temperature=0.0, ignore_eos=True)
     counter = iter(range(1 << 30))
@@ -519,7 +527,10 @@ def engine_spec(
         "connector": None if name in ("none", "fit") else name.partition("-")[0], "device": device,
     }  # fmt: skip
     if name.startswith("offload"):  # a host pool holding every pass's working set twice over
-        spec["config"] = {"pool_bytes": 2 * sizes.stored_bytes, **({"load_async": True} if name != "offload" else {})}
+        spec["config"] = {
+            "pool_bytes": 2 * sizes.stored_bytes,
+            **({"load_async": True} if name == "offload-async" else {}),
+        }
     if name.startswith("mooncake"):  # a namespace each: one master, and no engine may hit another's saves
         spec["config"] = {**(mooncake or {}), "namespace": name, "save_async": name != "mooncake-sync",
                           "warm_segment": name != "mooncake-cold"}  # fmt: skip

@@ -194,13 +194,16 @@ RELOADED_AFTER_PREEMPTION = {
 }
 
 
+#: Every connector in its default config; offload also with either load mode chosen (its default follows the KV caches).
+SETUPS = [(c, {}) for c in CONNECTORS] + [
+    ("offload", {"load_async": m}) for m in (True, False) if "offload" in CONNECTORS
+]
+
+
 @SETTINGS
-@given(workload=workloads(), connector=st.sampled_from(CONNECTORS), load_async=st.sampled_from([None, True, False]))
-def test_random_workloads_keep_every_invariant(workload: dict[str, Any], connector: str, load_async: Any) -> None:
-    """Every connector in its default config; offload also with either load mode chosen (``None``: its default)."""
-    check(
-        workload, connector, {"load_async": load_async} if connector == "offload" and load_async is not None else None
-    )
+@given(workload=workloads(), setup=st.sampled_from(SETUPS))
+def test_random_workloads_keep_every_invariant(workload: dict[str, Any], setup: tuple[str, dict[str, Any]]) -> None:
+    check(workload, *setup)
 
 
 @pytest.mark.skipif("offload" not in CONNECTORS, reason="kvconn-offload is not installed")

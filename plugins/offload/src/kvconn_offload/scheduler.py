@@ -77,7 +77,7 @@ class OffloadScheduler:
         self.multiple = config.block_size_multiple
         self.groups = context.kv_cache_groups
         self.policy = config.eviction
-        self.load_async = config.load_async is not False  # auto: until the worker reports where its KV caches are
+        self.load_async = config.load_async is not False  # auto: async until the worker reports its copies
         self._auto_load_async = config.load_async == "auto"
         slots = config.num_slots
         self.manager: OffloadManager | None = OffloadManager(slots, policy=self.policy) if slots else None
