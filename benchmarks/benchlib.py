@@ -10,6 +10,7 @@ use it; it measures nothing worth recording.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -23,7 +24,7 @@ from typing import Any
 
 from kvconn_cli.rounds import interleaved_rounds
 
-__all__ = ["Bench", "machine", "median_times", "parse_args", "round_times"]
+__all__ = ["Bench", "bare_connector_class", "machine", "median_times", "parse_args", "round_times"]
 
 
 def parse_args(description: str | None, argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -149,3 +150,45 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
     return str(value)
+
+
+@functools.cache
+def bare_connector_class() -> type:
+    """A vLLM connector that does nothing: what vLLM spends on any connector, kvconn or not.
+
+    vLLM calls it like any connector (its per-layer hooks included), so a run with it against one without a
+    connector measures vLLM's own cost of having one; a connector's cost over it is what that connector adds.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+
+    class BareConnector(KVConnectorBase_V1):  # type: ignore[misc]
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+            return 0, False
+
+        def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+            pass
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            return KVConnectorMetadata()
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            pass
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            pass
+
+        def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+            pass
+
+        def wait_for_save(self) -> None:
+            pass
+
+    return BareConnector
+
+
+def __getattr__(name: str) -> Any:
+    """``BareConnector``, built on first use: an engine loads it by module path (``kv_connector_module_path=
+    "benchlib"``), and this module must import without vLLM."""
+    if name == "BareConnector":
+        return bare_connector_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

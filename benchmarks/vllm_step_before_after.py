@@ -29,8 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import Bench, round_times
-from vllm_step_overhead import Load, Meter, bare_connector_class, hosted, metered_rounds, step_function
+from benchlib import Bench, bare_connector_class, round_times
+from vllm_step_overhead import Load, Meter, hosted, metered_rounds, step_function
 
 from kvconn_vllm.testing.harness import prepare_environment, vllm_import_error
 

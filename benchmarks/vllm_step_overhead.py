@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from benchlib import Bench, parse_args, round_times
+from benchlib import Bench, bare_connector_class, parse_args, round_times
 
 import kvconn
 from kvconn_vllm.testing.harness import (
@@ -50,35 +50,6 @@ class NoOpConnector(kvconn.KVConnector):
 
     def build_connector_meta(self, scheduler_output: Any, block_state: Any) -> kvconn.KVConnectorMetadata:
         return kvconn.KVConnectorMetadata()
-
-
-def bare_connector_class() -> type:
-    """A vLLM connector that does nothing: what vLLM spends on any connector, kvconn or not."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
-
-    class BareConnector(KVConnectorBase_V1):  # type: ignore[misc]
-        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-            return 0, False
-
-        def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-            pass
-
-        def build_connector_meta(self, scheduler_output: Any) -> Any:
-            return KVConnectorMetadata()
-
-        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-            pass
-
-        def wait_for_layer_load(self, layer_name: str) -> None:
-            pass
-
-        def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-            pass
-
-        def wait_for_save(self) -> None:
-            pass
-
-    return BareConnector
 
 
 class Load:

@@ -41,6 +41,6 @@ if [ -z "${KVCONN_VLLM_PYTHON:-}" ]; then
   echo "gpu-check: part 3 skipped: KVCONN_VLLM_PYTHON names no interpreter with a CUDA build of vLLM"
 else
   timeout 600 "$PYTHON" benchmarks/vllm_e2e.py --device cuda --python "$KVCONN_VLLM_PYTHON" \
-    --configs none,fit,offload,example --json "$OUT/vllm_e2e_cuda.json" | tee "$OUT/vllm_e2e_cuda.txt"
+    --configs none,fit,bare,offload,example --json "$OUT/vllm_e2e_cuda.json" | tee "$OUT/vllm_e2e_cuda.txt"
 fi
 echo "gpu-check: done; figures in $OUT/ (record them in benchmarks/RESULTS.md with this command)"

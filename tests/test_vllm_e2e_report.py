@@ -40,7 +40,7 @@ def _run(
         for t in range(sizes.turns) for c in range(sizes.conversations)
     ]  # fmt: skip
     return {"requests": requests, "wall_s": wall, "external_hit_tokens": hits, "memcpy_bytes_per_s": 1 << 30,
-            "loadavg_1min": [1.0, 1.0]}  # fmt: skip
+            "memcpy_one_thread_bytes_per_s": 1 << 29, "loadavg_1min": [1.0, 1.0]}  # fmt: skip
 
 
 def test_report_rows_match_the_columns_and_targets_follow_the_figures(tmp_path: Path) -> None:
@@ -58,10 +58,14 @@ def test_report_rows_match_the_columns_and_targets_follow_the_figures(tmp_path: 
         "mooncake": _run(sizes, 0.2, hits, 12.0, [6], own=0.05),
     }
     chat = e2e.summarise(runs, sizes)
-    noreuse = e2e.summarise_noreuse({n: r for n, r in runs.items() if n != "fit"})
+    # vLLM with a connector that does nothing: 10.2 s, its own time 0.1 ms
+    bare = _run(sizes, 1.0, 0, 10.2, [5], own=0.0001)
+    noreuse = e2e.summarise_noreuse({**{n: r for n, r in runs.items() if n != "fit"}, "bare": bare})
     bench = e2e.Bench("t", e2e.COLUMNS)
     e2e.report(bench, chat, noreuse)
-    assert [len(row) for row in bench.rows] == [len(e2e.COLUMNS)] * 4
+    assert [len(row) for row in bench.rows] == [len(e2e.COLUMNS)] * 5
+    bare_share = 0.0001 / (10.2 / (sizes.turns * sizes.conversations)) * 100
+    assert bench.rows[4][0] == "bare" and bench.rows[4][-3:] == pytest.approx([10.0 / 10.2, 10.0 / 10.2, bare_share])
     verdicts = [(t["target"][:25], t["met"]) for t in bench.targets]
     assert verdicts == [
         ("offload: evicted-turn TTF", True),
@@ -70,6 +74,7 @@ def test_report_rows_match_the_columns_and_targets_follow_the_figures(tmp_path: 
         ("offload: its own time per", True),
         ("mooncake (real master): e", False),  # 2x fit
         ("no reuse: every connector", False),  # mooncake: 10 s / 12 s of none's rate
+        ("no reuse: every connector", False),  # mooncake: 10.2 s / 12 s of bare's rate (offload's 10.2 / 5.1)
         ("no reuse: every connector", False),  # mooncake: its own time 1.7% of its requests'
         ("every run's tokens equal ", False),  # mooncake's differ
     ]
@@ -78,12 +83,28 @@ def test_report_rows_match_the_columns_and_targets_follow_the_figures(tmp_path: 
     )
     own = e2e.COLUMNS.index("own ms/turn")
     assert chat["none"]["own_ms_p50"] is None and bench.rows[0][own] == "-"
-    assert bench.rows[2][own : own + 2] == pytest.approx([1.5, 1.5], rel=0.05)  # 1.5 ms, a memcpy of ~1 ms
+    # 1.5 ms, a memcpy of ~1 ms on all threads and ~2 ms on one
+    assert bench.rows[2][own : own + 3] == pytest.approx([1.5, 1.5, 0.75], rel=0.05)
     request_s = 12.0 / (sizes.turns * sizes.conversations)
     assert noreuse["mooncake"]["own_share_pct"] == pytest.approx(0.05 / request_s * 100)
+    assert noreuse["mooncake"]["paired_vs_none"] == pytest.approx(10.0 / 12.0)
+    floor = next(t["measured"] for t in bench.targets if "0.99x none's" in t["target"])
+    assert "bare" not in floor.partition(";")[0] and "(bare): 0.980x" in floor  # the floor, not a connector judged
     out = tmp_path / "e2e.json"
     bench.finish(argparse.Namespace(quick=True, json=out))
     assert json.loads(out.read_text())["rows"][0][0] == "none"
+
+
+def test_no_reuse_paired_throughput_moves_by_one_sample_where_a_slow_spell_moves_the_whole_run() -> None:
+    """One prompt of the connector's run hit a slow spell (3x): the whole run's rate drops, the paired one holds."""
+    e2e = _module()
+    sizes = e2e.QUICK
+    runs = {"none": _run(sizes, 1.0, 0, 9.0, [5]), "offload": _run(sizes, 1.0, 0, 9.0, [5], own=0.001)}
+    runs["offload"]["requests"][0]["seconds"] = 3.0
+    runs["offload"]["wall_s"] = 11.0
+    noreuse = e2e.summarise_noreuse(runs)
+    assert noreuse["offload"]["vs_none"] == pytest.approx(9.0 / 11.0)
+    assert noreuse["offload"]["paired_vs_none"] == pytest.approx(1.0)
 
 
 def test_the_gpu_form_without_a_cuda_vllm_cannot_run_and_says_what_it_needs(capsys: Any) -> None:

@@ -38,13 +38,14 @@ def mooncake_or_none(request: pytest.FixtureRequest) -> types.ModuleType | None:
 
 def test_vllm_e2e_quick_through_the_cli(tmp_path: Path, mooncake_or_none: types.ModuleType | None) -> None:
     out, png = tmp_path / "e2e.json", tmp_path / "ttft.png"
-    configs = "none,fit,offload," + ("mooncake," if mooncake_or_none else "") + "example"
+    configs = "none,fit,bare,offload," + ("mooncake," if mooncake_or_none else "") + "example"
     argv = [sys.executable, "-m", "kvconn_cli", "bench", "vllm-e2e", "--quick", "--json", str(out),
             "--plot", str(png), "--configs", configs]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=REPO)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     doc: dict[str, Any] = json.loads(out.read_text())
-    assert doc["quick"] is True and set(doc["chat"]) == set(configs.split(","))
+    assert doc["quick"] is True and set(doc["chat"]) == set(configs.split(",")) - {"bare"}
+    assert set(doc["noreuse"]) == set(configs.split(",")) - {"fit"}  # bare: vLLM's floor, no reuse only
     assert all(s["tokens_equal_none"] for s in [*doc["chat"].values(), *doc["noreuse"].values()])
     for name in ("offload", *(["mooncake"] if mooncake_or_none else [])):
         assert doc["chat"][name]["loaded_mib_per_evicted_turn"] > 0, f"{name} loaded nothing on evicted turns"
