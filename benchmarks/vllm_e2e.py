@@ -829,10 +829,10 @@ def report(bench: Bench, chat: dict[str, dict[str, Any]], noreuse: dict[str, dic
                      ", ".join(f"{n} {s['vs_none']:.3f}x (paired, prompt by prompt: {s['paired_vs_none']:.3f}x)"
                                for n, s in others.items()) + floor)  # fmt: skip
     if others and bare:
-        over = {n: s["tokens_per_s"] / bare["tokens_per_s"] for n, s in others.items()}
+        over_bare = {n: s["tokens_per_s"] / bare["tokens_per_s"] for n, s in others.items()}
         bench.target("no reuse: every connector's throughput >= 0.99x a bare connector's (what it adds to vLLM's "
-                     "own cost of any connector)", min(over.values()) >= 0.99,
-                     ", ".join(f"{n} {v:.3f}x" for n, v in over.items()))  # fmt: skip
+                     "own cost of any connector)", min(over_bare.values()) >= 0.99,
+                     ", ".join(f"{n} {v:.3f}x" for n, v in over_bare.items()))  # fmt: skip
     shares = {n: s["own_share_pct"] for n, s in others.items() if s["own_share_pct"] is not None}
     if shares:
         bench.target("no reuse: every connector's own time <= 1% of its requests' (what 0.99x throughput allows)",
