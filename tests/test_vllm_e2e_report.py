@@ -100,10 +100,11 @@ def test_no_reuse_paired_throughput_moves_by_one_sample_where_a_slow_spell_moves
     e2e = _module()
     sizes = e2e.QUICK
     runs = {"none": _run(sizes, 1.0, 0, 9.0, [5]), "offload": _run(sizes, 1.0, 0, 9.0, [5], own=0.001)}
-    runs["offload"]["requests"][0]["seconds"] = 3.0
-    runs["offload"]["wall_s"] = 11.0
+    slow = runs["offload"]["requests"][0]
+    slow["seconds"] *= 3  # 1.5 s -> 4.5 s
+    runs["offload"]["wall_s"] = sum(r["seconds"] for r in runs["offload"]["requests"])
     noreuse = e2e.summarise_noreuse(runs)
-    assert noreuse["offload"]["vs_none"] == pytest.approx(9.0 / 11.0)
+    assert noreuse["offload"]["vs_none"] == pytest.approx(9.0 / 12.0)
     assert noreuse["offload"]["paired_vs_none"] == pytest.approx(1.0)
 
 
