@@ -788,7 +788,7 @@ def report(bench: Bench, chat: dict[str, dict[str, Any]], noreuse: dict[str, dic
             _or_dash(noreuse.get(name, {}).get("own_share_pct")),
         )  # fmt: skip
     if bare := noreuse.get("bare"):  # no chat: a row of its no-reuse figures
-        bench.row("bare", *["-"] * (len(COLUMNS) - 5), "yes" if bare["tokens_equal_none"] else "NO",
+        bench.row("bare", *["-"] * (COLUMNS.index("tokens = none") - 1), "yes" if bare["tokens_equal_none"] else "NO",
                   bare["vs_none"], bare["paired_vs_none"], _or_dash(bare["own_share_pct"]))  # fmt: skip
     if "offload" in chat:
         o = chat["offload"]
