@@ -218,6 +218,35 @@ def test_a_connector_alone_fails_and_stalls_exactly_as_one_beside_another(beside
     assert stalled.error_counts == {("slow", "build_connector_meta"): 1}
 
 
+class WatchesBlockState(Recorder):
+    """Fails in ``on_block_state`` when told to; records what its ``build_connector_meta`` saw."""
+
+    def __init__(self, *args: Any, fail_watch: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fail_watch, self.legacy_state_seen = fail_watch, []
+
+    def on_block_state(self) -> None:
+        if self.fail_watch:
+            raise RuntimeError("boom in on_block_state")
+
+    def build_connector_meta(self, scheduler_output: kvconn.SchedulerOutput) -> Named:
+        self.legacy_state_seen.append(scheduler_output.kv_connector_block_state)
+        return super().build_connector_meta()
+
+
+def test_a_build_after_a_failed_on_block_state_is_dropped_and_the_block_state_is_lent_for_the_call_only() -> None:
+    failing, fine = WatchesBlockState(role="scheduler", fail_watch=True), WatchesBlockState(role="scheduler")
+    host = scheduler_host(failing=failing, fine=fine)
+    output = kvconn.SchedulerOutput(0, [], kvconn.CachedRequestData(), {}, 0)
+    state = kvconn.KVConnectorBlockState(set(), dict)
+    assert set(host.build_connector_meta(output, state)) == {"fine"}
+    assert host.error_counts == {("failing", "on_block_state"): 1}
+    assert failing.legacy_state_seen == fine.legacy_state_seen == [state]  # both built; the failed one's is dropped
+    assert output.kv_connector_block_state is None
+    failing.fail_watch = False
+    assert set(host.build_connector_meta(output, state)) == {"failing", "fine"}  # a failure lasts one step
+
+
 class AsyncRecorder(Recorder):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         return self.hits, True

@@ -222,6 +222,16 @@ class HostCore:
                 ),
             )
 
+    def _book(self, name: str, hook: str, seconds: float) -> None:
+        """Book one call's time: a slow call, or one within the budget that may end a run of slow ones.
+
+        Callers test ``seconds > hook_budget_s or _slow_in_a_row`` first: the usual call books nothing.
+        """
+        if seconds > self.hook_budget_s:
+            self._slow(name, hook, seconds)
+        else:
+            self._in_budget(name, hook)
+
     def _in_budget(self, name: str, hook: str) -> None:
         """A call within the budget ends a run of slow ones."""
         if self._slow_in_a_row:
@@ -271,10 +281,8 @@ class HostCore:
         except Exception as exc:
             self._fail(name, hook, exc)
             result = _FAILED
-        if (elapsed := perf_counter() - started) > self.hook_budget_s:
-            self._slow(name, hook, elapsed)
-        elif self._slow_in_a_row:
-            self._in_budget(name, hook)
+        if (elapsed := perf_counter() - started) > self.hook_budget_s or self._slow_in_a_row:
+            self._book(name, hook, elapsed)
         return result
 
     def _notify(self, hook: str, args: Args = ()) -> None:

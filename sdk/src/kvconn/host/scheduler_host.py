@@ -17,6 +17,7 @@ import logging
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 from ..block_state import BlockIds, KVConnectorBlockState, block_ids_in_range
@@ -182,25 +183,30 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
         """
         scheduler_output.kv_connector_block_state = block_state
         self._builds += 1
-        self._failed_this_step.clear()
+        if self._failed_this_step:
+            self._failed_this_step.clear()
         try:
             if self._impls["on_block_state"]:
                 self._notify("on_block_state", (block_state, scheduler_output))
             metadata: dict[str, KVConnectorMetadata] = {}
-            for name, meta in self._each("build_connector_meta", (scheduler_output, block_state)):
-                if name in self._failed_this_step:
+            # Called here, not through _each, as the worker's start_load_kv: the one scheduler hook of every step, and
+            # the calls around a hook cost 2-3x their warm time in an engine's step (benchmarks/RESULTS.md).
+            for name, call in self._impls["build_connector_meta"]:
+                if name in self._skip:
                     continue
-                expected = self.metadata_types[name]
-                if not isinstance(meta, expected):
-                    self._fail(
-                        name,
-                        "build_connector_meta",
-                        TypeError(f"returned {type(meta).__name__}, not an instance of {expected.__name__}"),
-                    )
-                    continue
-                metadata[name] = meta
-                for load in self._loads[name].values():
-                    load.sent = True
+                started = perf_counter()
+                try:
+                    meta = call(scheduler_output, block_state)
+                    if not isinstance(meta, expected := self.metadata_types[name]):
+                        raise TypeError(f"returned {type(meta).__name__}, not an instance of {expected.__name__}")
+                except Exception as exc:
+                    self._fail(name, "build_connector_meta", exc)
+                if (elapsed := perf_counter() - started) > self.hook_budget_s or self._slow_in_a_row:
+                    self._book(name, "build_connector_meta", elapsed)
+                if name not in self._failed_this_step:  # else it raised, answered badly, or failed in on_block_state
+                    metadata[name] = meta
+                    for load in self._loads[name].values():
+                        load.sent = True
             return metadata
         finally:
             scheduler_output.kv_connector_block_state = None

@@ -93,10 +93,8 @@ class WorkerHost(ConnectorHost, role=KVConnectorRole.WORKER):
                 call(metadata)
             except Exception as exc:
                 self._fail(name, "start_load_kv", exc)
-            if (elapsed := perf_counter() - started) > self.hook_budget_s:
-                self._slow(name, "start_load_kv", elapsed)
-            elif self._slow_in_a_row:
-                self._in_budget(name, "start_load_kv")
+            if (elapsed := perf_counter() - started) > self.hook_budget_s or self._slow_in_a_row:
+                self._book(name, "start_load_kv", elapsed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         started = perf_counter()
