@@ -24,15 +24,30 @@ from typing import Any
 
 from kvconn_cli.rounds import interleaved_rounds
 
-__all__ = ["Bench", "bare_connector_class", "machine", "median_times", "parse_args", "round_times"]
+__all__ = [
+    "Bench", "arg_parser", "bare_connector_class", "machine", "median_times", "parse_args", "percentile",
+    "round_times",
+]  # fmt: skip
 
 
-def parse_args(description: str | None, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """``--quick`` (tiny sizes) and ``--json FILE``; the first docstring line is the description."""
+def arg_parser(description: str | None) -> argparse.ArgumentParser:
+    """A benchmark's parser with ``--quick`` (tiny sizes) and ``--json FILE``; the first docstring line is the
+    description. A benchmark with options of its own adds them to it."""
     parser = argparse.ArgumentParser(description=(description or "").strip().splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (a smoke run)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON to FILE")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(description: str | None, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The options of :func:`arg_parser`, for a benchmark with none of its own."""
+    return arg_parser(description).parse_args(argv)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (0 <= q <= 1), the nearest of them: no interpolation between samples."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def median_times(

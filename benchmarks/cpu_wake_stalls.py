@@ -27,14 +27,13 @@ governor are in the notes.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from benchlib import Bench
+from benchlib import Bench, arg_parser, percentile
 
 from kvconn_cli.rounds import interleaved_rounds
 
@@ -86,9 +85,7 @@ def machine_idle() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two gaps, few rounds (a smoke run)")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON to FILE")
+    parser = arg_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=30, help="first copies timed per gap and path")
     parser.add_argument("--rows", type=int, default=25, help="blocks per copy (vllm_e2e.py's evicted turn: 25)")
     parser.add_argument("--row-kib", type=int, default=64, help="KiB per block and layer (vllm_e2e.py's: 64)")
@@ -123,7 +120,7 @@ def main() -> int:
     for (gap, name), trials in times.items():
         first = sorted(t[0] for t in trials)
         p50, warm = statistics.median(first), statistics.median(t[-1] for t in trials)
-        bench.row(gap, name, p50 * 1e6, first[round(0.9 * (len(first) - 1))] * 1e6, first[-1] * 1e6,
+        bench.row(gap, name, p50 * 1e6, percentile(first, 0.9) * 1e6, first[-1] * 1e6,
                   statistics.median(t[1] for t in trials) * 1e6, warm * 1e6, p50 / warm,
                   f"{sum(t > STALL_S for t in first)} of {len(first)}")  # fmt: skip
     bench.notes.append(

@@ -29,11 +29,10 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-from benchlib import Bench
+from benchlib import Bench, arg_parser
 
 from kvconn import ConnectorContext, KVCacheGroupSpec, load_connector
 from kvconn_offload import BlockTransfer, OffloadMetadata
@@ -162,7 +161,7 @@ def _ratio(reference: list[float], measured: list[float]) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--device", default="cpu", help="where the KV caches live: cpu or cuda")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -173,8 +172,6 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON to FILE")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (a smoke run)")
     args = parser.parse_args()
     if args.quick:
         args.layers, args.tokens, args.block_tokens, args.repeats, args.warmup = 2, 256, [16], 3, 1

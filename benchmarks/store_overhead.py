@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchlib import Bench
+from benchlib import Bench, arg_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 CANNOT_RUN = 2
@@ -168,7 +168,7 @@ def engine_rows(args: argparse.Namespace) -> dict[str, list[float]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--blocks", type=int, default=256, help="blocks per batched save and load (Redis)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -178,8 +178,6 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7, help="rounds of the Redis rows")
     parser.add_argument("--engine-rounds", type=int, default=25, help="rounds of the reference-engine rows")
     parser.add_argument("--engine-only", action="store_true", help="only the reference-engine rows (no Redis)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (a smoke run)")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON to FILE")
     args = parser.parse_args()
     if args.quick:
         args.blocks, args.layers, args.prompts, args.prompt_tokens, args.rounds, args.engine_rounds = 8, 2, 3, 64, 2, 2

