@@ -61,6 +61,15 @@ def test_a_load_into_the_wrong_layer_changes_the_tokens_under_vllm() -> None:
 
 
 @pytest.mark.usefixtures("fixtures")
+@pytest.mark.parametrize("connector", ["ExchangesKV", "ReversesSlots"])
+def test_a_load_that_rearranges_a_block_changes_the_tokens_under_vllm(connector: str) -> None:
+    """K and V exchanged, or token slots reversed, in vLLM's layout: the sum is the same, the tokens are not."""
+    report = run_conformance(f"kvconn_conformance_fixtures.broken:{connector}", driver="vllm", select="KV040")
+    (result,) = report.results
+    assert result.status == "failed" and "it ran on wrong KV" in result.message, result
+
+
+@pytest.mark.usefixtures("fixtures")
 @pytest.mark.parametrize(("connector", "failed"), [("ClaimsFailedBlocks", {"KV046"}), ("RemembersFailedLoads", set())])
 def test_the_livelocking_store_fails_under_vllm_and_its_correct_version_passes(
     connector: str, failed: set[str]

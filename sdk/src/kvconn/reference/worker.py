@@ -8,11 +8,12 @@ then ``wait_for_save`` and ``get_finished``.
 The cost is a few batched torch ops per layer whatever the number of
 requests (the indices are built once a step per KV-cache group): a write
 scatters every computed position of every request, a read gathers every
-sampling request's context blocks and sums their bit patterns per token,
-then per request with one ``index_add_``. Integer sums are exact in any
+sampling request's context blocks and sums their weighted bit patterns per token,
+then per request with one ``index_add_``: the model's keyed digest, every
+element weighted by its place (:mod:`.model`). Integer sums are exact in any
 order, so what a request reads does not depend on which other requests
-share its step nor on torch's thread count, and any changed bit of the KV it
-reads changes it.
+share its step nor on torch's thread count, and any changed or moved element
+of the KV it reads changes it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 from ..context import ConnectorContext
 from ..host import WorkerHost
 from ..outputs import ModelRunnerOutput, SchedulerOutput
-from .model import VOCAB_SIZE, ReferenceModel, check_dtype, prefix_hashes
+from .model import VOCAB_SIZE, ReferenceModel, adapter_seed, check_dtype, position_weights, prefix_hashes
 
 __all__ = ["ReferenceWorker"]
 
@@ -66,7 +67,13 @@ class ReferenceWorker:
         check_dtype(context.dtype)
         dtype = getattr(torch, context.dtype)
         self.model = ReferenceModel(
-            num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab_size, dtype=dtype, device=device
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            vocab_size=vocab_size,
+            dtype=dtype,
+            device=device,
+            tp_rank=context.tp_rank,
+            tp_size=context.tp_size,
         )
         self.layers = [
             (name, g, spec.sliding_window)
@@ -77,10 +84,12 @@ class ReferenceWorker:
             name: torch.zeros((num_blocks, 2, self.block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
             for name, _, _ in self.layers
         }
-        # The same memory as integers of the element's width: reads sum bit patterns.
+        # The same memory as integers of the element's width: reads digest bit patterns, weighted by place.
         width = self.kv_caches[self.layers[0][0]].element_size()
         bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
         self._bits = {name: kv.view(bits) for name, kv in self.kv_caches.items()}
+        # [2, 1, heads, dim]: broadcast over a block's token slots, the cache's layout
+        self._weights = [self.model.read_weights(index)[:, None] for index in range(len(self.layers))]
         self._requests: dict[str, _RequestState] = {}
         if host is not None:
             host.register_kv_caches(self.kv_caches)
@@ -138,9 +147,10 @@ class ReferenceWorker:
                 blocks, offsets = writes[group]
                 kv[blocks, :, offsets] = self.model.kv_values(inputs, layer_index)
             if sampling:
-                ids, segment = spans[group]
-                per_token = self._bits[name][ids].flatten(3).sum(-1, dtype=torch.int64).sum(1).view(-1)
-                sums = per_token.new_zeros(len(sampling) + 1).index_add_(0, segment, per_token)
+                ids, segment, slot_weights = spans[group]
+                per_slot = (self._bits[name][ids] * self._weights[layer_index]).sum(dim=(1, 3, 4), dtype=torch.int64)
+                per_slot = per_slot.view(-1) * slot_weights
+                sums = per_slot.new_zeros(len(sampling) + 1).index_add_(0, segment, per_slot)
                 reads.append(sums[:-1])
             if host is not None:
                 host.save_kv_layer(name, kv)
@@ -168,21 +178,26 @@ class ReferenceWorker:
         device = self.model.device  # where the scatter runs, as the read index (no host-to-device copy per layer)
         return torch.tensor(blocks, device=device), torch.tensor(offsets, device=device)
 
-    def _read_index(self, sampling: list[tuple[str, int]], group: int, window: int | None) -> tuple[Any, Any]:
-        """The blocks the sampling requests read in ``group``, and per token slot of them the request it counts for.
+    def _read_index(self, sampling: list[tuple[str, int]], group: int, window: int | None) -> tuple[Any, Any, Any]:
+        """What the sampling requests read in ``group``: blocks, and per token slot its request and position weight.
 
         Slot ``i * block_size + j`` of the gathered blocks belongs to request
         ``segment[...]``; slots outside a request's span (before its window,
         after its last token) count for ``len(sampling)``, a bucket dropped.
+        The third tensor holds each slot's :func:`~.model.position_weights`.
         """
         bs, torch = self.block_size, self.model.torch
         ids: list[int] = []
         owners: list[int] = []
         counts: list[int] = []
+        shifts: list[int] = []  # per request: a gathered slot's position minus its index among all gathered slots
+        spans: list[int] = []  # per request: how many slots it gathered
         none = len(sampling)
         for r, (req_id, last) in enumerate(sampling):
             first = 0 if window is None else max(0, last - window + 1)
             table = self._requests[req_id].tables[group][first // bs : last // bs + 1]
+            shifts.append((first // bs - len(ids)) * bs)
+            spans.append(len(table) * bs)
             ids += table
             lo, length = first % bs, last - first + 1
             owners += [none, r, none]
@@ -191,7 +206,10 @@ class ReferenceWorker:
         def index(values: list[int]) -> Any:
             return torch.tensor(values, dtype=torch.long, device=self.model.device)
 
-        return index(ids), index(owners).repeat_interleave(index(counts))
+        positions = torch.arange(len(ids) * bs, device=self.model.device) + index(shifts).repeat_interleave(
+            index(spans)
+        )
+        return index(ids), index(owners).repeat_interleave(index(counts)), position_weights(positions)
 
     def num_requests(self) -> int:
         return len(self._requests)

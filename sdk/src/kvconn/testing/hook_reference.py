@@ -226,9 +226,13 @@ class HookReferenceConnector(KVConnector):
                 elif saved is None:
                     self.failed.add(t.block_id)
                 else:
-                    self.kv_caches[layer][t.block_id].copy_(saved)
+                    self.load_block(layer, t.block_id, saved)
             if self.config.load_async:
                 self.loading.add(t.req_id)
+
+    def load_block(self, layer: str, block_id: int, saved: Any) -> None:
+        """Write a block's saved bytes of ``layer`` into ``block_id``: a copy (the seam broken loaders override)."""
+        self.kv_caches[layer][block_id].copy_(saved)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str]]:
         done, self.loading = self.loading, set()

@@ -48,7 +48,9 @@ class LoadedBlock:
     injected failed load left), ``"partial:N"`` (the KV of its first ``N``
     tokens only: saved before it was full), ``"layer:K"`` (the KV
     of layer ``K`` at this position), ``"position:J"`` (this layer's KV of
-    block ``J``), or ``"other"``.
+    block ``J``), the right bytes in the wrong places (``"rearranged:kv"``:
+    K and V exchanged; ``"rearranged:slots"``: its token slots in another
+    order; ``"rearranged:heads"``: its heads in another order), or ``"other"``.
     """
 
     req_id: str
@@ -118,6 +120,9 @@ def _what(actual: Any, expected: list[Any], index: int, position: int) -> str:
         filled = right.index(False)
         if not any(right[filled:]):
             return f"partial:{filled}"
+    rearranged = _rearranged(actual, expected[index][position])
+    if rearranged is not None:
+        return f"rearranged:{rearranged}"
     for other, values in enumerate(expected):
         if other != index and actual.equal(values[position]):
             return f"layer:{other}"
@@ -125,3 +130,19 @@ def _what(actual: Any, expected: list[Any], index: int, position: int) -> str:
         if other != position and actual.equal(expected[index][other]):
             return f"position:{other}"
     return "other"
+
+
+def _rearranged(actual: Any, expected: Any) -> str | None:
+    """Which axis of a block (``[2, block_size, heads, dim]``) holds the right elements in another order, if one does.
+
+    K and V exchanged; the token slots, or the heads, permuted (each slot's, or
+    head's, values are some other slot's, or head's, of the block).
+    """
+    if actual.equal(expected.flip(0)):
+        return "kv"
+    for axis, name in ((1, "slots"), (2, "heads")):
+        found = actual.movedim(axis, 0).flatten(1)
+        wanted = expected.movedim(axis, 0).flatten(1)
+        if all(any(row.equal(other) for other in wanted) for row in found):
+            return name
+    return None
