@@ -130,14 +130,28 @@ class Engine:
         stats.degraded_events = hosts + self.scheduler.connector_degraded_events
         return stats
 
-    def add_request(self, prompt: Sequence[int], max_tokens: int = 16, request_id: str | None = None) -> Request:
-        """Queue a request; ``ValueError`` for a prompt of token ids outside the model's vocabulary."""
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int = 16,
+        request_id: str | None = None,
+        *,
+        adapter: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Queue a request; ``ValueError`` for a prompt of token ids outside the model's vocabulary.
+
+        ``adapter`` (a LoRA adapter's name: its KV differs) and ``cache_salt`` (a tenant: its
+        cached prefixes are its own) go into the request's block hashes as vLLM puts them.
+        """
         self._check_token_ids(prompt, "prompt token ids")
         request = Request(
             request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt,
             max_tokens,
             self.scheduler.block_size,
+            adapter=adapter,
+            cache_salt=cache_salt,
         )
         self.scheduler.add_request(request)
         return request

@@ -33,6 +33,7 @@ __all__ = ["ReferenceWorker"]
 class _RequestState:
     token_ids: list[int]
     tables: list[list[int]]
+    seed: int  # where its rolling hash starts: its adapter's (model.adapter_seed)
     hashes: list[int] = field(default_factory=list)
 
 
@@ -98,13 +99,15 @@ class ReferenceWorker:
         for req_id in output.finished_req_ids:
             self._requests.pop(req_id, None)
         for new in output.scheduled_new_reqs:
-            self._requests[new.req_id] = _RequestState(list(new.prompt_token_ids), [list(t) for t in new.block_ids])
+            tables = [list(t) for t in new.block_ids]
+            self._requests[new.req_id] = _RequestState(list(new.prompt_token_ids), tables, adapter_seed(new.adapter))
         cached = output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
             if cached.resumed_from_preemption[i]:
                 tables = [list(t) for t in new_blocks] if new_blocks else []
-                self._requests[req_id] = _RequestState(list(cached.all_token_ids[req_id]), tables)
+                seed = self._requests[req_id].seed  # kept across preemption, as its adapter is
+                self._requests[req_id] = _RequestState(list(cached.all_token_ids[req_id]), tables, seed)
                 continue
             state = self._requests[req_id]
             state.token_ids.extend(cached.new_token_ids[i])
@@ -125,7 +128,7 @@ class ReferenceWorker:
         starts = output.num_computed_tokens_by_request()
         for req_id, n in output.num_scheduled_tokens.items():
             state, start = self._requests[req_id], starts[req_id]
-            hashes.extend(prefix_hashes(state.token_ids, state.hashes)[start : start + n])
+            hashes.extend(prefix_hashes(state.token_ids, state.hashes, seed=state.seed)[start : start + n])
             positions.append((req_id, start, n))
         sampling = [
             (req_id, start + n - 1)

@@ -30,6 +30,7 @@ them failed; ``fail_hook`` makes the named hook raise.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -133,7 +134,7 @@ class HookReferenceConnector(KVConnector):
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         bs = self.context.block_size
         hits = 0
-        for block_hash in request.block_hashes[num_computed_tokens // bs :]:
+        for block_hash in self.block_keys(request)[num_computed_tokens // bs :]:
             if block_hash in self.failed_hashes or not self._saved(block_hash):
                 break
             hits += 1
@@ -153,8 +154,12 @@ class HookReferenceConnector(KVConnector):
             self.loads_in_flight[request.request_id] = {t.block_id: t.block_hash for t in loads}
 
     def transfers(self, request: ConnectorRequest, block_ids: BlockIds, blocks: range) -> list[Transfer]:
-        ids = iter_block_ids(block_ids, blocks.start, blocks.stop)
-        return [Transfer(request.request_id, g, b, request.block_hashes[i], i - blocks.start) for i, g, b in ids]
+        ids, keys = iter_block_ids(block_ids, blocks.start, blocks.stop), self.block_keys(request)
+        return [Transfer(request.request_id, g, b, keys[i], i - blocks.start) for i, g, b in ids]
+
+    def block_keys(self, request: ConnectorRequest) -> Sequence[bytes]:
+        """What each block of ``request`` is stored under: the engine's block hashes (the seam broken keys override)."""
+        return request.block_hashes
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState

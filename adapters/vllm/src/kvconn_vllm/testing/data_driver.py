@@ -1,4 +1,4 @@
-"""The data checks (KV040-KV046) through vLLM: its real scheduler, its model-runner code, a model that reads KV.
+"""The data checks (KV040-KV047) through vLLM: its real scheduler, its model-runner code, a model that reads KV.
 
 :class:`VllmDataDriver` is the ``vllm`` driver's ``data_driver``: vLLM's v1
 ``Scheduler`` (``kv_load_failure_policy="recompute"``) with the connector
@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvconn.host import CallOutcome, LoadPlan
-from kvconn.reference.model import ReferenceModel, position_weights, prefix_hashes
+from kvconn.reference.model import ReferenceModel, adapter_seed, position_weights, prefix_hashes
 from kvconn.reference.stats import EngineStats
 from kvconn.testing.conformance.driver import DriverSpec, StepRecord
 from kvconn.testing.conformance.failures import FailureMode, watch_data_run
@@ -89,7 +89,9 @@ class ModelLoop(VllmLoop):
             request = self.scheduler.requests[req_id]
             tables = [list(t) for t in self.scheduler.kv_cache_manager.get_block_ids(req_id)]
             start, end = request.num_computed_tokens - n, request.num_computed_tokens
-            hashes += prefix_hashes(request.all_token_ids, self._hashes.setdefault(req_id, []))[start:end]
+            known = self._hashes.setdefault(req_id, [])
+            adapter = request.lora_request.lora_name if request.lora_request is not None else None
+            hashes += prefix_hashes(request.all_token_ids, known, seed=adapter_seed(adapter))[start:end]
             for table, (blocks, offsets) in zip(tables, targets, strict=True):
                 blocks += [table[p // bs] for p in range(start, end)]
                 offsets += [p % bs for p in range(start, end)]
@@ -168,8 +170,17 @@ class DataRunMethods:
         start = request.num_computed_tokens
         self.stats.prompt_tokens_loaded += max(0, min(start + tokens, len(request.prompt_token_ids)) - start)
 
-    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> None:
-        request = self._requests[req_id] = make_request(req_id, prompt, max_tokens, self.block_size)
+    def add_request(
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        adapter: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        keys = {"adapter": adapter, "cache_salt": cache_salt}
+        request = self._requests[req_id] = make_request(req_id, prompt, max_tokens, self.block_size, **keys)
         self.scheduler.add_request(request)
 
     def step(self, *, withhold: Iterable[str] = ()) -> StepRecord:

@@ -73,14 +73,16 @@ def audit_load(
     table: Sequence[Sequence[int]],
     blocks: range,
     skip: set[int],
+    seed: int = 0,
 ) -> list[LoadedBlock]:
     """The layers of the blocks at positions ``blocks`` of ``table`` that hold the wrong KV.
 
     ``layers`` are ``(name, group)`` in model order; blocks in ``skip`` (a
-    load reported failed) are not audited.
+    load reported failed) are not audited; ``seed``: the request's adapter's
+    (:func:`~kvconn.reference.model.adapter_seed`).
     """
     block_size = kv_caches[layers[0][0]].shape[2]
-    hashes = prefix_hashes(list(token_ids[: blocks.stop * block_size]), [])
+    hashes = prefix_hashes(list(token_ids[: blocks.stop * block_size]), [], seed=seed)
     inputs = model.kv_inputs(hashes)
     # per layer: [positions, 2, block_size, heads, dim], the cache's layout
     expected = []

@@ -19,6 +19,7 @@ from ...host import CallOutcome, ConnectorHost, LoadPlan
 from ...host.wire import encode_metadata
 from ...outputs import KVConnectorOutput
 from ...reference.engine import Engine
+from ...reference.model import adapter_seed
 from ...reference.request import Request
 from ...reference.stats import EngineStats
 from ..utils import assert_scheduler_empty
@@ -45,6 +46,7 @@ class _Load:
     step: int
     is_async: bool
     token_ids: list[int]
+    seed: int  # the request's adapter's (its KV depends on it)
     table: list[list[int]]
     blocks: range
 
@@ -200,7 +202,8 @@ class ReferenceDriver:
             first = request.num_computed_tokens // self.block_size
             span = range(first, first + plan.num_tokens // self.block_size)
             table = [list(t) for t in block_ids]
-            load = _Load(request.request_id, self._step, plan.load_async, list(request.all_token_ids), table, span)
+            tokens, seed = list(request.all_token_ids), adapter_seed(self.requests[request.request_id].adapter)
+            load = _Load(request.request_id, self._step, plan.load_async, tokens, seed, table, span)
             self._loads.append(load)
         if plan.load_async:
             answer = f"get_num_new_matched_tokens returned ({plan.num_tokens}, True) for it (an async load)"
@@ -263,6 +266,7 @@ class ReferenceDriver:
                 req_id=load.req_id,
                 step=load.step,
                 token_ids=load.token_ids,
+                seed=load.seed,
                 table=load.table,
                 blocks=load.blocks,
                 skip=skip,
@@ -312,8 +316,18 @@ class ReferenceDriver:
 
     # ---------------------------------------------------------------- protocol
 
-    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> None:
-        self.requests[req_id] = self.engine.add_request(prompt, max_tokens, request_id=req_id)
+    def add_request(
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        adapter: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.requests[req_id] = self.engine.add_request(
+            prompt, max_tokens, request_id=req_id, adapter=adapter, cache_salt=cache_salt
+        )
 
     def abort(self, req_id: str) -> None:
         self.engine.abort(req_id)
