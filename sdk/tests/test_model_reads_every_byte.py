@@ -147,3 +147,26 @@ def test_tensor_parallel_ranks_generate_the_single_rank_tokens() -> None:
         assert torch.equal(torch.cat([m.kv_values(inputs, layer) for m in ranks], dim=2), values)
         weights = full.read_weights(layer)
         assert torch.equal(torch.cat([m.read_weights(layer) for m in ranks], dim=1), weights)
+
+
+def test_a_tensor_parallel_engine_generates_the_single_rank_engine_s_tokens() -> None:
+    """Two ranks, each a worker with half of the heads: their reads add up before sampling."""
+    with Engine(None, num_kv_heads=4) as engine:
+        want = engine.generate([PROMPT], max_tokens=6)
+    with Engine(None, num_kv_heads=4, tp_size=2) as engine:
+        assert [w.model.num_kv_heads for w in engine.workers] == [2, 2]
+        assert engine.generate([PROMPT], max_tokens=6) == want
+
+
+def test_a_rank_holding_the_other_rank_s_shard_changes_the_tokens() -> None:
+    """Rank 1's cache holding rank 0's shard of a block (a rank-blind store key): the tokens change."""
+    with Engine(None, num_kv_heads=4, tp_size=2) as engine:
+        want = engine.generate([PROMPT], max_tokens=6)
+    with Engine(None, num_kv_heads=4, tp_size=2) as engine:
+        request = engine.add_request(PROMPT, max_tokens=6, request_id="r")
+        engine.step()
+        block = engine.scheduler.kv_cache_manager.get_block_ids("r")[0][0]
+        for layer in ("layer.0", "layer.1"):
+            engine.workers[1].kv_caches[layer][block] = engine.workers[0].kv_caches[layer][block]
+        engine.run_until_done()
+        assert request.output_token_ids[1:] != want[0][1:]

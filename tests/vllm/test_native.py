@@ -86,7 +86,7 @@ def test_example_connector_with_the_fix_passes_the_data_checks_loading_through_i
     name = f"{fixtures}:ChunkedPrefillExampleConnector"
     report = run_native_conformance(name, config={"shared_storage_path": str(tmp_path)}, select="KV04*")
     statuses = {r.id: r.status for r in report.results}
-    assert statuses == {**{f"KV04{i}": "passed" for i in range(7)}, "KV047": "failed"}, _failed(report)
+    assert statuses == {**{f"KV04{i}": "passed" for i in range(7)}, "KV047": "failed", "KV048": "skipped"}
     runs = {case.name: result for case, result in data_runs(NativeSession(native_target(name), {
         "shared_storage_path": str(tmp_path / "again")
     }))}  # fmt: skip

@@ -95,6 +95,8 @@ SPECIFIC_FIXES = {
         ("KeysByTokens", "KV047", "in the 'isolation' data run, request 'b' (cache_salt 'tenant-2') loaded 64 tokens "
          "of the prefix 'a' computed under another cache_salt: a block hash carries the cache_salt, so nothing was "
          "there to load for 'b' (a cross-tenant hit, whatever its tokens)"),
+        ("RankBlindKeys", "KV048", "on tensor-parallel rank 0, block 5 (position 0, layer 'layer.0') holds rank 1's "
+         "shard of it: rank 1's value under rank 0's key (the store key misses the rank)"),
     ],
 )  # fmt: skip
 def test_broken_connector_fails_its_check(connector: str, check_id: str, observed: str) -> None:
@@ -233,6 +235,7 @@ def test_two_async_loads_of_a_resumed_request_are_reported_once_each() -> None:
         ("ExchangesKV", "KV040"),
         ("ReversesSlots", "KV040"),
         ("KeysByTokens", "KV047"),  # right until two tenants or adapters share tokens
+        ("RankBlindKeys", "KV048"),  # right with one rank
     ],
 )
 def test_broken_saver_fails_only_its_own_check(connector: str, only: str) -> None:

@@ -23,10 +23,18 @@ from typing import Any
 
 from ..context import ConnectorContext
 from ..host import WorkerHost
-from ..outputs import ModelRunnerOutput, SchedulerOutput
+from ..outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from .model import VOCAB_SIZE, ReferenceModel, adapter_seed, check_dtype, position_weights, prefix_hashes
 
-__all__ = ["ReferenceWorker"]
+__all__ = ["Forward", "ReferenceWorker"]
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One rank's step before sampling: per sampling request its per-layer digests; the connectors' report."""
+
+    reads: dict[str, list[int]]
+    connector_output: dict[str, KVConnectorOutput]
 
 
 @dataclass
@@ -116,6 +124,20 @@ class ReferenceWorker:
                     table.extend(added)
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and sample: every request that reached its last token gets one."""
+        step = self.forward(output)
+        sampled = {req_id: [self.model.next_token(r)] for req_id, r in step.reads.items()}
+        return ModelRunnerOutput(
+            req_ids=list(output.num_scheduled_tokens),
+            sampled_token_ids=sampled,
+            kv_connector_output=step.connector_output,
+        )
+
+    def forward(self, output: SchedulerOutput) -> Forward:
+        """Run one step up to sampling: the connector's hooks, KV written, and what each sampling request read.
+
+        A tensor-parallel engine adds the ranks' reads before sampling (:mod:`.ranks`).
+        """
         self._update_states(output)
         host, torch = self.host, self.model.torch
         if host is not None:
@@ -163,12 +185,7 @@ class ReferenceWorker:
             host.wait_for_save()
             connector_output = host.get_finished(set(output.finished_req_ids))
         per_request = torch.stack(reads, dim=1).tolist() if sampling else []
-        sampled = {req_id: [self.model.next_token(r)] for (req_id, _), r in zip(sampling, per_request, strict=True)}
-        return ModelRunnerOutput(
-            req_ids=list(output.num_scheduled_tokens),
-            sampled_token_ids=sampled,
-            kv_connector_output=connector_output,
-        )
+        return Forward({req_id: r for (req_id, _), r in zip(sampling, per_request, strict=True)}, connector_output)
 
     def _write_index(self, positions: list[tuple[str, int, int]], group: int) -> tuple[Any, Any]:
         """Block and in-block offset of every position computed this step, in ``group``'s tables."""

@@ -18,7 +18,7 @@ as vLLM then asks again after any); loads sync or async (``load_async``).
 Worker side:
 copies blocks to and from :data:`STORE`, a dict shared by every instance in
 the process, keyed by a namespace of the engine's model, dtype, block size
-and KV-cache groups (and ``store``), the layer and the block hash; a block
+and KV-cache groups (and ``store``), its tensor-parallel rank, the layer and the block hash; a block
 missing from the store when it is loaded is reported in
 ``get_block_ids_with_load_errors``.
 
@@ -104,7 +104,9 @@ class HookReferenceConnector(KVConnector):
     def __init__(self, config: HookReferenceConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         ctx = self.context
-        self.namespace = namespace_key(self.config.store, ctx.model, ctx.dtype, ctx.block_size, ctx.kv_cache_groups)
+        self.namespace = namespace_key(
+            self.config.store, ctx.model, ctx.dtype, ctx.block_size, ctx.kv_cache_groups, ctx.tp_rank
+        )
         self.requests: dict[str, ConnectorRequest] = {}
         self.saved_upto: dict[str, int] = {}  # blocks of each request already saved or loaded
         self.pending_loads: list[Transfer] = []

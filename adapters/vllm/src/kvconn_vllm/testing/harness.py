@@ -40,6 +40,7 @@ __all__ = [
     "kvconn_transfer_config",
     "make_model_runner_output",
     "make_request",
+    "one_rank",
     "make_scheduler",
     "model_runner",
     "prepare_environment",
@@ -269,6 +270,22 @@ def _vllm_group(group: KVCacheGroupSpec, block_size: int) -> Any:
     if group.sliding_window is None:
         return VllmGroupSpec(list(group.layer_names), FullAttentionSpec(**shape))
     return VllmGroupSpec(list(group.layer_names), SlidingWindowSpec(**shape, sliding_window=group.sliding_window))
+
+
+def one_rank(shape: EngineShape) -> None:
+    """Refuse a tensor-parallel shape (``ScenarioUnsupported``): the harness runs one worker, rank 0.
+
+    What a TP check would need here: one worker per rank, each with its shard of the heads and a connector
+    worker side of its own, and their outputs combined as vLLM's ``KVOutputAggregator`` does; the reference
+    engine has that (``kvconn.reference.ranks``).
+    """
+    from kvconn.testing.conformance import ScenarioUnsupported
+
+    if shape.tp_size != 1:
+        raise ScenarioUnsupported(
+            f"vLLM's test harness runs one worker rank, not tp_size={shape.tp_size}: tensor parallelism is checked "
+            "on the reference engine (kvconn validate NAME)"
+        )
 
 
 def make_request(

@@ -108,7 +108,7 @@ class ReferenceDriver:
             config = worker_config if worker_config is not None else spec.config
             self._process = WorkerProcess(spec.connector, config, self.engine.context, spec.shape)
             # the engine steps it in place of its own worker, which (and whose connector) then stays idle
-            self.engine.worker = self._process  # type: ignore[assignment]
+            self.engine.executor = self._process  # type: ignore[assignment]
         self.requests: dict[str, Request] = {}
         self._finished_calls: Counter[str] = Counter()
         self._withhold: frozenset[str] = frozenset()
@@ -242,7 +242,7 @@ class ReferenceDriver:
         """Fill each freed block with the pattern naming it (:func:`~.kv_audit.freed_value`)."""
         torch = self.worker.model.torch
         values = torch.tensor([freed_value(b) for b in block_ids]).view(-1, 1, 1, 1, 1)
-        for kv in self.worker.kv_caches.values():
+        for kv in (kv for worker in self.engine.workers for kv in worker.kv_caches.values()):
             kv[block_ids] = values.to(kv.dtype)
         for block_id in block_ids:
             self.freed_at.setdefault(block_id, []).append(self._step)
@@ -258,19 +258,22 @@ class ReferenceDriver:
         ]
         self._loads = [load for load in self._loads if load not in landed]
         layers = [(name, group) for name, group, _ in self.worker.layers]
+        models = [worker.model for worker in self.engine.workers]
         for load in landed:
-            self.wrong_loads += audit_load(
-                self.worker.model,
-                self.worker.kv_caches,
-                layers,
-                req_id=load.req_id,
-                step=load.step,
-                token_ids=load.token_ids,
-                seed=load.seed,
-                table=load.table,
-                blocks=load.blocks,
-                skip=skip,
-            )
+            for worker in self.engine.workers:  # every rank's shard: a key without the rank mixes them
+                self.wrong_loads += audit_load(
+                    worker.model,
+                    worker.kv_caches,
+                    layers,
+                    req_id=load.req_id,
+                    step=load.step,
+                    token_ids=load.token_ids,
+                    seed=load.seed,
+                    table=load.table,
+                    blocks=load.blocks,
+                    skip=skip,
+                    ranks=models,
+                )
 
     def awaited(self) -> list[Awaited]:
         """The reports the engine still waits for, oldest first (see :func:`~.diagnose.stall`)."""

@@ -40,6 +40,7 @@ __all__ = [
     "FILL_STEP_ENDS",
     "ISOLATED",
     "ISOLATION",
+    "TENSOR_PARALLEL",
     "LOST_BLOCKS",
     "MID_BLOCK_CHUNKS",
     "PERSISTENT_FAILURE",
@@ -183,6 +184,10 @@ def _isolation() -> DataRun:
     )
 
 
+#: Two tensor-parallel ranks, each with half of the four heads and a worker side of its own, one store per run.
+TENSOR_PARALLEL = _reuse(
+    "tensor-parallel-reuse", {"tp_size": 2, "num_kv_heads": 4}, (53, 12), shared_blocks=4, b_suffix=9, seed=60
+)
 #: Tenants and adapters apart: vLLM's extra keys in the block hashes (see :func:`_isolation`).
 ISOLATION = _isolation()
 #: In :data:`ISOLATION`, the requests that must load nothing, and the request whose prefix they share.
@@ -307,7 +312,8 @@ def data_runs(session: Session) -> list[tuple[DataRun, DataResult]]:
     if not {"saves", "loads"} <= session.capabilities:
         return []
     cases: list[tuple[DataRun, FailureMode | None]] = [
-        (case, None) for case in (*ROUND_TRIPS, MID_BLOCK_CHUNKS, PREEMPTED_SAVES, FILL_STEP_ENDS, ISOLATION)
+        (case, None)
+        for case in (*ROUND_TRIPS, MID_BLOCK_CHUNKS, PREEMPTED_SAVES, FILL_STEP_ENDS, ISOLATION, TENSOR_PARALLEL)
     ]
     runs = []
     for case, fail_loads in [*cases, (FAILED_LOAD, "first"), (PERSISTENT_FAILURE, "persistent")]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..catalog import IMPORTED, check
-from ..diagnose import Diagnosis, explain_wrong_kv, store_trouble
+from ..diagnose import RANK_KEY_FIX, Diagnosis, explain_wrong_kv, store_trouble
 from ..driver import ScenarioUnsupported
 from ..reference import ReferenceDriver
 from ..results import CheckSkipped, ConformanceFailure
@@ -23,6 +23,7 @@ from ..runs import (
     MID_BLOCK_CHUNKS,
     PREEMPTED_SAVES,
     ROUND_TRIPS,
+    TENSOR_PARALLEL,
     DataResult,
     DataRun,
     data_run,
@@ -349,3 +350,24 @@ def isolation(session: Session) -> None:
                 + (" (a cross-tenant hit, whatever its tokens)" if other[0] == "cache_salt" else "")
             )
     _exact(session, ISOLATION)
+
+
+@check(
+    "KV048",
+    "tensor-parallel",
+    fix=RANK_KEY_FIX,
+    **UNTIDY_DATA_CHECK,
+)
+def tensor_parallel(session: Session) -> None:
+    """Two tensor-parallel ranks share one store per run, each saving and loading its own shard; tokens exact.
+
+    The engine runs rank 0 and rank 1, each with half of the heads and a
+    worker side of its own whose context names its rank; their reads add up
+    before sampling, so the tokens are the single-rank engine's. Catches
+    store keys that leave out the rank: the two shards of a block land under
+    one key, and a rank loads the other's.
+    """
+    try:
+        _exact(session, TENSOR_PARALLEL)
+    except ScenarioUnsupported as exc:
+        raise CheckSkipped(str(exc)) from None

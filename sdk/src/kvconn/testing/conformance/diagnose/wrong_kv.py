@@ -16,7 +16,13 @@ from ..kv_audit import LoadedBlock
 from ..observe import HashedBlock, hashed_blocks
 from .diagnosis import Diagnosis
 
-__all__ = ["explain_wrong_kv", "shifted_pairing", "transfer_kind"]
+__all__ = ["RANK_KEY_FIX", "explain_wrong_kv", "shifted_pairing", "transfer_kind"]
+
+#: The fix for a store key without the tensor-parallel rank (the check's own, and the diagnosis's).
+RANK_KEY_FIX = (
+    "key each block by the tensor-parallel rank as well as its hash (context.tp_rank; "
+    "kvconn.hashing.context_namespace(context) covers it): each rank holds its own shard of the heads"
+)
 
 
 def transfer_kind(path: str) -> str:
@@ -101,6 +107,15 @@ def explain_wrong_kv(
             "load failed (reported in get_block_ids_with_load_errors) was saved and loaded back",
             "never save a block that was loaded, or whose load failed: save only blocks the engine computed "
             "(from num_computed_tokens on, after any rollback)",
+        )
+    shard = next((w for w in wrong if w.holds.startswith("rank:")), None)
+    if shard is not None:
+        other = shard.holds.split(":")[1]
+        return Diagnosis(
+            f"the load of {shard.req_id!r} at step {shard.step}: on tensor-parallel rank {shard.rank}, block "
+            f"{shard.block_id} (position {shard.position}, layer {shard.layer!r}) holds rank {other}'s shard of it: "
+            f"rank {other}'s value under rank {shard.rank}'s key (the store key misses the rank)",
+            RANK_KEY_FIX,
         )
     rearranged = next((w for w in wrong if w.holds.startswith("rearranged:")), None)
     if rearranged is not None:
