@@ -44,6 +44,7 @@ SPECIFIC_FIXES = {
     "WrongLayerLoad": "key each saved block by its layer as well as its block hash",
     "OverClaims": "claim in get_num_new_matched_tokens only the blocks you hold",
     "ResavesLoaded": "never save a block that was loaded, or whose load failed",
+    "PoisonsQuietly": "never save a block that was loaded, or whose load failed",
     "KeepsFirstTableUnnamed": "read the table each step with block_state.get_block_ids(req_id): a request resumed "
     "after preemption has a new table",
     "DeferredSaver": "read a save's bytes out of the KV cache by the end of its step (by wait_for_save)",
@@ -95,6 +96,8 @@ SPECIFIC_FIXES = {
         ("KeysByTokens", "KV047", "in the 'isolation' data run, request 'b' (cache_salt 'tenant-2') loaded 64 tokens "
          "of the prefix 'a' computed under another cache_salt: a block hash carries the cache_salt, so nothing was "
          "there to load for 'b' (a cross-tenant hit, whatever its tokens)"),
+        ("PoisonsQuietly", "KV041", "in the 'failed-load-elsewhere' data run (its first load failed; 'b1' then ran "
+         "on another engine instance sharing its store), request 'b1' generated"),
         ("RankBlindKeys", "KV048", "on tensor-parallel rank 0, block 5 (position 0, layer 'layer.0') holds rank 1's "
          "shard of it: rank 1's value under rank 0's key (the store key misses the rank)"),
     ],
@@ -236,6 +239,7 @@ def test_two_async_loads_of_a_resumed_request_are_reported_once_each() -> None:
         ("ReversesSlots", "KV040"),
         ("KeysByTokens", "KV047"),  # right until two tenants or adapters share tokens
         ("RankBlindKeys", "KV048"),  # right with one rank
+        ("PoisonsQuietly", "KV041"),  # its own instance never loads the poison: only another one shows it
     ],
 )
 def test_broken_saver_fails_only_its_own_check(connector: str, only: str) -> None:

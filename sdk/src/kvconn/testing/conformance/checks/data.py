@@ -16,6 +16,7 @@ from ..reference import ReferenceDriver
 from ..results import CheckSkipped, ConformanceFailure
 from ..runs import (
     FAILED_LOAD,
+    FAILED_LOAD_ELSEWHERE,
     FILL_STEP_ENDS,
     ISOLATED,
     ISOLATION,
@@ -139,7 +140,11 @@ def load_failure(session: Session) -> None:
     request back and recomputes it. Catches connectors that crash when a
     request's computed tokens go backwards, that save the garbage they loaded
     (poisoning the store for the next request with the same prefix), and that
-    lose track of the request afterwards.
+    lose track of the request afterwards. The run is played again with its
+    last request on a second engine instance (new scheduler and worker, the
+    same config, so the same store where it outlives an instance): a
+    connector that poisoned the store and stops claiming the failed block
+    itself still fails there.
 
     With a ``config_factory``, the connector's own store also loses data: a
     request saves, then another runs on an engine whose scheduler side sees
@@ -169,6 +174,15 @@ def failed_load_recomputed(session: Session) -> None:
         raise ConformanceFailure(
             f"after a failed load and every request ending, get_num_tracked_requests says {tracked}"
         )
+    # What it saved after the failure, judged by an engine that never saw it (a connector that stops claiming
+    # a block whose load failed hides a poisoned store from its own instance, not from the others sharing it).
+    elsewhere = data_run(session, FAILED_LOAD_ELSEWHERE, fail_loads="first")
+    compare_tokens(
+        session,
+        FAILED_LOAD_ELSEWHERE,
+        elsewhere,
+        " (its first load failed; 'b1' then ran on another engine instance sharing its store)",
+    )
 
 
 def _in_process_state(driver: ReferenceDriver) -> bool:
