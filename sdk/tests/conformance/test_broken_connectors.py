@@ -414,3 +414,24 @@ def test_a_load_error_reported_after_its_finished_load_fails(late: bool) -> None
 def _fresh_async_namespaces() -> Callable[[str], dict[str, object]]:
     fresh = _fresh_namespaces()
     return lambda run: {**fresh(run), "load_async": True}
+
+
+@pytest.mark.parametrize(
+    ("store", "observed", "fix"),
+    [
+        ("NextKeysValue", "its store layer refused 4 loaded value(s) (load_failed_integrity_other_key): the store "
+         "returned another key's value", "make get() fill each buffer with the value of its own key"),
+        ("ShortValues", "its store layer refused 4 loaded value(s) (load_failed_integrity_short): the store returned "
+         "fewer bytes than were put", "make get() copy the whole value and answer its full length"),
+        ("DropsPuts", "loaded no token through the connector; its stats count blocks_saved=10 (the store's put() "
+         "answered True for each), yet no lookup found one of them", "make put() answer True only for a value it "
+         "stored"),
+    ],
+)  # fmt: skip
+def test_a_broken_store_s_first_failure_names_the_store_s_bug(store: str, observed: str, fix: str) -> None:
+    """Under the store layer, the first failure speaks the store's calls (what the layer counted), not hooks."""
+    with _quiet():
+        report = run_conformance(f"kvconn_conformance_fixtures.broken_stores:{store}", config_factory=fresh_namespace)
+    first = next(r for r in report.results if r.status == "failed")
+    observed_part, fix_part = first.message.split("; fix: ")
+    assert first.id == "KV040" and observed in observed_part and fix_part.startswith(fix)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..catalog import IMPORTED, check
-from ..diagnose import RANK_KEY_FIX, Diagnosis, explain_wrong_kv, store_trouble
+from ..diagnose import RANK_KEY_FIX, Diagnosis, explain_wrong_kv, lost_saves, store_refusals, store_trouble
 from ..driver import ScenarioUnsupported
 from ..reference import ReferenceDriver
 from ..results import CheckSkipped, ConformanceFailure
@@ -74,16 +74,20 @@ def _exact(session: Session, case: DataRun) -> bool:
     result = data_run(session, case)
     stats = result.driver.stats
     if stats.failed_load_blocks:
-        raise ConformanceFailure(
+        seen = (
             f"in the {case.name!r} data run the connector reported {stats.failed_load_blocks} block(s) failed to "
-            "load though nothing failed: it claimed more tokens than it holds"
+            "load though nothing failed"
         )
+        refused = store_refusals(result.records)
+        if refused is not None:  # the store layer knows why: the store's calls, not the hooks
+            raise ConformanceFailure(f"{seen}: {refused.observed}", refused.fix)
+        raise ConformanceFailure(f"{seen}: it claimed more tokens than it holds")
     if stats.prompt_tokens_loaded == 0 and session.every_data_run_loads:
         seen = (
             f"in the {case.name!r} data run, requests sharing full blocks with earlier ones, whose local copies "
             "were gone, loaded no token through the connector"
         )
-        why = store_trouble(result.records, stats.degraded_events, result.warnings)
+        why = store_trouble(result.records, stats.degraded_events, result.warnings) or lost_saves(result.records)
         raise ConformanceFailure(seen) if why is None else ConformanceFailure(f"{seen}; {why.observed}", why.fix)
     compare_tokens(session, case, result)
     return stats.prompt_tokens_loaded > 0
