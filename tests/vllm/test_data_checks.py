@@ -166,7 +166,7 @@ def test_the_redis_connector_passes_every_check_under_vllm_against_a_real_server
     finally:
         server.stop()
     assert report.load_error is None
-    assert report.failed == 0 and report.skipped == 1 and report.passed == 26, report.results  # KV048: one rank
+    assert report.failed == 0 and report.skipped == 1 and report.passed == 27, report.results  # KV048: one rank
 
 
 def test_kvconn_validate_engine_vllm_fails_the_livelocking_store() -> None:

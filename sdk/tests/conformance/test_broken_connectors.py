@@ -417,21 +417,28 @@ def _fresh_async_namespaces() -> Callable[[str], dict[str, object]]:
 
 
 @pytest.mark.parametrize(
-    ("store", "observed", "fix"),
+    ("store", "contract", "observed", "fix"),
     [
-        ("NextKeysValue", "its store layer refused 4 loaded value(s) (load_failed_integrity_other_key): the store "
-         "returned another key's value", "make get() fill each buffer with the value of its own key"),
-        ("ShortValues", "its store layer refused 4 loaded value(s) (load_failed_integrity_short): the store returned "
-         "fewer bytes than were put", "make get() copy the whole value and answer its full length"),
-        ("DropsPuts", "loaded no token through the connector; its stats count blocks_saved=10 (the store's put() "
-         "answered True for each), yet no lookup found one of them", "make put() answer True only for a value it "
-         "stored"),
+        ("NextKeysValue", "get() must copy each value into its own buffer, in key order", "its store layer refused 4 "
+         "loaded value(s) (load_failed_integrity_other_key): the store returned another key's value",
+         "make get() fill each buffer with the value of its own key"),
+        ("ShortValues", "get() must answer each value's length in bytes", "its store layer refused 4 loaded value(s) "
+         "(load_failed_integrity_short): the store returned fewer bytes than were put",
+         "make get() copy the whole value and answer its full length"),
+        ("DropsPuts", "contains() must see every key put() stored", "loaded no token through the connector; its stats "
+         "count blocks_saved=10 (the store's put() answered True for each), yet no lookup found one of them",
+         "make put() answer True only for a value it stored"),
     ],
 )  # fmt: skip
-def test_a_broken_store_s_first_failure_names_the_store_s_bug(store: str, observed: str, fix: str) -> None:
-    """Under the store layer, the first failure speaks the store's calls (what the layer counted), not hooks."""
+def test_a_broken_store_is_named_by_the_store_contract_and_by_the_engine(
+    store: str, contract: str, observed: str, fix: str
+) -> None:
+    """The store contract (KV007) runs first and names the store call; the engine's round trip (KV040) then quotes
+    what the store layer counted, in the store's terms, not in hooks."""
     with _quiet():
         report = run_conformance(f"kvconn_conformance_fixtures.broken_stores:{store}", config_factory=fresh_namespace)
     first = next(r for r in report.results if r.status == "failed")
-    observed_part, fix_part = first.message.split("; fix: ")
-    assert first.id == "KV040" and observed in observed_part and fix_part.startswith(fix)
+    assert first.id == "KV007" and f"{store}Store, from {store}.open_store()" in first.message
+    assert first.message.split("; fix: ")[1].startswith(contract)
+    observed_part, fix_part = report.result("KV040").message.split("; fix: ")
+    assert observed in observed_part and fix_part.startswith(fix)
