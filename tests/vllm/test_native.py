@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,26 @@ def test_a_users_own_offloading_spec_replaces_the_stand_in() -> None:
     (result,) = report.results
     assert result.status == "failed" and "only supported on CUDA-alike and XPU GPUs" in result.message
     assert not report.notes
+
+
+def test_a_correct_vllm_connector_whose_metadata_names_no_request_passes_every_check_that_applies(
+    fixtures: str,
+) -> None:
+    """(block hash, block id) pairs and nothing else: the verdicts come from what lands and when tables are read."""
+    report = run_native_conformance(f"{fixtures}:HashedBlocksConnector", config={"store": uuid.uuid4().hex})
+    assert report.load_error is None and report.failed == 0, _failed(report)
+    statuses = {r.id: r.status for r in report.results}
+    assert all(statuses[c] == "passed" for c in ("KV011", "KV012", "KV014", "KV040", "KV041", "KV046", "KV047"))
+
+
+def test_the_seeds_bug_in_a_vllm_connector_whose_metadata_names_no_request_fails_block_fill(fixtures: str) -> None:
+    """It saves only for requests that got new blocks: the block filled by a prefill chunk that allocated none is
+    never saved, and a request sharing it loads one block short."""
+    report = run_native_conformance(f"{fixtures}:NewBlocksOnlyHashedConnector", config={"store": uuid.uuid4().hex})
+    first = next(r for r in report.results if r.status == "failed")
+    assert first.id == "KV011", first
+    assert "in the 'block-fill-reuse' data run" in first.message
+    assert (
+        "'b', sharing all three, loaded 32 tokens of them, not 48: the block filled on the step that allocated none "
+        "was never saved" in first.message
+    )
