@@ -182,9 +182,9 @@ def test_offloading_connector_with_a_failed_load_path_passes_every_check_loading
     # with two groups the injected failure reaches vLLM per request (failed_recving), and vLLM recovers
     two_groups = data_run(session, PERSISTENT_FAILURE_TWO_GROUPS, fail_loads="persistent")
     assert two_groups.driver.injected_failure and two_groups.driver.stats.failed_load_blocks > 0
-    assert all(result.driver.stats.prompt_tokens_loaded > 0 for result in runs.values()), {
-        case: result.driver.stats.prompt_tokens_loaded for case, result in runs.items()
-    }
+    # failed-load-elsewhere's last request runs on a second instance: an instance's CPU chunks are its own
+    loaded = {case: result.driver.stats.prompt_tokens_loaded for case, result in runs.items()}
+    assert loaded.pop("failed-load-elsewhere") == 0 and all(loaded.values()), loaded
 
 
 def test_an_offloading_connector_loading_into_rotated_blocks_fails_the_round_trip(fixtures: str) -> None:
@@ -221,7 +221,5 @@ def test_the_seeds_bug_in_a_vllm_connector_whose_metadata_names_no_request_fails
     first = next(r for r in report.results if r.status == "failed")
     assert first.id == "KV011", first
     assert "in the 'block-fill-reuse' data run" in first.message
-    assert (
-        "'b', sharing all three, loaded 32 tokens of them, not 48: the block filled on the step that allocated none "
-        "was never saved" in first.message
-    )
+    assert "'b', sharing all three, loaded 32 tokens of them, where it loads 48 when 'a''s prompt" in first.message
+    assert "the block filled on the step that allocated none was never saved" in first.message

@@ -36,6 +36,7 @@ from .scenarios import IDLE_STEP_S, MAX_STEPS, TWO_GROUPS, prompt
 from .session import Session
 
 __all__ = [
+    "BLOCK_FILL_CONTROL",
     "BLOCK_FILL_REUSE",
     "FAILED_LOAD",
     "FAILED_LOAD_ELSEWHERE",
@@ -199,6 +200,11 @@ BLOCK_FILL_REUSE = DataRun(
     {"max_num_batched_tokens": 40},
     ((Req("a", prompt(48, 61), 1),), (Req("b", Follow("a", 3, 5), 3),)),
     61,
+)
+#: The same sharing with nothing special about any step: ``a``'s prompt computes in one step that allocates its three
+#: blocks. What a connector claims here is what it claims when no block filled on a step that allocated none.
+BLOCK_FILL_CONTROL = DataRun(
+    "block-fill-control", {}, ((Req("a", prompt(48, 62), 1),), (Req("b", Follow("a", 3, 5), 3),)), 62
 )
 #: Two tensor-parallel ranks, each with half of the four heads and a worker side of its own, one store per run.
 TENSOR_PARALLEL = _reuse(

@@ -9,7 +9,7 @@ from ..diagnose import shifted_pairing, transfer_kind
 from ..driver import ScenarioUnsupported
 from ..observe import hashed_blocks
 from ..results import CheckSkipped, ConformanceFailure
-from ..runs import BLOCK_FILL_REUSE, Run, all_runs, data_run
+from ..runs import BLOCK_FILL_CONTROL, BLOCK_FILL_REUSE, DataResult, Run, all_runs, data_run
 from ..scenarios import BLOCK_FILL_CHUNK, OFFERED_ONLY, Trace
 from ..session import Session
 
@@ -58,7 +58,10 @@ def block_fill(session: Session) -> None:
     Judged by what lands too, whatever the metadata looks like: for a
     connector that saves and loads, a request sharing the three full blocks
     of a prompt whose third block filled on such a step must be able to load
-    all three (:data:`~..runs.BLOCK_FILL_REUSE`).
+    as many of them as when the prompt computed in one step that allocated
+    all three (:data:`~..runs.BLOCK_FILL_REUSE` against
+    :data:`~..runs.BLOCK_FILL_CONTROL`: a connector that reuses only some
+    blocks by design claims alike in both).
     """
     judged = _block_fill_lands(session)
     traces = session.completed_traces()
@@ -100,19 +103,22 @@ def _block_fill_lands(session: Session) -> bool:
     if session.run(get_check("KV044")).status == "failed":
         return False  # a save deferred past its step (KV044's root cause) is claimable a step late: not this bug
     try:
-        result = data_run(session, BLOCK_FILL_REUSE)
+        claimed, control = (_claimed(data_run(session, case)) for case in (BLOCK_FILL_REUSE, BLOCK_FILL_CONTROL))
     except ScenarioUnsupported:
         return False
-    bs = result.driver.block_size
-    claimed = sum(record.loaded.get("b", 0) for record in result.records)
-    if claimed < 3 * bs:
+    if claimed < control:
         raise ConformanceFailure(
             f"in the {BLOCK_FILL_REUSE.name!r} data run, 'a' ({BLOCK_FILL_CHUNK.description}) finished with 3 full "
-            f"blocks, and 'b', sharing all three, loaded {claimed} tokens of them, not {3 * bs}: the block filled "
-            "on the step that allocated none was never saved (a connector acting only on requests that got new "
-            "blocks misses that step)"
+            f"blocks, and 'b', sharing all three, loaded {claimed} tokens of them, where it loads {control} when "
+            f"'a''s prompt computes in one step ({BLOCK_FILL_CONTROL.name!r}): the block filled on the step that "
+            "allocated none was never saved (a connector acting only on requests that got new blocks misses that step)"
         )
     return True  # what the loaded bytes hold is the data checks' (KV040 reads a block filled by a decode step)
+
+
+def _claimed(result: DataResult) -> int:
+    """The tokens ``b`` loaded through the connector in a block-fill run."""
+    return sum(record.loaded.get("b", 0) for record in result.records)
 
 
 @check(
