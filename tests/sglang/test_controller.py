@@ -1,0 +1,128 @@
+"""SGLang's HiCacheController backs pages up to a kvconn store and prefetches them back, on its own threads.
+
+Real page keys (SGLang's SHA-256 chains over token ids), real host pools, the
+controller's backup thread (``write_storage`` -> ``batch_set_v1``), prefetch
+thread (``batch_exists``) and I/O thread (``batch_get_v1``).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+from kvconn.store import HEADER_BYTES
+from sglang_rig import PAGE, Controller, extra, fill_known, make_pools, page
+
+
+def _tokens(n_pages: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n_pages * PAGE))
+
+
+@pytest.mark.parametrize(("kind", "layout"), [("mha", "page_first"), ("mha", "layer_first"), ("mla", "page_first_direct")])
+def test_backup_then_prefetch_lands_the_same_bytes(store: tuple[str, dict[str, Any]], kind: str, layout: str) -> None:
+    device, host = make_pools(kind, layout)
+    ctl = Controller(device, host, extra(*store))
+    fill_known(host, seed=1)
+    tokens = _tokens(6)
+    saved = host.alloc(len(tokens))
+    assert ctl.backup(tokens, saved) == len(tokens)
+    got = ctl.prefetch(tokens + _tokens(2, start=5000))  # two more pages nobody stored
+    assert (got.hit_tokens, got.loaded_tokens) == (len(tokens), len(tokens))
+    for i in range(6):
+        assert torch.equal(page(host, saved, i), page(host, got.host_indices, i)), f"page {i}"
+    ctl.close()
+
+
+def test_a_partial_hit_prefetches_the_stored_prefix(store: tuple[str, dict[str, Any]]) -> None:
+    device, host = make_pools("mha", "page_first")
+    ctl = Controller(device, host, extra(*store))
+    fill_known(host, seed=2)
+    tokens = _tokens(5)
+    saved = host.alloc(3 * PAGE)
+    assert ctl.backup(tokens[: 3 * PAGE], saved) == 3 * PAGE
+    got = ctl.prefetch(tokens)
+    assert (got.hit_tokens, got.loaded_tokens) == (3 * PAGE, 3 * PAGE)
+    for i in range(3):
+        assert torch.equal(page(host, saved, i), page(host, got.host_indices, i))
+    ctl.close()
+
+
+def test_a_corrupt_value_stops_the_prefetch_before_it(store: tuple[str, dict[str, Any]]) -> None:
+    device, host = make_pools("mha", "page_head")
+    ctl = Controller(device, host, extra(*store))
+    fill_known(host, seed=4)
+    tokens = _tokens(5)
+    tier = ctl.backend.tier
+    bad = tier.key(ctl.hashes(tokens)[2])
+    junk = b"\x5a" * (HEADER_BYTES + tier.views.page_bytes)  # right length, not a value kvconn sealed
+    assert list(tier.guard.call("put", lambda s: s.put([bad], [junk]))) == [True]
+    saved = host.alloc(len(tokens))
+    ctl.backup(tokens, saved)
+    got = ctl.prefetch(tokens)
+    assert got.hit_tokens == len(tokens)  # every key exists ...
+    assert got.loaded_tokens == 2 * PAGE  # ... but the prefetch stops before the page that fails
+    for i in range(2):
+        assert torch.equal(page(host, saved, i), page(host, got.host_indices, i))
+    assert ctl.backend.get_stats()["load_failed_integrity_foreign"] == 1
+    ctl.close()
+
+
+def test_a_hung_store_costs_the_deadline_not_the_prefetch_thread(redis_server: Any, namespace: str) -> None:
+    device, host = make_pools("mha", "page_first")
+    config = {"namespace": namespace, "url": redis_server.url, "timeout_s": 0.5, "socket_timeout_s": 30.0}
+    ctl = Controller(device, host, extra("redis", config))
+    fill_known(host, seed=6)
+    tokens = _tokens(4)
+    assert ctl.backup(tokens, host.alloc(len(tokens))) == len(tokens)
+    redis_server.signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        got = ctl.prefetch(tokens)
+        took = time.monotonic() - start
+        assert got.hit_tokens == 0
+        assert took < 0.5 + 2.0, f"the prefetch waited {took:.1f} s on a hung store"
+        start = time.monotonic()
+        assert ctl.backup(_tokens(2, start=7000), host.alloc(2 * PAGE)) == 0  # skipped, the store is off
+        assert time.monotonic() - start < 2.0
+        # The controller's threads still run: a later prefetch is answered too.
+        assert ctl.prefetch(tokens).hit_tokens == 0
+    finally:
+        redis_server.signal(signal.SIGCONT)
+    stats = ctl.backend.get_stats()
+    assert stats["lookup_failed_store_off"] >= 1 and stats["save_failed_store_off"] == 2
+    ctl.close()
+
+
+def test_a_dead_store_means_misses_and_skipped_backups(redis_server: Any, namespace: str) -> None:
+    device, host = make_pools("mla", "page_first")
+    config = {"namespace": namespace, "url": redis_server.url, "timeout_s": 1.0, "socket_timeout_s": 0.5}
+    ctl = Controller(device, host, extra("redis", config))
+    tokens = _tokens(3)
+    redis_server.stop()
+    assert ctl.backup(tokens, host.alloc(len(tokens))) == 0
+    assert ctl.prefetch(tokens).hit_tokens == 0
+    assert ctl.prefetch(tokens).hit_tokens == 0  # the prefetch thread lives on
+    stats = ctl.backend.get_stats()
+    assert stats["save_failed_store_off"] == 3
+    assert stats["lookup_failed_store_off"] >= 1
+    ctl.close()
+
+
+def test_deployments_of_other_models_never_read_each_others_pages(store: tuple[str, dict[str, Any]]) -> None:
+    device, host = make_pools("mha", "page_first")
+    first = Controller(device, host, extra(*store), model="org/model-a")
+    tokens = _tokens(3)
+    fill_known(host, seed=8)
+    assert first.backup(tokens, host.alloc(len(tokens))) == len(tokens)
+    first.close()
+    device2, host2 = make_pools("mha", "page_first")
+    other = Controller(device2, host2, extra(*store), model="org/model-b")
+    assert other.prefetch(tokens).hit_tokens == 0
+    other.close()
+    device3, host3 = make_pools("mha", "page_first")
+    same = Controller(device3, host3, extra(*store), model="org/model-a")
+    assert same.prefetch(tokens).hit_tokens == len(tokens)  # the same deployment does share
+    same.close()
