@@ -73,7 +73,9 @@ def make_pools(kind: str, layout: str, *, dtype: torch.dtype = torch.float16, la
     return device, host
 
 
-def storage_config(extra: dict[str, Any], *, mla: bool = False, model: str = "kvconn/test-model", tp: tuple[int, int] = (0, 1)) -> Any:
+def storage_config(
+    extra: dict[str, Any], *, mla: bool = False, model: str = "kvconn/test-model", tp: tuple[int, int] = (0, 1)
+) -> Any:
     """SGLang's ``HiCacheStorageConfig`` as its controller builds it for one rank."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 

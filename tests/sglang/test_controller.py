@@ -13,15 +13,18 @@ from typing import Any
 
 import pytest
 import torch
-from kvconn.store import HEADER_BYTES
 from sglang_rig import PAGE, Controller, extra, fill_known, make_pools, page
+
+from kvconn.store import HEADER_BYTES
 
 
 def _tokens(n_pages: int, start: int = 1000) -> list[int]:
     return list(range(start, start + n_pages * PAGE))
 
 
-@pytest.mark.parametrize(("kind", "layout"), [("mha", "page_first"), ("mha", "layer_first"), ("mla", "page_first_direct")])
+@pytest.mark.parametrize(
+    ("kind", "layout"), [("mha", "page_first"), ("mha", "layer_first"), ("mla", "page_first_direct")]
+)
 def test_backup_then_prefetch_lands_the_same_bytes(store: tuple[str, dict[str, Any]], kind: str, layout: str) -> None:
     device, host = make_pools(kind, layout)
     ctl = Controller(device, host, extra(*store))

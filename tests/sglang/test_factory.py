@@ -36,7 +36,7 @@ def test_a_module_path_names_a_store_too(namespace: str) -> None:
 
 def test_a_connector_that_is_not_a_store_is_refused_by_name() -> None:
     _, host = make_pools("mha", "page_first")
-    with pytest.raises(kvconn_sglang.StoreSpecError, match="'dummy'.*not a kvconn store connector"):
+    with pytest.raises(kvconn_sglang.StoreSpecError, match=r"'dummy'.*not a kvconn store connector"):
         _create(extra("dummy"), host)
 
 

@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 import torch
-from kvconn.store import HEADER_BYTES
 from sglang_rig import MHA_LAYOUTS, MLA_LAYOUTS, PAGE, extra, fill_known, make_pools, page, storage_config
+
+from kvconn.store import HEADER_BYTES
 
 LAYOUTS = [("mha", layout) for layout in MHA_LAYOUTS] + [("mla", layout) for layout in MLA_LAYOUTS]
 

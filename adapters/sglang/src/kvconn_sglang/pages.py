@@ -67,7 +67,7 @@ def _page_indices(page_size: int) -> Any:
 
 def page_count(host_indices: Any, page_size: int) -> int:
     """How many pages ``host_indices`` covers."""
-    return int(len(host_indices)) // page_size
+    return len(host_indices) // page_size
 
 
 def flat_views(tensors: Sequence[Any]) -> list[memoryview]:

@@ -153,7 +153,9 @@ class PageTier:
             return [False] * len(keys)
         saved = sum(stored)
         self.stats.count("pages_saved", saved)
-        self.stats.count("bytes_saved", sum(sum(p.nbytes for p in page) for page, ok in zip(pages, stored) if ok))
+        self.stats.count(
+            "bytes_saved", sum(sum(p.nbytes for p in page) for page, ok in zip(pages, stored, strict=True) if ok)
+        )
         self.stats.degraded("save_failed_refused", len(keys) - saved, "the store refused pages (full?)")
         return [bool(ok) for ok in stored]
 
