@@ -1,7 +1,7 @@
 """The SGLang tier (.venv-sglang, `make test-sglang`): kvconn stores as SGLang's HiCache L3, through SGLang's code.
 
-Real components only: SGLang's pools, factory and HiCacheController (``sglang_rig``), a real redis-server on
-127.0.0.1 (the redis plugin's test helper, stopped by PID), Mooncake's embedded store. The one stand-in is
+Real components only: SGLang's pools, factory and HiCacheController (``kvconn_sglang.testing.rig``), a real
+redis-server on 127.0.0.1 (the redis plugin's test helper, stopped by PID), Mooncake's embedded store. The one stand-in is
 ``standin/torchvision`` (docs/sglang.md, "The test tier").
 """
 
@@ -22,7 +22,8 @@ for path in (HERE / "standin", HERE, REPO / "plugins" / "redis" / "tests"):
         sys.path.insert(0, str(path))
 
 from redis_server import RedisServer, require_redis_server  # noqa: E402
-from sglang_rig import init_sglang  # noqa: E402
+
+from kvconn_sglang.testing.rig import init_sglang  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)

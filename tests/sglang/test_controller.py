@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import torch
-from sglang_rig import PAGE, Controller, extra, fill_known, make_pools, page
 
 from kvconn.store import HEADER_BYTES
+from kvconn_sglang.testing.rig import PAGE, Controller, extra, fill_known, make_pools, page
 
 
 def _tokens(n_pages: int, start: int = 1000) -> list[int]:

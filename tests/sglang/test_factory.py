@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from sglang_rig import extra, make_pools, storage_config
 
 import kvconn_sglang
+from kvconn_sglang.testing.rig import extra, make_pools, storage_config
 
 
 def _create(extra_config: dict, host: object) -> object:

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 import torch
-from sglang_rig import PAGE, extra, fill_known, make_pools, storage_config
+
+from kvconn_sglang.testing.rig import PAGE, extra, fill_known, make_pools, storage_config
 
 
 def _backend(store: tuple[str, dict[str, Any]], host: Any, **config: Any) -> Any:

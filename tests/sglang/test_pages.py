@@ -6,9 +6,18 @@ from typing import Any
 
 import pytest
 import torch
-from sglang_rig import MHA_LAYOUTS, MLA_LAYOUTS, PAGE, extra, fill_known, make_pools, page, storage_config
 
 from kvconn.store import HEADER_BYTES
+from kvconn_sglang.testing.rig import (
+    MHA_LAYOUTS,
+    MLA_LAYOUTS,
+    PAGE,
+    extra,
+    fill_known,
+    make_pools,
+    page,
+    storage_config,
+)
 
 LAYOUTS = [("mha", layout) for layout in MHA_LAYOUTS] + [("mla", layout) for layout in MLA_LAYOUTS]
 

@@ -27,8 +27,9 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kvconn import KVConnectorRole, load_connector
-from kvconn.store import HEADER_BYTES, BlockStore, PartsStore, ScatterStore, StoreUnavailable
+from kvconn import KVConnectorRole
+from kvconn.introspection import build_config
+from kvconn.store import HEADER_BYTES, BlockStore, PartsStore, ScatterStore, StoreConnector, StoreUnavailable
 from kvconn.store.values import judge, seal_parts
 
 from .namespace import namespace_suffix, sglang_context
@@ -48,10 +49,12 @@ GENERIC = "generic-flat"
 class PageTier:
     """One SGLang rank's storage tier over the store connector ``spec`` names."""
 
-    def __init__(self, spec: StorageSpec, storage_config: Any) -> None:
+    def __init__(self, spec: StorageSpec, storage_config: Any, store_class: type[StoreConnector] | None = None) -> None:
+        """``store_class``: the connector class to run in place of the one ``spec`` names (the checks inject faults
+        into its store with a subclass); its config is still ``spec``'s."""
         self.spec = spec
         self.storage_config = storage_config
-        self.store_class = load_store_class(spec.store)
+        self.store_class = store_class or load_store_class(spec.store)
         check_config(self.store_class, spec.store, spec.config)
         self.connector: Any = None
         self.views: PageViews | None = None
@@ -67,7 +70,8 @@ class PageTier:
         config["namespace"] = f"{own}|sglang|{namespace_suffix(self.storage_config, pool)}"
         context = sglang_context(self.storage_config, pool)
         self.views = PageViews(pool)
-        self.connector = load_connector(self.spec.store, role=KVConnectorRole.WORKER, config=config, context=context)
+        settings = build_config(self.store_class, config, name=self.spec.store)  # checked at start: never raises here
+        self.connector = self.store_class(settings, role=KVConnectorRole.WORKER, context=context)
         side = self.connector.side
         self.guard = side.guard
         self.keys = side.keys

@@ -29,6 +29,7 @@ class Driver(str, enum.Enum):
 
     reference = "reference"
     vllm = "vllm"
+    sglang = "sglang"  # store connectors as SGLang's HiCache storage tier (kvconn_sglang.testing.checks)
 
 
 def validate(
@@ -108,7 +109,7 @@ def validate(
     with plugin_output_to_stderr():  # the factory's module is the author's code: its prints must not reach --json
         factory = _load_config_factory(config_factory) if config_factory else None
     kvconn_targets = resolve_targets(names or [], all_installed, modules or [], others=bool(native))
-    num_checks = len(select_checks(list_checks(), check))
+    num_checks = _sglang_checks(check) if engine is Driver.sglang else len(select_checks(list_checks(), check))
     if junit is not None:
         check_writable(junit)
     problems = {p.target: p for p in preflight(kvconn_targets, config_map)}
@@ -122,6 +123,8 @@ def validate(
             return ConnectorReport(name=target, results=[], load_error=problems[target].message)
         if target.startswith(NATIVE_PREFIX):
             return _run_native(target.removeprefix(NATIVE_PREFIX), config_map, check, on_result, debug)
+        if engine is Driver.sglang:
+            return _run_sglang(target, config_map, check, on_result, debug)
         return _run_one(target, config_map, factory, check, engine.value, on_result, debug)
 
     with plugin_output_to_stderr():
@@ -134,6 +137,15 @@ def validate(
         _render(reports, debug_hint=bool(problems) and not debug)
     if not all(r.ok for r in reports):
         raise typer.Exit(EXIT_FAILURE)
+
+
+def _sglang_checks(select: str | None) -> int:
+    """How many SGLang checks ``--check`` selects (for the progress line); 0 without kvconn-sglang."""
+    try:
+        from kvconn_sglang.testing.checks import selected
+    except ImportError:
+        return 0
+    return len(selected(select))
 
 
 def _load_config_factory(path: str) -> ConfigFactory:
@@ -178,6 +190,31 @@ def _run_one(
         if debug:
             print_traceback(exc)
         return ConnectorReport(name=target, results=[], load_error=f"the conformance run stopped: {reason(exc)}")
+
+
+def _run_sglang(
+    target: str,
+    config: dict[str, Any] | None,
+    select: str | None,
+    on_result: Callable[[CheckResult], None],
+    debug: bool,
+) -> ConnectorReport:
+    """A store connector as SGLang's HiCache storage tier, through ``kvconn_sglang.testing.checks``."""
+    from kvconn.testing.conformance import ConnectorReport
+
+    from ..inspection import reason
+    from ..output import print_traceback
+
+    try:
+        from kvconn_sglang.testing.checks import run_sglang_conformance
+    except ImportError as exc:
+        return ConnectorReport(target, [], load_error=f"--engine sglang needs kvconn-sglang installed: {reason(exc)}")
+    try:
+        return run_sglang_conformance(target, config=config, select=select, on_result=on_result)
+    except (Exception, SystemExit) as exc:
+        if debug:
+            print_traceback(exc)
+        return ConnectorReport(name=target, results=[], load_error=f"the SGLang checks stopped: {reason(exc)}")
 
 
 def _run_native(

@@ -20,9 +20,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import kvconn_sglang
+from .. import extra_config
 
-__all__ = ["MHA_LAYOUTS", "MLA_LAYOUTS", "Controller", "Prefetched", "init_sglang", "make_pools", "storage_config"]
+__all__ = [
+    "MHA_LAYOUTS",
+    "MLA_LAYOUTS",
+    "PAGE",
+    "Controller",
+    "Prefetched",
+    "extra",
+    "fill_known",
+    "init_sglang",
+    "make_pools",
+    "page",
+    "storage_config",
+]
 
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -122,6 +134,16 @@ class Controller:
         )  # fmt: skip
         self.backend: Any = self.cc.storage_backend
 
+    def swap_store_class(self, store_class: Any) -> None:
+        """Run the tier over ``store_class`` (a fault-injecting subclass) from now on, same spec and pool."""
+        from ..tier import PageTier
+
+        old = self.backend.tier
+        tier = PageTier(old.spec, old.storage_config, store_class)
+        tier.register(self.host)
+        self.backend.tier = tier
+        old.close()
+
     def hashes(self, tokens: list[int]) -> list[str]:
         from sglang.srt.mem_cache.utils import get_storage_hash_str
 
@@ -156,4 +178,5 @@ class Controller:
 
 
 def extra(store: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
-    return kvconn_sglang.extra_config(store, config)
+    """The extra config SGLang is given for ``store`` (see :func:`kvconn_sglang.extra_config`)."""
+    return extra_config(store, config)
