@@ -1,8 +1,8 @@
 """The SGLang tier (.venv-sglang, `make test-sglang`): kvconn stores as SGLang's HiCache L3, through SGLang's code.
 
 Real components only: SGLang's pools, factory and HiCacheController (``kvconn_sglang.testing.rig``), a real
-redis-server on 127.0.0.1 (the redis plugin's test helper, stopped by PID), Mooncake's embedded store. The one stand-in is
-``standin/torchvision`` (docs/sglang.md, "The test tier").
+redis-server on 127.0.0.1 (the redis plugin's test helper, stopped by PID), Mooncake's embedded store. The one
+stand-in is ``standin/torchvision`` (docs/sglang.md, "The test tier").
 """
 
 from __future__ import annotations
