@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 from kvconn import KVConnectorRole
 from kvconn.introspection import build_config
 from kvconn.store import HEADER_BYTES, BlockStore, PartsStore, ScatterStore, StoreConnector, StoreUnavailable
+from kvconn.store.layout import StagingBuffers
 from kvconn.store.values import judge, seal_parts
 
 from .namespace import namespace_suffix, sglang_context
@@ -58,6 +59,8 @@ class PageTier:
         check_config(self.store_class, spec.store, spec.config)
         self.connector: Any = None
         self.views: PageViews | None = None
+        self._judged: tuple[BlockStore | None, bool, bool] = (None, False, False)
+        self._staging = StagingBuffers()
 
     # ------------------------------------------------------------ set-up
 
@@ -86,6 +89,14 @@ class PageTier:
 
     def key(self, page_hash: str) -> bytes:
         return self.keys.key(0, page_hash.encode())
+
+    def _kinds(self) -> tuple[BlockStore | None, bool, bool]:
+        """The store, whether it is a PartsStore and a ScatterStore: judged once per store opened (a protocol
+        ``isinstance`` walks the protocol's attributes, too slow for every call)."""
+        store = self.guard.store
+        if store is not self._judged[0]:
+            self._judged = (store, isinstance(store, PartsStore), isinstance(store, ScatterStore))
+        return self._judged
 
     def _call(self, what: str, fn: Callable[[BlockStore], T]) -> T:
         return self.guard.call(what, fn)
@@ -142,9 +153,8 @@ class PageTier:
         if not keys:
             return []
         values = seal_parts(self.integrity, keys, digest, pages)
-        parts_store = isinstance(self.guard.store, PartsStore)
         try:
-            if parts_store:
+            if self._kinds()[1]:
                 stored = list(self._call("put", lambda store: store.put_parts(keys, values)))  # type: ignore[attr-defined]
             else:
                 joined = [b"".join(parts) for parts in values]
@@ -166,7 +176,7 @@ class PageTier:
     def _get(self, keys: list[bytes], pages: list[list[memoryview]], digest: bytes) -> list[bool]:
         if not keys:
             return []
-        if self.guard.inline and isinstance(self.guard.store, ScatterStore):
+        if self.guard.inline and self._kinds()[2]:
             verdicts = self._get_in_place(keys, pages, digest)
         else:
             verdicts = self._get_staged(keys, pages, digest)
@@ -183,7 +193,8 @@ class PageTier:
     def _get_staged(self, keys: list[bytes], pages: list[list[memoryview]], digest: bytes) -> list[str | None] | None:
         """Read into staging of its own (dropped if the call is late), verify, copy verified pages in."""
         strides = [HEADER_BYTES + sum(p.nbytes for p in page) for page in pages]
-        staging = memoryview(bytearray(sum(strides)))
+        buffer = self._staging.take(sum(strides))
+        staging = memoryview(buffer)
         views, offset = [], 0
         for stride in strides:
             views.append(staging[offset : offset + stride])
@@ -191,7 +202,7 @@ class PageTier:
         try:
             lengths = list(self._call("get", lambda store: store.get(keys, views)))
         except StoreUnavailable:
-            return None
+            return None  # the staging is dropped: a late get may still write it
         if len(lengths) != len(keys):
             return None
         verdicts: list[str | None] = []
@@ -203,6 +214,7 @@ class PageTier:
                     part[:] = view[at : at + part.nbytes]
                     at += part.nbytes
             verdicts.append(verdict)
+        self._staging.give([buffer])
         return verdicts
 
     def _get_in_place(self, keys: list[bytes], pages: list[list[memoryview]], digest: bytes) -> list[str | None] | None:

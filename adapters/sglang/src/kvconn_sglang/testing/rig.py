@@ -12,7 +12,6 @@ done here with the controller's and pool's own calls.
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -46,10 +45,8 @@ def init_sglang() -> None:
     """A one-rank gloo world and SGLang's parallel context (what its launcher publishes), once per process."""
     from sglang.srt.runtime_context import get_parallel
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not dist.is_initialized():  # a port of its own (not MASTER_PORT, which a child process would inherit)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0)
 
 
