@@ -18,27 +18,16 @@ Usage: ``python benchmarks/sglang_tier.py [--pages N] [--rounds R] [--quick] [--
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
-from benchlib import Bench, arg_parser
+from benchlib import Bench, arg_parser, redis_server
 
-ROOT = Path(__file__).resolve().parents[1]
 CANNOT_RUN = 2
 TARGET = 0.9
-
-
-def _redis_server() -> Any:
-    spec = importlib.util.spec_from_file_location("redis_server", ROOT / "plugins/redis/tests/redis_server.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.RedisServer()
 
 
 def _pools(page_size: int, layers: int, heads: int, head_dim: int, pages: int) -> Any:
@@ -142,7 +131,7 @@ def main() -> int:
     runs["mooncake (embedded)"] = ("mooncake", mooncake), open_store(MooncakeConfig(**mooncake)), None
     server = None
     try:
-        server = _redis_server().start()
+        server = redis_server().start()
         import redis
 
         from kvconn_redis import RedisStore

@@ -20,35 +20,36 @@ import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 PAGE = 16
 
 
 def tiny_llama(path: str) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The random 2-layer Llama of examples/vllm_offline.py (float32, sharp attention), written to ``path``."""
+    import importlib.util
 
-    config = LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, vocab_size=2048, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
-        initializer_range=0.3, tie_word_embeddings=False, torch_dtype="float16",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).half().save_pretrained(path, safe_serialization=True)
-    return path
+    example = Path(__file__).resolve().parents[1] / "examples" / "vllm_offline.py"
+    spec = importlib.util.spec_from_file_location("vllm_offline", example)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    written: str = module.tiny_llama(path)
+    return written
 
 
 def chats(n: int, turns: int) -> list[list[list[int]]]:
     """Per chat, the new tokens of each turn (512 a turn: 32 pages)."""
-    return [[[(c * 131 + t * 17 + j) % 2000 + 3 for j in range(512)] for t in range(turns)] for c in range(n)]
+    return [[[(c * 131 + t * 17 + j) % 1000 + 3 for j in range(512)] for t in range(turns)] for c in range(n)]
 
 
 def run(model: str, l3: dict[str, Any] | None, conversations: list[list[list[int]]]) -> list[list[int]]:
     import sglang
 
     options: dict[str, Any] = {
-        "model_path": model, "skip_tokenizer_init": True, "page_size": PAGE, "max_total_tokens": 4096,
+        "model_path": model, "dtype": "float32", "skip_tokenizer_init": True, "page_size": PAGE,
+        "max_total_tokens": 4096,
         "enable_hierarchical_cache": True, "hicache_size": 0, "hicache_ratio": 2.0,
         "hicache_write_policy": "write_through", "disable_cuda_graph": True, "random_seed": 0,
     }  # fmt: skip

@@ -17,7 +17,7 @@ import pytest
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
-for path in (HERE / "standin", HERE, REPO / "plugins" / "redis" / "tests"):
+for path in (HERE / "standin", HERE, REPO / "plugins" / "redis" / "tests", REPO / "plugins" / "mooncake" / "tests"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvconn.store import HEADER_BYTES
-from kvconn_sglang.testing.rig import PAGE, Controller, extra, fill_known, make_pools, page
+from kvconn_sglang.testing.rig import PAGE, Controller, extra, page, same_pages
 
 
 def _tokens(n_pages: int, start: int = 1000) -> list[int]:
@@ -26,37 +26,31 @@ def _tokens(n_pages: int, start: int = 1000) -> list[int]:
     ("kind", "layout"), [("mha", "page_first"), ("mha", "layer_first"), ("mla", "page_first_direct")]
 )
 def test_backup_then_prefetch_lands_the_same_bytes(store: tuple[str, dict[str, Any]], kind: str, layout: str) -> None:
-    device, host = make_pools(kind, layout)
-    ctl = Controller(device, host, extra(*store))
-    fill_known(host, seed=1)
+    ctl = Controller.over(extra(*store), kind, layout, seed=1)
+    host = ctl.host
     tokens = _tokens(6)
     saved = host.alloc(len(tokens))
     assert ctl.backup(tokens, saved) == len(tokens)
     got = ctl.prefetch(tokens + _tokens(2, start=5000))  # two more pages nobody stored
     assert (got.hit_tokens, got.loaded_tokens) == (len(tokens), len(tokens))
-    for i in range(6):
-        assert torch.equal(page(host, saved, i), page(host, got.host_indices, i)), f"page {i}"
+    assert same_pages(host, saved, got.host_indices, 6) is None
     ctl.close()
 
 
 def test_a_partial_hit_prefetches_the_stored_prefix(store: tuple[str, dict[str, Any]]) -> None:
-    device, host = make_pools("mha", "page_first")
-    ctl = Controller(device, host, extra(*store))
-    fill_known(host, seed=2)
+    ctl = Controller.over(extra(*store), seed=2)
     tokens = _tokens(5)
-    saved = host.alloc(3 * PAGE)
+    saved = ctl.host.alloc(3 * PAGE)
     assert ctl.backup(tokens[: 3 * PAGE], saved) == 3 * PAGE
     got = ctl.prefetch(tokens)
     assert (got.hit_tokens, got.loaded_tokens) == (3 * PAGE, 3 * PAGE)
-    for i in range(3):
-        assert torch.equal(page(host, saved, i), page(host, got.host_indices, i))
+    assert same_pages(ctl.host, saved, got.host_indices, 3) is None
     ctl.close()
 
 
 def test_a_corrupt_value_stops_the_prefetch_before_it(store: tuple[str, dict[str, Any]]) -> None:
-    device, host = make_pools("mha", "page_head")
-    ctl = Controller(device, host, extra(*store))
-    fill_known(host, seed=4)
+    ctl = Controller.over(extra(*store), "mha", "page_head", seed=4)
+    host = ctl.host
     tokens = _tokens(5)
     tier = ctl.backend.tier
     bad = tier.key(ctl.hashes(tokens)[2])
@@ -67,17 +61,16 @@ def test_a_corrupt_value_stops_the_prefetch_before_it(store: tuple[str, dict[str
     got = ctl.prefetch(tokens)
     assert got.hit_tokens == len(tokens)  # every key exists ...
     assert got.loaded_tokens == 2 * PAGE  # ... but the prefetch stops before the page that fails
-    for i in range(2):
-        assert torch.equal(page(host, saved, i), page(host, got.host_indices, i))
+    assert same_pages(host, saved, got.host_indices, 2) is None
+    assert not page(host, got.host_indices, 2).view(torch.uint8).eq(0x5A).all()  # the foreign bytes stayed out
     assert ctl.backend.get_stats()["load_failed_integrity_foreign"] == 1
     ctl.close()
 
 
 def test_a_hung_store_costs_the_deadline_not_the_prefetch_thread(redis_server: Any, namespace: str) -> None:
-    device, host = make_pools("mha", "page_first")
     config = {"namespace": namespace, "url": redis_server.url, "timeout_s": 0.5, "socket_timeout_s": 30.0}
-    ctl = Controller(device, host, extra("redis", config))
-    fill_known(host, seed=6)
+    ctl = Controller.over(extra("redis", config), seed=6)
+    host = ctl.host
     tokens = _tokens(4)
     assert ctl.backup(tokens, host.alloc(len(tokens))) == len(tokens)
     redis_server.signal(signal.SIGSTOP)
@@ -100,9 +93,9 @@ def test_a_hung_store_costs_the_deadline_not_the_prefetch_thread(redis_server: A
 
 
 def test_a_dead_store_means_misses_and_skipped_backups(redis_server: Any, namespace: str) -> None:
-    device, host = make_pools("mla", "page_first")
     config = {"namespace": namespace, "url": redis_server.url, "timeout_s": 1.0, "socket_timeout_s": 0.5}
-    ctl = Controller(device, host, extra("redis", config))
+    ctl = Controller.over(extra("redis", config), "mla", "page_first")
+    host = ctl.host
     tokens = _tokens(3)
     redis_server.stop()
     assert ctl.backup(tokens, host.alloc(len(tokens))) == 0
@@ -115,17 +108,11 @@ def test_a_dead_store_means_misses_and_skipped_backups(redis_server: Any, namesp
 
 
 def test_deployments_of_other_models_never_read_each_others_pages(store: tuple[str, dict[str, Any]]) -> None:
-    device, host = make_pools("mha", "page_first")
-    first = Controller(device, host, extra(*store), model="org/model-a")
+    first = Controller.over(extra(*store), model="org/model-a", seed=8)
     tokens = _tokens(3)
-    fill_known(host, seed=8)
-    assert first.backup(tokens, host.alloc(len(tokens))) == len(tokens)
+    assert first.backup(tokens, first.host.alloc(len(tokens))) == len(tokens)
     first.close()
-    device2, host2 = make_pools("mha", "page_first")
-    other = Controller(device2, host2, extra(*store), model="org/model-b")
-    assert other.prefetch(tokens).hit_tokens == 0
-    other.close()
-    device3, host3 = make_pools("mha", "page_first")
-    same = Controller(device3, host3, extra(*store), model="org/model-a")
-    assert same.prefetch(tokens).hit_tokens == len(tokens)  # the same deployment does share
-    same.close()
+    for model, hit in (("org/model-b", 0), ("org/model-a", len(tokens))):  # the same deployment does share
+        reader = Controller.over(extra(*store), model=model)
+        assert reader.prefetch(tokens).hit_tokens == hit, model
+        reader.close()

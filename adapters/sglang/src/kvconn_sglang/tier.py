@@ -31,7 +31,7 @@ from kvconn import KVConnectorRole
 from kvconn.introspection import build_config
 from kvconn.store import HEADER_BYTES, BlockStore, PartsStore, ScatterStore, StoreConnector, StoreUnavailable
 from kvconn.store.layout import StagingBuffers
-from kvconn.store.values import judge, seal_parts
+from kvconn.store.values import explain, judge, seal_parts
 
 from .namespace import namespace_suffix, sglang_context
 from .pages import PageViews, flat_views
@@ -257,9 +257,5 @@ def _generic_digest(pool: Any) -> bytes:
 
 
 def _why(verdict: str) -> str:
-    if verdict == "missing":
-        return "a page was gone when read (evicted, or the store restarted); SGLang's prefetch stops before it"
-    return (
-        f"a stored page failed verification ({verdict.removeprefix('integrity_')}): not written for this key and "
-        "page layout, or damaged; it never lands in the host pool and SGLang's prefetch stops before it"
-    )
+    instead = "SGLang's prefetch stops before it"
+    return explain(verdict, unit="page", layout="page layout", lands_in="the host pool", instead=instead)

@@ -122,9 +122,10 @@ def validate(
         if target in problems:  # known not to load: report it without importing it again
             return ConnectorReport(name=target, results=[], load_error=problems[target].message)
         if target.startswith(NATIVE_PREFIX):
-            return _run_native(target.removeprefix(NATIVE_PREFIX), config_map, check, on_result, debug)
+            native = target.removeprefix(NATIVE_PREFIX)
+            return _run_through(*_ADAPTER_RUNS["native"], native, config_map, check, on_result, debug)
         if engine is Driver.sglang:
-            return _run_sglang(target, config_map, check, on_result, debug)
+            return _run_through(*_ADAPTER_RUNS["sglang"], target, config_map, check, on_result, debug)
         return _run_one(target, config_map, factory, check, engine.value, on_result, debug)
 
     with plugin_output_to_stderr():
@@ -192,50 +193,39 @@ def _run_one(
         return ConnectorReport(name=target, results=[], load_error=f"the conformance run stopped: {reason(exc)}")
 
 
-def _run_sglang(
-    target: str,
-    config: dict[str, Any] | None,
-    select: str | None,
-    on_result: Callable[[CheckResult], None],
-    debug: bool,
-) -> ConnectorReport:
-    """A store connector as SGLang's HiCache storage tier, through ``kvconn_sglang.testing.checks``."""
-    from kvconn.testing.conformance import ConnectorReport
-
-    from ..inspection import reason
-    from ..output import print_traceback
-
-    try:
-        from kvconn_sglang.testing.checks import run_sglang_conformance
-    except ImportError as exc:
-        return ConnectorReport(target, [], load_error=f"--engine sglang needs kvconn-sglang installed: {reason(exc)}")
-    try:
-        return run_sglang_conformance(target, config=config, select=select, on_result=on_result)
-    except (Exception, SystemExit) as exc:
-        if debug:
-            print_traceback(exc)
-        return ConnectorReport(name=target, results=[], load_error=f"the SGLang checks stopped: {reason(exc)}")
+#: The runs an adapter holds (``--vllm-connector``, ``--engine sglang``): its runner, and what to install for it.
+_ADAPTER_RUNS = {
+    "native": ("kvconn_vllm.testing.native:run_native_conformance", "--vllm-connector needs kvconn-vllm"),
+    "sglang": ("kvconn_sglang.testing.checks:run_sglang_conformance", "--engine sglang needs kvconn-sglang"),
+}
 
 
-def _run_native(
+def _run_through(
+    runner: str,
+    needs: str,
     name: str,
     config: dict[str, Any] | None,
     select: str | None,
     on_result: Callable[[CheckResult], None],
     debug: bool,
 ) -> ConnectorReport:
-    """A vLLM connector's run (``--vllm-connector``), through ``kvconn_vllm.testing.native``."""
+    """A run by an adapter's ``runner`` ("module:function"); a load error saying what ``needs`` installing when
+    it does not import, and one saying why when the run stops."""
+    import importlib
+
     from kvconn.testing.conformance import ConnectorReport
 
     from ..inspection import reason
     from ..output import print_traceback
 
+    module, _, function = runner.partition(":")
     try:
-        from kvconn_vllm.testing.native import run_native_conformance
+        run = getattr(importlib.import_module(module), function)
     except ImportError as exc:
-        return ConnectorReport(name, [], load_error=f"--vllm-connector needs kvconn-vllm installed: {reason(exc)}")
+        return ConnectorReport(name, [], load_error=f"{needs} installed: {reason(exc)}")
     try:
-        return run_native_conformance(name, config=config, select=select, on_result=on_result)
+        report: ConnectorReport = run(name, config=config, select=select, on_result=on_result)
+        return report
     except (Exception, SystemExit) as exc:
         if debug:
             print_traceback(exc)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from .integrity import HEADER_BYTES, Integrity
 
-__all__ = ["judge", "seal_parts"]
+__all__ = ["explain", "judge", "seal_parts"]
 
 
 def seal_parts(
@@ -53,3 +53,17 @@ def judge(
         return "integrity_short"
     reason = integrity.verify_parts(key, digest, header, payload)
     return None if reason is None else f"integrity_{reason}"
+
+
+def explain(verdict: str, *, unit: str, layout: str, lands_in: str, instead: str) -> str:
+    """The operator's line for a load that failed with ``verdict`` (see :func:`judge`).
+
+    ``unit`` is what a value holds (a block, a page), ``layout`` what its header names, ``lands_in`` where
+    verified bytes go and ``instead`` what the engine does when they do not.
+    """
+    if verdict == "missing":
+        return f"a {unit} was gone when loaded (evicted, or the store restarted); {instead}"
+    return (
+        f"a stored value failed verification ({verdict.removeprefix('integrity_')}): not written by this connector "
+        f"for this key and {layout}, or damaged; it never reaches {lands_in} and {instead}"
+    )

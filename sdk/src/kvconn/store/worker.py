@@ -53,7 +53,7 @@ from .layout import GroupLayout, StagingBuffers, byte_rows
 from .metadata import StoreBlock, StoreMetadata
 from .protocol import BlockStore, PartsStore, ScatterStore
 from .side import StoreSide
-from .values import judge, seal_parts
+from .values import explain, judge, seal_parts
 
 __all__ = ["StoreWorker"]
 
@@ -430,9 +430,5 @@ class StoreWorker(StoreSide):
 
 
 def _why(reason: str) -> str:
-    if reason == "missing":
-        return "a block was gone when loaded (evicted, or the store restarted); it is recomputed"
-    return (
-        f"a stored value failed verification ({reason.removeprefix('integrity_')}): not written by this connector "
-        "for this key and KV layout, or damaged; it never reaches the KV cache and the block is recomputed"
-    )
+    instead = "it is recomputed" if reason == "missing" else "the block is recomputed"
+    return explain(reason, unit="block", layout="KV layout", lands_in="the KV cache", instead=instead)

@@ -48,6 +48,20 @@ class _Run:
         return extra(self.store, self.config)
 
 
+#: The checks, in the order they run (each registered by :func:`check`).
+SGLANG_CHECKS: list[SGLangCheck] = []
+
+
+def check(check_id: str, name: str, fix: str) -> Callable[[Callable[[_Run], None]], Callable[[_Run], None]]:
+    """Register the decorated function as check ``check_id``; ``fix`` completes a failure that names none."""
+
+    def register(fn: Callable[[_Run], None]) -> Callable[[_Run], None]:
+        SGLANG_CHECKS.append(SGLangCheck(check_id, name, fn, fix))
+        return fn
+
+    return register
+
+
 def _tokens(pages: int, start: int = 10_000) -> list[int]:
     from .rig import PAGE
 
@@ -55,22 +69,24 @@ def _tokens(pages: int, start: int = 10_000) -> list[int]:
 
 
 def _controller(run: _Run, kind: str = "mha", layout: str = "page_first", **kw: Any) -> Any:
-    from .rig import Controller, make_pools
+    from .rig import Controller
 
-    device, host = make_pools(kind, layout)
-    return Controller(device, host, run.extra(), **kw)
+    return Controller.over(run.extra(), kind, layout, **kw)
 
 
 def _same_pages(ctl: Any, saved: Any, loaded: Any, n: int, what: str) -> None:
-    import torch
+    from .rig import same_pages
 
-    from .rig import page
-
-    for i in range(n):
-        if not torch.equal(page(ctl.host, saved, i), page(ctl.host, loaded, i)):
-            raise ConformanceFailure(f"{what}: page {i} came back with other bytes than were saved")
+    bad = same_pages(ctl.host, saved, loaded, n)
+    if bad is not None:
+        raise ConformanceFailure(f"{what}: page {bad} came back with other bytes than were saved")
 
 
+@check(
+    "SG001",
+    "loads as SGLang's dynamic HiCache backend, answers in its shapes",
+    "subclass kvconn.store.StoreConnector; answer every batched call, never None",
+)
 def check_contract(run: _Run) -> None:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
@@ -90,6 +106,11 @@ def check_contract(run: _Run) -> None:
         ctl.close()
 
 
+@check(
+    "SG002",
+    "round trip of known bytes, every host layout (MHA and MLA)",
+    "a get must return exactly the bytes put under the key (BlockStore contract)",
+)
 def check_round_trip(run: _Run) -> None:
     from .rig import MHA_LAYOUTS, MLA_LAYOUTS, fill_known
 
@@ -111,6 +132,7 @@ def check_round_trip(run: _Run) -> None:
                 ctl.close()
 
 
+@check("SG003", "partial hit: the stored prefix, no more", "contains must say missing for keys never stored")
 def check_partial_hit(run: _Run) -> None:
     from .rig import PAGE, fill_known
 
@@ -129,6 +151,11 @@ def check_partial_hit(run: _Run) -> None:
         ctl.close()
 
 
+@check(
+    "SG004",
+    "a corrupt value is a miss, the prefetch stops before it",
+    "put must be write-once and get must return the stored length",
+)
 def check_corrupt_value(run: _Run) -> None:
     import torch
 
@@ -160,6 +187,11 @@ def _faulty(run: _Run, ctl: Any) -> FaultyStore:
     return stores[-1]
 
 
+@check(
+    "SG005",
+    "a hung store costs the deadline, not SGLang's prefetch",
+    "leave in_process_store False for a store that can wait",
+)
 def check_deadline(run: _Run) -> None:
     ctl = _controller(run)
     try:
@@ -180,6 +212,11 @@ def check_deadline(run: _Run) -> None:
         ctl.close()
 
 
+@check(
+    "SG006",
+    "a store that is down: misses and skipped backups, counted",
+    "raise from a store that cannot answer; never answer 'missing' for 'don't know'",
+)
 def check_store_down(run: _Run) -> None:
     ctl = _controller(run, "mla", "page_first")
     try:
@@ -197,6 +234,11 @@ def check_store_down(run: _Run) -> None:
         ctl.close()
 
 
+@check(
+    "SG007",
+    "deployments that differ never read each other's pages",
+    "never rewrite the keys kvconn.store hands the store",
+)
 def check_namespace(run: _Run) -> None:
     from .rig import fill_known
 
@@ -219,24 +261,6 @@ def check_namespace(run: _Run) -> None:
             reader.close()
         if hit:
             raise ConformanceFailure(f"a deployment with {what} hit {hit} tokens another deployment saved")
-
-
-SGLANG_CHECKS = [
-    SGLangCheck("SG001", "loads as SGLang's dynamic HiCache backend, answers in its shapes", check_contract,
-                "subclass kvconn.store.StoreConnector; answer every batched call, never None"),
-    SGLangCheck("SG002", "round trip of known bytes, every host layout (MHA and MLA)", check_round_trip,
-                "a get must return exactly the bytes put under the key (BlockStore contract)"),
-    SGLangCheck("SG003", "partial hit: the stored prefix, no more", check_partial_hit,
-                "contains must say missing for keys never stored"),
-    SGLangCheck("SG004", "a corrupt value is a miss, the prefetch stops before it", check_corrupt_value,
-                "put must be write-once and get must return the stored length"),
-    SGLangCheck("SG005", "a hung store costs the deadline, not SGLang's prefetch", check_deadline,
-                "leave in_process_store False for a store that can wait"),
-    SGLangCheck("SG006", "a store that is down: misses and skipped backups, counted", check_store_down,
-                "raise from a store that cannot answer; never answer 'missing' for 'don't know'"),
-    SGLangCheck("SG007", "deployments that differ never read each other's pages", check_namespace,
-                "never rewrite the keys kvconn.store hands the store"),
-]  # fmt: skip
 
 
 def selected(select: str | None) -> list[SGLangCheck]:

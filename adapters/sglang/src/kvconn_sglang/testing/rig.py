@@ -32,6 +32,7 @@ __all__ = [
     "init_sglang",
     "make_pools",
     "page",
+    "same_pages",
     "storage_config",
 ]
 
@@ -106,6 +107,11 @@ def page(host: Any, host_indices: Any, i: int) -> torch.Tensor:
     return host.get_data_page(int(host_indices[i * host.page_size])).clone()
 
 
+def same_pages(host: Any, saved: Any, loaded: Any, n: int) -> int | None:
+    """The first of ``n`` pages whose bytes differ between ``saved`` and ``loaded``; ``None`` when all match."""
+    return next((i for i in range(n) if not torch.equal(page(host, saved, i), page(host, loaded, i))), None)
+
+
 @dataclass
 class Prefetched:
     """What a prefetch got: the hit SGLang's query agreed on, the tokens it loaded, and where."""
@@ -117,6 +123,17 @@ class Prefetched:
 
 class Controller:
     """A real ``HiCacheController`` over ``host`` with the kvconn backend ``extra`` configures."""
+
+    @classmethod
+    def over(cls, extra: dict[str, Any], kind: str = "mha", layout: str = "page_first", **kw: Any) -> Controller:
+        """A controller over fresh pools of ``kind`` and ``layout`` (``kw``: ``model``, or ``seed`` for known
+        bytes in the host pool)."""
+        seed = kw.pop("seed", None)
+        device, host = make_pools(kind, layout)
+        ctl = cls(device, host, extra, **kw)
+        if seed is not None:
+            fill_known(host, seed)
+        return ctl
 
     def __init__(self, device: Any, host: Any, extra: dict[str, Any], *, model: str = "kvconn/test-model") -> None:
         from sglang.srt.managers.cache_controller import HiCacheController
