@@ -92,3 +92,14 @@ def test_the_generic_calls_round_trip_flat_pages(store: tuple[str, dict[str, Any
     # A zero-copy reader never takes a flat (generic) value: another byte order.
     assert backend.batch_get_v1(keys[:1], host.alloc(PAGE)) == [False]
     backend.close()
+
+
+def test_a_call_that_raises_inside_the_tier_is_a_miss_never_an_exception(store: tuple[str, dict[str, Any]]) -> None:
+    backend, host = _backend(store, "mha", "page_first", seed=13)
+    keys = [f"{i + 900:064x}" for i in range(3)]
+    one_page = host.alloc(PAGE)  # three keys, one page of slots: the tier cannot pair them
+    assert backend.batch_set_v1(keys, one_page) == [False, False, False]
+    assert backend.batch_get_v1(keys, one_page) == [False, False, False]
+    stats = backend.get_stats()
+    assert stats["batch_set_v1_raised"] == 1 and stats["batch_get_v1_raised"] == 1
+    backend.close()

@@ -122,16 +122,22 @@ class PageTier:
     def save_pages(self, page_hashes: Sequence[str], host_indices: Any) -> list[bool]:
         """Seal and put each page (read in place); per page, whether the store holds it now."""
         assert self.views is not None
-        keys = [self.key(h) for h in page_hashes]
-        pages = self.views.pages(host_indices)[: len(keys)]
+        keys, pages = self._paired(page_hashes, host_indices)
         return self._put(keys, pages, self.views.digest, self.views.page_bytes)
 
     def load_pages(self, page_hashes: Sequence[str], host_indices: Any) -> list[bool]:
         """Read, verify and land each page; per page, whether it landed (verified) in the pool."""
         assert self.views is not None
-        keys = [self.key(h) for h in page_hashes]
-        pages = self.views.pages(host_indices)[: len(keys)]
+        keys, pages = self._paired(page_hashes, host_indices)
         return self._get(keys, pages, self.views.digest)
+
+    def _paired(self, page_hashes: Sequence[str], host_indices: Any) -> tuple[list[bytes], list[list[memoryview]]]:
+        """Each page's key and its views; ``ValueError`` (before any store call) when the slots hold fewer pages."""
+        assert self.views is not None
+        pages = self.views.pages(host_indices)
+        if len(pages) < len(page_hashes):
+            raise ValueError(f"{len(page_hashes)} page keys for host slots of {len(pages)} pages")
+        return [self.key(h) for h in page_hashes], pages[: len(page_hashes)]
 
     # ------------------------------------------------------------ generic (copying) calls
 
