@@ -116,3 +116,37 @@ def test_deployments_of_other_models_never_read_each_others_pages(store: tuple[s
         reader = Controller.over(extra(*store), model=model)
         assert reader.prefetch(tokens).hit_tokens == hit, model
         reader.close()
+
+
+def test_the_generic_calls_serve_a_controller_without_interface_v1(store: tuple[str, dict[str, Any]]) -> None:
+    config = {**extra(*store), "interface_v1": 0}  # SGLang's copying page_get / page_set path
+    ctl = Controller.over(config, "mha", "layer_first", seed=12)
+    assert ctl.cc.page_get_func == ctl.cc._generic_page_get
+    tokens = _tokens(3, start=3000)
+    saved = ctl.host.alloc(len(tokens))
+    assert ctl.backup(tokens, saved) == len(tokens)
+    got = ctl.prefetch(tokens)
+    assert got.loaded_tokens == len(tokens)
+    assert same_pages(ctl.host, saved, got.host_indices, 3) is None
+    ctl.close()
+
+
+@pytest.mark.parametrize("fault", ["hang", "down"])
+def test_the_embedded_store_hung_or_down_costs_a_deadline_and_counts(namespace: str, fault: str) -> None:
+    from kvconn_mooncake import MooncakeConnector
+    from kvconn_sglang.testing.faults import FaultyStore, faulty_class
+
+    ctl = Controller.over(extra("mooncake", {"namespace": namespace, "timeout_s": 0.5}), seed=14)
+    stores: list[FaultyStore] = []
+    ctl.swap_store_class(faulty_class(MooncakeConnector, stores))
+    tokens = _tokens(3, start=4000)
+    assert ctl.backup(tokens, ctl.host.alloc(len(tokens))) == len(tokens)
+    stores[-1].mode = fault
+    start = time.monotonic()
+    assert ctl.prefetch(tokens).hit_tokens == 0
+    assert ctl.backup(_tokens(2, start=4500), ctl.host.alloc(2 * PAGE)) == 0
+    assert time.monotonic() - start < 0.5 + 2.0
+    stores[-1].released.set()
+    stats = ctl.backend.get_stats()
+    assert stats["lookup_failed_store_off"] >= 1 and stats["save_failed_store_off"] == 2
+    ctl.close()
