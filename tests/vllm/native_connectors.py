@@ -271,3 +271,16 @@ class NewBlocksOnlyHashedConnector(HashedBlocksConnector):
         cached = scheduler_output.scheduled_cached_reqs
         grown = [r for r, ids in zip(cached.req_ids, cached.new_block_ids, strict=True) if ids is not None]
         return [r.req_id for r in scheduler_output.scheduled_new_reqs] + grown
+
+
+class ClaimsWholePromptConnector(HashedBlocksConnector):
+    """Claims every full block of a prompt it holds, the last included: a block-aligned prompt leaves vLLM's
+    scheduler no token to compute after the synchronous load (``assert num_new_tokens > 0``)."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        bs, hits = self.block_size, 0
+        for block_hash in request.block_hashes[num_computed_tokens // bs :]:
+            if (self.store, block_hash) not in HASHED_STORE:
+                break
+            hits += 1
+        return hits * bs, False

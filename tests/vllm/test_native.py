@@ -223,3 +223,19 @@ def test_the_seeds_bug_in_a_vllm_connector_whose_metadata_names_no_request_fails
     assert "in the 'block-fill-reuse' data run" in first.message
     assert "'b', sharing all three, loaded 32 tokens of them, where it loads 48 when 'a''s prompt" in first.message
     assert "the block filled on the step that allocated none was never saved" in first.message
+
+
+def test_a_vllm_connector_claiming_a_whole_block_aligned_prompt_fails_with_the_engines_exception(
+    fixtures: str,
+) -> None:
+    """vLLM's scheduler asserts that a request has a token to compute: the engine core dies there. The verdict
+    quotes vLLM's own assertion where it was raised, and the cause in the connector's terms."""
+    report = run_native_conformance(
+        f"{fixtures}:ClaimsWholePromptConnector", config={"store": uuid.uuid4().hex}, select="KV010"
+    )
+    (result,) = report.results
+    observed, fix = result.message.split("; fix: ")
+    assert result.status == "failed" and "the engine raised in scenario 'aligned-repeat'" in observed, observed
+    assert "vllm/v1/core/sched/scheduler.py" in observed and "assert num_new_tokens > 0" in observed
+    assert "get_num_new_matched_tokens claimed every token of a prompt" in observed
+    assert fix.startswith("leave at least one prompt token to compute")
