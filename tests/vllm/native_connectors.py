@@ -214,10 +214,14 @@ class HashedBlocksConnector(KVConnectorBase_V1):
             start = self.saved_upto[req_id]
             if full <= start:
                 continue
-            table = scheduler_output.kv_connector_block_state.get_block_ids(req_id)[0]
+            table = self.table(scheduler_output, req_id)
             meta.saves += [(request.block_hashes[i], table[i]) for i in range(start, full)]
             self.saved_upto[req_id] = full
         return meta
+
+    def table(self, scheduler_output: Any, req_id: str) -> list[int]:
+        """The request's live table (its first KV-cache group), from vLLM's block state."""
+        return list(scheduler_output.kv_connector_block_state.get_block_ids(req_id)[0])
 
     def update_connector_output(self, connector_output: Any) -> None:
         invalid = connector_output.invalid_block_ids or set()
@@ -284,3 +288,28 @@ class ClaimsWholePromptConnector(HashedBlocksConnector):
                 break
             hits += 1
         return hits * bs, False
+
+
+class AppendsAfterPreemptionConnector(HashedBlocksConnector):
+    """Keeps each request's table from its first step and appends what later steps add, a resumed request's
+    table included (a request tracker that outlives preemption): after a resume it saves other blocks' bytes."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.tables: dict[str, list[int]] = {}
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        for new in scheduler_output.scheduled_new_reqs:  # under the V2 runner a resumed request comes back here
+            self.tables.setdefault(new.req_id, []).extend(new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, added in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if added is not None:  # under V1, a resumed request's whole new table: appended all the same
+                self.tables.setdefault(req_id, []).extend(added[0])
+        return super().build_connector_meta(scheduler_output)
+
+    def table(self, scheduler_output: Any, req_id: str) -> list[int]:
+        return self.tables[req_id]
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        self.tables.pop(request.request_id, None)
+        return super().request_finished(request, block_ids)

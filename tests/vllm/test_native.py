@@ -239,3 +239,16 @@ def test_a_vllm_connector_claiming_a_whole_block_aligned_prompt_fails_with_the_e
     assert "vllm/v1/core/sched/scheduler.py" in observed and "assert num_new_tokens > 0" in observed
     assert "get_num_new_matched_tokens claimed every token of a prompt" in observed
     assert fix.startswith("leave at least one prompt token to compute")
+
+
+@pytest.mark.usefixtures("runner")
+def test_a_vllm_connector_appending_a_resumed_requests_table_fails_preempted_saves(fixtures: str) -> None:
+    """LMCache's request-tracker pattern: a table kept across preemption, the resumed request's blocks appended
+    (V1: resumed_req_ids with the whole new table; V2: the request comes back as new). Its metadata names no
+    request, so the bytes decide: a later request loads what it saved from other requests' blocks."""
+    report = run_native_conformance(
+        f"{fixtures}:AppendsAfterPreemptionConnector", config={"store": uuid.uuid4().hex}, select="KV04[0-3]"
+    )
+    failed = _failed(report)
+    assert set(failed) == {"KV043"}, failed
+    assert "in the 'preempted-saves' data run, request 'b" in failed["KV043"] and "ran on wrong KV" in failed["KV043"]
