@@ -831,23 +831,9 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnVllmStats(data=dict(data)) if data is not None else None
 
     @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: Any,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> Any:
+    def build_prom_metrics(cls, vllm_config: Any, *args: Any) -> Any:
         """``vllm:kvconn_*`` series per connector (:mod:`.telemetry`), made in vLLM's front end."""
-        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        try:
-            names, _, _ = _host_options(extra)
-        except ConnectorConfigError:  # the engine refused to start with this error already
-            return None
-        prom = prom_metrics_class()
-        return prom(
-            vllm_config, metric_types, labelnames, per_engine_labelvalues, [names] if isinstance(names, str) else names
-        )
+        return prom_metrics_class()(vllm_config, *args)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -165,9 +165,10 @@ def prom_metrics_class() -> type:
             metric_types: dict[type, type],
             labelnames: list[str],
             per_engine_labelvalues: dict[int, list[object]],
-            names: Sequence[str],
         ) -> None:
             super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            named = (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("kvconn_connector") or []
+            names = [named] if isinstance(named, str) else [str(n) for n in named]
             self._names = sorted(names, key=len, reverse=True)  # a longer name first: "a.b" before "a"
             labels = [*labelnames, "connector"]
             # By kind: vLLM may hand other classes than prometheus_client's (its Ray wrappers).
