@@ -139,7 +139,11 @@ def value(metrics: dict[tuple[str, frozenset[tuple[str, str]]], float], name: st
 
 
 class EventListener:
-    """vLLM's KV-event batches from its ZMQ publisher, decoded as a router does, in a thread."""
+    """vLLM's KV-event batches, decoded as a router does, in a thread.
+
+    It binds (127.0.0.1 only) and vLLM's publisher connects to it: vLLM binds
+    only a wildcard endpoint (``tcp://*:PORT``) and connects to a host's.
+    """
 
     def __init__(self, port: int) -> None:
         import zmq
@@ -147,7 +151,7 @@ class EventListener:
         self.batches: list[Any] = []
         self._stop = threading.Event()
         self._socket = zmq.Context.instance().socket(zmq.SUB)
-        self._socket.connect(f"tcp://127.0.0.1:{port}")
+        self._socket.bind(f"tcp://127.0.0.1:{port}")
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -188,11 +192,10 @@ def test_served_chats_match_the_connector_less_server_and_operators_see_kvconn(
     baseline.stop()
 
     events_port = free_port()
+    listener = EventListener(events_port)
     server = serve(tmp_path, chat_model, "offload", connector="offload", events_port=events_port)
     servers.append(server)
     server.wait_ready()
-    listener = EventListener(events_port)
-    time.sleep(1)  # a ZMQ subscriber gets only what is published after it joined
     got = run_chats(server.port)
     time.sleep(2)  # the last steps' events
     events = listener.stop()
