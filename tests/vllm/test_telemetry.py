@@ -73,8 +73,33 @@ def test_offload_stats_hold_counters_lookups_gauges_and_step_seconds() -> None:
     assert len(data["seconds"]["offload.load"]) == 1 and len(data["seconds"]["offload.save"]) >= 1
     assert all(s >= 0 for s in data["seconds"]["offload.save"])
     assert not any(key.startswith("offload._") for key in data)  # private gauges stay private
-    line = kvconn_stats(all_stats).reduce()  # vLLM's log line: flat numbers
-    assert line["offload.pool_used_blocks"] == 4 and line["offload.load_seconds_mean"] >= 0
+    line = kvconn_stats(all_stats).reduce()  # vLLM's log line: the counters (whoever sums the lines gets totals)
+    assert line == {k: v for k, v in data.items() if k not in ("gauges", "seconds")}
+
+
+def test_failed_loads_and_degraded_events_by_reason(test_connectors: str) -> None:
+    """A connector whose worker raises on a load: one failed load, one degraded start_load_kv, in Prometheus too."""
+    import prometheus_client
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    name = f"{test_connectors}:HandoffConnector"
+    scheduler = make_scheduler(name, {"delay_free": False, "hit_tokens": 64, "fail_load": True}, on_error="degrade")
+    loop = VllmLoop(scheduler)
+    scheduler.add_request(make_request("hit0", list(range(96)), max_tokens=2))
+    all_stats = []
+    while scheduler.has_requests():
+        all_stats.append(stats_of(loop.step()[1]))
+    all_stats = [s for s in all_stats if s is not None]
+    data = kvconn_stats(all_stats).data
+    assert data[f"{name}.failed_loads"] == 1 and data[f"{name}.degraded.start_load_kv_error"] == 1
+    logger = PrometheusStatLogger(scheduler.vllm_config)
+    for stats in all_stats:
+        logger.record(scheduler_stats=stats, iteration_stats=None)
+    labels = {"engine": "0", "connector": name, "model_name": str(scheduler.vllm_config.model_config.served_model_name)}
+    registry = prometheus_client.REGISTRY
+    assert registry.get_sample_value("vllm:kvconn_failed_loads_total", labels) == 1
+    reason = {**labels, "reason": "start_load_kv_error"}
+    assert registry.get_sample_value("vllm:kvconn_degraded_events_total", reason) == 1
 
 
 def test_host_hits_are_counted_under_vllms_host_source() -> None:
@@ -156,6 +181,26 @@ def test_events_of_what_offload_stores_and_evicts_reach_vllms_publisher() -> Non
     events = [e for batch in published for e in batch.events if e.medium == "CPU"]
     removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert removed == hashes[:2]
+
+
+def test_events_fit_a_vllm_whose_event_structs_lack_the_newer_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An older vLLM's BlockStored has no medium or lora_name: the events are built with the fields it has."""
+    import msgspec
+    import vllm.distributed.kv_events as kv_events
+
+    from kvconn.telemetry import BlockStored
+    from kvconn_vllm.telemetry import to_vllm_events
+
+    class OlderBlockStored(msgspec.Struct):
+        block_hashes: list[Any]
+        parent_block_hash: Any
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+
+    monkeypatch.setattr(kv_events, "BlockStored", OlderBlockStored)
+    (event,) = to_vllm_events([BlockStored([b"\x01" * 32], 16)], "host")
+    assert isinstance(event, OlderBlockStored) and event.block_size == 16 and len(event.block_hashes) == 1
 
 
 def test_no_events_are_recorded_when_vllm_publishes_none() -> None:

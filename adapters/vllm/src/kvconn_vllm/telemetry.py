@@ -90,13 +90,11 @@ def aggregate_stats(into: dict[str, Any], other: Mapping[str, Any]) -> dict[str,
 
 
 def reduce_stats(data: Mapping[str, Any]) -> dict[str, int | float]:
-    """One flat dict for vLLM's ``KV Transfer metrics`` log line: counters, gauges, mean seconds per step."""
-    flat: dict[str, int | float] = {k: v for k, v in data.items() if k not in (GAUGES, SECONDS)}
-    flat.update(data.get(GAUGES, {}))
-    for name, observed in data.get(SECONDS, {}).items():
-        if observed:
-            flat[f"{name}_seconds_mean"] = sum(observed) / len(observed)
-    return flat
+    """The counters, for vLLM's ``KV Transfer metrics`` log line (levels and step times go to Prometheus only).
+
+    Whoever adds the log lines up (``examples/vllm_offline.py``) gets totals: a level summed would mean nothing.
+    """
+    return {k: v for k, v in data.items() if k not in (GAUGES, SECONDS)}
 
 
 def to_vllm_events(events: Iterable[KVEvent], tier: str | None) -> list[Any]:
@@ -116,20 +114,23 @@ def to_vllm_events(events: Iterable[KVEvent], tier: str | None) -> list[Any]:
     for event in events:
         hashes = [maybe_convert_block_hash(h) for h in event.block_hashes]
         if isinstance(event, BlockStored):
-            converted.append(
-                VllmBlockStored(
-                    block_hashes=hashes,
-                    parent_block_hash=None,
-                    token_ids=[],
-                    block_size=event.block_size,
-                    lora_id=None,
-                    medium=medium,
-                    lora_name=None,
-                )
-            )
+            fields: dict[str, Any] = {
+                "parent_block_hash": None,
+                "token_ids": [],
+                "block_size": event.block_size,
+                "lora_id": None,
+            }
+            converted.append(_vllm_event(VllmBlockStored, hashes, medium, lora_name=None, **fields))
         else:
-            converted.append(VllmBlockRemoved(block_hashes=hashes, medium=medium))
+            converted.append(_vllm_event(VllmBlockRemoved, hashes, medium))
     return converted
+
+
+def _vllm_event(event_type: type, hashes: list[Any], medium: str, **fields: Any) -> Any:
+    """One of vLLM's event Structs, given only the fields this vLLM's has (``medium`` and ``lora_name`` are new)."""
+    known = set(event_type.__struct_fields__)  # type: ignore[attr-defined]
+    given = {"block_hashes": hashes, "medium": medium, **fields}
+    return event_type(**{k: v for k, v in given.items() if k in known})
 
 
 def _declarations(names: Sequence[str]) -> dict[str, ConnectorTelemetry]:
