@@ -207,13 +207,18 @@ def _host_options(extra: dict[str, Any]) -> tuple[str | list[str], Any, dict[str
     return names, extra.get("kvconn_config"), options
 
 
-def _validate_hint(names: str | list[str], config: Any) -> str:
-    """The command that finds a config error in a second, before a launch (one per connector)."""
+def _per_connector(names: str | list[str], config: Any) -> dict[str, Any]:
+    """Each connector's config (``kvconn_config`` is the one connector's, or ``{name: config}`` for several)."""
     name_list = [names] if isinstance(names, str) else names
     configs = {name_list[0]: config} if len(name_list) == 1 else (config if isinstance(config, dict) else {})
+    return {name: configs.get(name) for name in name_list}
+
+
+def _validate_hint(names: str | list[str], config: Any) -> str:
+    """The command that finds a config error in a second, before a launch (one per connector)."""
     commands = [
-        f"kvconn validate {name}" + (f" --config '{json.dumps(configs[name])}'" if configs.get(name) else "")
-        for name in name_list
+        f"kvconn validate {name}" + (f" --config '{json.dumps(one)}'" if one else "")
+        for name, one in _per_connector(names, config).items()
     ]
     return "; check a kv_connector_extra_config before a launch with: " + " && ".join(commands)
 
@@ -225,11 +230,9 @@ def check_extra_config(extra: dict[str, Any]) -> None:
     ``kvconn validate`` command to check a fix, as the connector's own start-up would, later.
     """
     names, config, _ = _host_options(extra)
-    name_list = [names] if isinstance(names, str) else names
-    configs = {name_list[0]: config} if len(name_list) == 1 else (config or {})
     try:
-        for name in name_list:
-            build_config(load_connector_class(name), configs.get(name), name=name)
+        for name, one in _per_connector(names, config).items():
+            build_config(load_connector_class(name), one, name=name)
     except KVConnError as exc:
         raise type(exc)(f"{exc}{_validate_hint(names, config)}") from None
 
