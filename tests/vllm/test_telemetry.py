@@ -15,7 +15,8 @@ import pytest
 from kvconn.errors import ConnectorConfigError, ConnectorNotFoundError
 from kvconn_vllm.testing.harness import VllmLoop, make_request, make_scheduler
 
-PREFIX = list(range(5000, 5064))  # 4 full blocks of 16
+# 4 full blocks of 16, seen by no other test: Mooncake's embedded store lives as long as the process
+PREFIX = list(range(8100, 8164))
 
 
 def stats_of(engine_core_outputs: dict[int, Any]) -> Any:
@@ -143,13 +144,20 @@ def test_prometheus_series_per_connector_from_vllms_own_logger() -> None:
 
     model = str(scheduler.vllm_config.model_config.served_model_name)
     data = kvconn_stats(all_stats).data
+    assert value("vllm:kvconn_blocks_saved_total", connector="offload", model_name=model) == 4
+    # Mooncake saves on its store thread: how many of its saves were reported by the run's end varies
+    assert value("vllm:kvconn_blocks_saved_total", connector="mooncake", model_name=model) == data.get(
+        "mooncake.blocks_saved"
+    )
     for connector in ("offload", "mooncake"):
-        saved = value("vllm:kvconn_blocks_saved_total", connector=connector, model_name=model)
-        assert saved is not None and saved == data[f"{connector}.blocks_saved"] >= 4
         assert value("vllm:kvconn_lookups_total", connector=connector, model_name=model) == 2
-    # offload comes first: it loads B's prefix; mooncake missed it
-    assert value("vllm:kvconn_hit_blocks_total", connector="offload", model_name=model) == 4
-    assert value("vllm:kvconn_missed_blocks_total", connector="mooncake", model_name=model) == 8
+    # One of them loads B's 4 blocks (the first with a hit: offload, unless its store was not reported done yet);
+    # each connector missed A's 4 blocks and those of B it did not load.
+    names = ("offload", "mooncake")
+    hits = {c: value("vllm:kvconn_hit_blocks_total", connector=c, model_name=model) or 0 for c in names}
+    assert sorted(hits.values()) == [0, 4]
+    for connector, hit in hits.items():
+        assert value("vllm:kvconn_missed_blocks_total", connector=connector, model_name=model) == 8 - hit
     assert value("vllm:kvconn_pool_used_blocks", connector="offload", model_name=model) == 4
     assert value("vllm:kvconn_load_seconds_count", connector="offload", model_name=model) == 1
     assert value("vllm:kvconn_save_seconds_count", connector="mooncake", model_name=model) >= 1
