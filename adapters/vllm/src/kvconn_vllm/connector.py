@@ -415,12 +415,12 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             plan, local_hit = NO_LOAD, request.num_computed_tokens
         view = VllmRequestView(request, num_computed_tokens=local_hit)
         loading = self._scheduler_host.update_state_after_alloc(view, block_ids, plan)
-        # Counted when stats are gathered: a lookup here costs one append.
-        size = self.context.block_size
         self._loader = (request.request_id, plan.connector if num_external_tokens else None)
-        missable = request.num_tokens // size - local_hit // size  # full blocks past vLLM's own hit
-        self._lookups.append((self._loader[1], missable, num_external_tokens // size))
-        self._news = True
+        if self._lookup_names:  # counted when stats are gathered: a lookup here costs one append
+            size = self.context.block_size
+            missable = request.num_tokens // size - local_hit // size  # full blocks past vLLM's own hit
+            self._lookups.append((self._loader[1], missable, num_external_tokens // size))
+            self._news = True
         if num_external_tokens and not loading:  # the host records a load that is on; this one no connector does
             end = local_hit + num_external_tokens
             blocks_to_load = block_ids_in_range(block_ids, local_hit, end, self.context.block_size)
@@ -573,7 +573,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             outputs, failed_recving = self._attribute(connector_output)
         host = self._scheduler_host
         if outputs:
-            self._news = True
+            self._news = self._news or bool(self._scheduler_stats)  # a report may have changed their levels
             if any(out.failed or out.invalid_block_ids for out in outputs.values()):
                 self._count_failed_loads(outputs)
         in_flight = host.loads_in_flight() if self._per_request else None  # before the host settles them
