@@ -308,3 +308,21 @@ def test_an_in_process_store_is_called_on_the_callers_thread_and_a_raise_still_t
         time.sleep(0.01)
     assert guard.available, "the probe never turned the store on again"
     guard.close()
+
+
+def test_store_stats_report_degraded_events_by_reason_and_the_scheduler_side_reports_its_own() -> None:
+    from kvconn.connector import KVConnector
+    from kvconn.store import StoreConnector
+    from kvconn.store.stats import StoreStats
+
+    stats = StoreStats("test")
+    stats.count("blocks_saved", 2)
+    stats.degraded("save_failed_refused", 3, "the store refused values")
+    stats.degraded("lookup_failed", 1, "lookups failed")
+    assert stats.take() == {
+        "blocks_saved": 2.0, "save_failed_refused": 3.0, "lookup_failed": 1.0, "degraded_events": 4.0,
+        "degraded.save_failed_refused": 3.0, "degraded.lookup_failed": 1.0,
+    }  # fmt: skip
+    assert stats.take() == {}
+    assert StoreConnector.cache_tier == "remote" and KVConnector.cache_tier is None
+    assert callable(StoreScheduler.scheduler_stats)
