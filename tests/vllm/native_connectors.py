@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, SupportsHMA
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnector,
     ExampleConnectorMetadata,
@@ -313,3 +313,10 @@ class AppendsAfterPreemptionConnector(HashedBlocksConnector):
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         self.tables.pop(request.request_id, None)
         return super().request_finished(request, block_ids)
+
+
+class AllGroupsDelegatingConnector(HashedBlocksConnector, SupportsHMA):
+    """``request_finished_all_groups`` calls its own ``request_finished`` (as LMCache's does): vLLM calls one."""
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids)

@@ -252,3 +252,11 @@ def test_a_vllm_connector_appending_a_resumed_requests_table_fails_preempted_sav
     failed = _failed(report)
     assert set(failed) == {"KV043"}, failed
     assert "in the 'preempted-saves' data run, request 'b" in failed["KV043"] and "ran on wrong KV" in failed["KV043"]
+
+
+def test_request_finished_all_groups_calling_request_finished_is_one_call(fixtures: str) -> None:
+    """vLLM calls request_finished_all_groups or request_finished, never both: KV030 counts vLLM's call."""
+    report = run_native_conformance(
+        f"{fixtures}:AllGroupsDelegatingConnector", config={"store": uuid.uuid4().hex}, select="KV03*"
+    )
+    assert report.failed == 0 and report.result("KV030").status == "passed", _failed(report)

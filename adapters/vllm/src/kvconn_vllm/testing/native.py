@@ -451,6 +451,7 @@ class NativeDriver(VllmSchedulerMethods):
         self._resolved: list[str] = []
         self._handed: list[HandedTable] = []
         self._finished_calls: Counter[str] = Counter()
+        self._finishing: set[str] = set()  # requests inside an observed request_finished call
         self._engine_objects: list[str] = []
         class_name = _observed_class(target.cls, self)
         stand_in = stand_in_for(target.cls, spec.config)
@@ -506,10 +507,17 @@ class NativeDriver(VllmSchedulerMethods):
         self._built = (scheduler_output, metadata, offered, self._resolved)
 
     def _finished(self, request: Any, block_ids: Any, call: Callable[[], Any]) -> Any:
+        """Count vLLM's call; a connector's request_finished_all_groups calling its own request_finished is one."""
+        if request.request_id in self._finishing:
+            return call()
         self._finished_calls[request.request_id] += 1
         table = tuple(block_ids) if block_ids and not isinstance(block_ids[0], int) else (block_ids,)
         self._handed.append((f"request_finished({request.request_id!r})'s block_ids", table, freeze(table)))
-        return call()
+        self._finishing.add(request.request_id)
+        try:
+            return call()
+        finally:
+            self._finishing.discard(request.request_id)
 
     # ---------------------------------------------------------------- protocol
 
