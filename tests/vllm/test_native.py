@@ -260,3 +260,12 @@ def test_request_finished_all_groups_calling_request_finished_is_one_call(fixtur
         f"{fixtures}:AllGroupsDelegatingConnector", config={"store": uuid.uuid4().hex}, select="KV03*"
     )
     assert report.failed == 0 and report.result("KV030").status == "passed", _failed(report)
+
+
+def test_the_harness_records_the_kv_cache_layout_before_any_connector_exists() -> None:
+    """vLLM 0.33's workers record the engine core's layout in the cache config before building connectors, and
+    connectors read it there: the harness does the same, for its KV caches' layout (vLLM's LBHNC)."""
+    from kvconn_vllm.testing.harness import make_scheduler
+
+    scheduler = make_scheduler(None)
+    assert scheduler.vllm_config.cache_config.kv_cache_layout == "LBHNC"

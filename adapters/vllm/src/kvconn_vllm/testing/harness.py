@@ -221,6 +221,7 @@ def make_scheduler(
             device_config=DeviceConfig("cpu"),
         )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    _record_kv_cache_layout(vllm_config)
     if len(shape.kv_cache_groups) > 1:
         vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
     kv_cache_config = KVCacheConfig(
@@ -270,6 +271,21 @@ def _vllm_group(group: KVCacheGroupSpec, block_size: int) -> Any:
     if group.sliding_window is None:
         return VllmGroupSpec(list(group.layer_names), FullAttentionSpec(**shape))
     return VllmGroupSpec(list(group.layer_names), SlidingWindowSpec(**shape, sliding_window=group.sliding_window))
+
+
+def _record_kv_cache_layout(vllm_config: Any) -> None:
+    """Adopt the KV cache layout, as vLLM 0.33's workers do before any connector exists.
+
+    vLLM's engine core resolves the layout and each worker records it in the cache config
+    (``WorkerBase.set_kv_cache_layout`` -> ``record_kv_cache_layout``); connectors read it there
+    (LMCache's does). The harness's KV caches are ``[blocks, heads, block_size, K|V]`` per layer:
+    vLLM's ``LBHNC``, the CPU backend's. A vLLM without layouts (0.29) has nothing to record.
+    """
+    try:
+        from vllm.v1.attention.backends.utils import record_kv_cache_layout
+    except ImportError:
+        return
+    record_kv_cache_layout(vllm_config.cache_config, "LBHNC")
 
 
 def one_rank(shape: EngineShape) -> None:
