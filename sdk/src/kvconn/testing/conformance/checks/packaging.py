@@ -226,6 +226,8 @@ def config_defaults(session: Session) -> None:
 
     Catches required config fields and defaults that fail at start-up: engines
     and ``kvconn validate`` load a connector by name first, with no options.
+    With a fresh-store factory the instances start on the factory's store once
+    the defaults configure, so that validating never writes the default store.
     """
     try:
         config = build_config(session.cls, None, name=session.connector)
@@ -242,6 +244,8 @@ def config_defaults(session: Session) -> None:
             f"connector {session.connector} needs option{'s' if len(required) > 1 else ''} {options}; give "
             f"{default} (engines load connectors with no options){or_pass}"
         ) from None
+    if session.config_factory is not None:
+        config = build_config(session.cls, session.config_for("config-defaults"), name=session.connector)
     for role in connector_roles(session.cls):
         instance = _instantiate(session, role, config)
         shutdown = getattr(hook_object(instance), "shutdown", None)
