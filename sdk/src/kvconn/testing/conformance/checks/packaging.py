@@ -244,10 +244,9 @@ def config_defaults(session: Session) -> None:
             f"connector {session.connector} needs option{'s' if len(required) > 1 else ''} {options}; give "
             f"{default} (engines load connectors with no options){or_pass}"
         ) from None
-    if session.config_factory is not None:
-        config = build_config(session.cls, session.config_for("config-defaults"), name=session.connector)
+    start = None if session.config_factory is not None else config  # None: on the run's store (_instantiate)
     for role in connector_roles(session.cls):
-        instance = _instantiate(session, role, config)
+        instance = _instantiate(session, role, start)
         shutdown = getattr(hook_object(instance), "shutdown", None)
         if callable(shutdown):
             shutdown()
@@ -296,7 +295,8 @@ def _expect_rejected(cls: type, name: str, config: dict[str, Any], what: str) ->
 
 def _instantiate(session: Session, role: KVConnectorRole, config: Any = None) -> Any:
     cls = session.cls
-    config = config if config is not None else build_config(cls, session.config, name=session.connector)
+    if config is None:  # with a fresh-store factory, a store of its own: checks never write the default store
+        config = build_config(cls, session.config_for("start"), name=session.connector)
     try:
         return cls(config, role=role, context=ConnectorContext())
     except Exception as exc:
