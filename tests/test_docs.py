@@ -372,3 +372,12 @@ def test_a_wrong_name_is_caught(span: str, for_vllm: str, kvconn_code: str) -> N
     assert (problems, wanted) != ([], set())
     if for_vllm:
         assert wanted == {for_vllm} and not problems
+
+
+def test_the_offline_example_help_gives_the_connector_forms_of_the_vllm_guide() -> None:
+    """docs/vllm.md runs examples/vllm_offline.py with a name or "pkg.module:Class": its --help says both."""
+    assert '`"pkg.module:Class"`' in (REPO / "docs" / "vllm.md").read_text(encoding="utf-8")
+    example = REPO / "examples" / "vllm_offline.py"
+    proc = subprocess.run([sys.executable, str(example), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "pkg.module:Class" in proc.stdout and "kvconn list" in proc.stdout
