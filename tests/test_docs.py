@@ -121,10 +121,15 @@ def test_python_blocks_run(block: Block, tmp_path: Path, monkeypatch: pytest.Mon
 def test_pytest_blocks_pass(block: Block, tmp_path: Path) -> None:
     (tmp_path / f"{block.module}.py").write_text(block.code, encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    pytest_args = ["-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), f"{block.module}.py"]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), f"{block.module}.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [sys.executable, "-m", "pytest", *pytest_args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, f"{block.name}:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
     assert " passed" in proc.stdout and " failed" not in proc.stdout
 
