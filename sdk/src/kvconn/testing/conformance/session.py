@@ -152,7 +152,8 @@ class Session:
     def _declared_factory(self) -> ConfigFactory | None:
         """The connector's ``fresh_store_config`` laid over ``config``, when the connector declares one."""
         declared = getattr(self.cls, "fresh_store_config", None)
-        if declared is None or getattr(declared, "__func__", None) is KVConnector.fresh_store_config.__func__:
+        inherited = KVConnector.fresh_store_config.__func__  # type: ignore[attr-defined]
+        if declared is None or getattr(declared, "__func__", None) is inherited:  # declared by no class but the base
             return None
 
         def fresh(run: str, directory: Path) -> dict[str, Any] | None:
