@@ -296,7 +296,8 @@ def _expect_rejected(cls: type, name: str, config: dict[str, Any], what: str) ->
 def _instantiate(session: Session, role: KVConnectorRole, config: Any = None) -> Any:
     cls = session.cls
     if config is None:  # with a fresh-store factory, a store of its own: checks never write the default store
-        config = build_config(cls, session.config_for("start"), name=session.connector)
+        start = session.memo("config:start", lambda: session.config_for("start"))  # one run: asked for once
+        config = build_config(cls, start, name=session.connector)
     try:
         return cls(config, role=role, context=ConnectorContext())
     except Exception as exc:
