@@ -88,6 +88,8 @@ class Session:
     #: block); a vLLM connector may reuse only whole prompts (``ExampleConnector``), so its runs that claim
     #: nothing are judged on their tokens alone, and a round trip must still load.
     every_data_run_loads = True
+    #: Holds the run directories, made on the first one (a class default: subclasses need not set it).
+    _workdir: tempfile.TemporaryDirectory[str] | None = None
 
     def __init__(
         self,
@@ -101,7 +103,6 @@ class Session:
         self.driver_name = driver
         self.factory: DriverFactory = get_driver(driver)
         self.cls = load_connector_class(connector)
-        self._workdir: tempfile.TemporaryDirectory[str] | None = None
         self.config_factory = config_factory if config_factory is not None else self._declared_factory()
         #: Why the connector does not configure with no config (KV004 reports it; the other checks skip).
         self.config_error: str | None = None
