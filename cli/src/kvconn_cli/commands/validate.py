@@ -61,8 +61,9 @@ def validate(
         typer.Option(
             "--config-factory",
             metavar="PKG.MOD:FUNCTION",
-            help="A function run(name) -> config called for each scenario and data run: a fresh store namespace "
-            "per run for a connector whose store outlives its instances (and the lost-blocks part of KV041).",
+            help="A function f(run) or f(run, directory) -> config, called for each scenario and data run in place "
+            "of the connector's own fresh_store_config: a fresh store per run for a connector whose store outlives "
+            "its instances (and the lost-blocks part of KV041); directory is the run's own, removed afterwards.",
         ),
     ] = None,
     check: Annotated[
