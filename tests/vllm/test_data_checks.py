@@ -1,4 +1,4 @@
-"""The data checks (KV040-KV046) through vLLM's real scheduler and model-runner code, on a model that reads KV.
+"""The data checks (KV040-KV048) through vLLM's real scheduler and model-runner code, on a model that reads KV.
 
 vLLM's own recovery runs: invalid blocks under ``kv_load_failure_policy="recompute"``, and
 ``Scheduler._update_waiting_for_remote_kv`` asking the connector again after an async load
@@ -58,6 +58,25 @@ def test_a_load_into_the_wrong_layer_changes_the_tokens_under_vllm() -> None:
     report = run_conformance("kvconn_conformance_fixtures.broken:WrongLayerLoad", driver="vllm", select="KV040")
     (result,) = report.results
     assert result.status == "failed" and "it ran on wrong KV" in result.message, result
+
+
+@pytest.mark.usefixtures("fixtures")
+@pytest.mark.parametrize("connector", ["ExchangesKV", "ReversesSlots"])
+def test_a_load_that_rearranges_a_block_changes_the_tokens_under_vllm(connector: str) -> None:
+    """K and V exchanged, or token slots reversed, in vLLM's layout: the sum is the same, the tokens are not."""
+    report = run_conformance(f"kvconn_conformance_fixtures.broken:{connector}", driver="vllm", select="KV040")
+    (result,) = report.results
+    assert result.status == "failed" and "it ran on wrong KV" in result.message, result
+
+
+@pytest.mark.usefixtures("fixtures")
+def test_a_store_keyed_by_tokens_serves_another_tenant_under_vllm() -> None:
+    """vLLM's own block hasher puts the cache_salt and the LoRA adapter in its hashes: a token-keyed store ignores
+    them, and KV047 sees the cross-tenant hit through vLLM's scheduler."""
+    report = run_conformance("kvconn_conformance_fixtures.broken:KeysByTokens", driver="vllm", select="KV047")
+    (result,) = report.results
+    assert result.status == "failed", result
+    assert "request 'b' (cache_salt 'tenant-2') loaded 64 tokens" in result.message
 
 
 @pytest.mark.usefixtures("fixtures")
@@ -125,7 +144,7 @@ def _embedded_store_saves_sync(run: str) -> dict[str, Any]:
 def test_shipped_connectors_pass_the_data_checks_under_vllm(connector: str, factory: ConfigFactory | None) -> None:
     report = run_conformance(connector, driver="vllm", select="KV04*", config_factory=factory)
     assert report.load_error is None
-    assert report.failed == 0 and report.passed == 7, report.results
+    assert report.failed == 0 and report.passed == 8 and report.skipped == 1, report.results
 
 
 @pytest.mark.usefixtures("runner")
@@ -147,7 +166,7 @@ def test_the_redis_connector_passes_every_check_under_vllm_against_a_real_server
     finally:
         server.stop()
     assert report.load_error is None
-    assert report.failed == 0 and report.skipped == 0 and report.passed == 25, report.results
+    assert report.failed == 0 and report.skipped == 1 and report.passed == 26, report.results  # KV048: one rank
 
 
 def test_kvconn_validate_engine_vllm_fails_the_livelocking_store() -> None:

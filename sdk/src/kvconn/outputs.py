@@ -24,12 +24,13 @@ __all__ = [
 
 
 class NewRequestData(msgspec.Struct):
-    """A request scheduled for the first time."""
+    """A request scheduled for the first time; ``adapter``: the LoRA adapter it runs under, if any."""
 
     req_id: str
     prompt_token_ids: list[int]
     block_ids: BlockIds
     num_computed_tokens: int
+    adapter: str | None = None
 
 
 class CachedRequestData(msgspec.Struct):

@@ -92,6 +92,11 @@ SPECIFIC_FIXES = {
          "hash of block 3 of a3, but position 3 of its live table ([9, 2, 1, 8],) holds [8]"),
         ("DeferredSaver", "KV044", "in the 'fill-step-saves' data run, request 'b0' generated"),
         ("CountsPendingSaves", "KV040", "failed to load though nothing failed: it claimed more tokens than it holds"),
+        ("KeysByTokens", "KV047", "in the 'isolation' data run, request 'b' (cache_salt 'tenant-2') loaded 64 tokens "
+         "of the prefix 'a' computed under another cache_salt: a block hash carries the cache_salt, so nothing was "
+         "there to load for 'b' (a cross-tenant hit, whatever its tokens)"),
+        ("RankBlindKeys", "KV048", "on tensor-parallel rank 0, block 5 (position 0, layer 'layer.0') holds rank 1's "
+         "shard of it: rank 1's value under rank 0's key (the store key misses the rank)"),
     ],
 )  # fmt: skip
 def test_broken_connector_fails_its_check(connector: str, check_id: str, observed: str) -> None:
@@ -171,6 +176,12 @@ def test_a_subclass_misnaming_or_disabling_an_inherited_hook_fails_hook_names(
          "its blocks still hold what they held before the load, while the other groups' blocks are right", ""),
         ("SavesTouchedBlocks", "block 13 (position 1, layer 'layer.0') holds the right KV for its first 8 tokens "
          "only: it was saved before it was full", "save a block only once it is full"),
+        # the sum of what a request reads is unchanged: only a model that reads every element in its place sees these
+        ("ExchangesKV", ("it ran on wrong KV: the load of 'b' at step ", "holds the right bytes in the wrong places: "
+         "its K where V belongs and its V where K belongs (K and V exchanged)"), "copy K to K and V to V, in the "
+         "engine's layout (context.kv_layout)"),
+        ("ReversesSlots", ("it ran on wrong KV: the load of 'b' at step ", "holds the right bytes in the wrong "
+         "places: its token slots in another order"), "copy token slot j of a saved block into slot j"),
     ],
 )  # fmt: skip
 def test_the_first_failure_names_the_mechanism_and_its_fix(
@@ -221,6 +232,10 @@ def test_two_async_loads_of_a_resumed_request_are_reported_once_each() -> None:
         ("StripsNullBlocks", "KV015"),
         ("DeferredSaver", "KV044"),  # its preempted-saves run goes wrong too: not run, KV044 is the root cause
         ("WrongLayerLoad", "KV040"),  # every data run goes wrong: the later data checks are not run
+        ("ExchangesKV", "KV040"),
+        ("ReversesSlots", "KV040"),
+        ("KeysByTokens", "KV047"),  # right until two tenants or adapters share tokens
+        ("RankBlindKeys", "KV048"),  # right with one rank
     ],
 )
 def test_broken_saver_fails_only_its_own_check(connector: str, only: str) -> None:

@@ -29,6 +29,7 @@ from ..host.wire import (
     encode_scheduler_output,
 )
 from .model import check_dtype
+from .ranks import TensorParallelWorkers
 from .request import Request
 from .scheduler import Scheduler
 from .shape import EngineShape
@@ -52,8 +53,10 @@ class Engine:
         on_error: the hosts' error policy (``"degrade"`` or ``"raise"``).
         stall_steps, hook_budget_s, max_slow_calls: the hosts' bounds on a stalling
             or slow connector (:class:`~kvconn.ConnectorHost`).
-        model, dtype, tp_rank, tp_size: engine facts connectors may namespace keys with
-            (the engine is rank ``tp_rank`` of ``tp_size``).
+        model, dtype: engine facts connectors may namespace keys with.
+        tp_size: tensor-parallel ranks to run (default: ``shape.tp_size``), each a worker with its shard
+            of the heads and a connector worker side whose context names its rank (:mod:`.ranks`).
+        tp_rank: the scheduler's rank, always 0 (the engine runs every rank).
         device: where the KV caches live (``"cuda"`` runs connectors against accelerator memory).
         shape: the engine's KV cache and batch limits (default: :class:`EngineShape`'s defaults).
         **scheduler_options: fields of :class:`EngineShape` to change in ``shape``
@@ -73,48 +76,67 @@ class Engine:
         model: str = "kvconn-reference",
         dtype: str = "float16",
         tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_size: int | None = None,
         device: str = "cpu",
         shape: EngineShape | None = None,
         **scheduler_options: Any,
     ) -> None:
+        if tp_size is not None:
+            scheduler_options["tp_size"] = tp_size
         self.shape = shape = EngineShape.from_options(shape, **scheduler_options)
+        if tp_rank != 0:
+            raise ValueError(f"tp_rank must be 0, got {tp_rank}: the reference engine runs every rank of tp_size")
         check_dtype(dtype)  # before any connector is loaded for it
-        self.context = ConnectorContext(
-            model=model,
-            dtype=dtype,
-            block_size=shape.block_size,
-            kv_cache_groups=shape.kv_cache_groups,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-        )
-        self.scheduler_host: SchedulerHost | None = None
-        self.worker_host: WorkerHost | None = None
-        if connector:
+        #: each rank's context (rank 0's is the scheduler's)
+        self.contexts = [
+            ConnectorContext(
+                model=model,
+                dtype=dtype,
+                block_size=shape.block_size,
+                kv_cache_groups=shape.kv_cache_groups,
+                tp_rank=rank,
+                tp_size=shape.tp_size,
+                num_kv_heads=shape.heads_per_rank,
+                head_dim=shape.head_dim,
+            )
+            for rank in range(shape.tp_size)
+        ]
+        self.context = self.contexts[0]
 
-            def host(cls: type[_Host], role_config: Any) -> _Host:
-                return cls.from_names(
-                    connector,
-                    config=role_config,
-                    context=self.context,
-                    on_error=on_error,
-                    stall_steps=stall_steps,
-                    hook_budget_s=hook_budget_s,
-                    max_slow_calls=max_slow_calls,
-                )
+        def host(cls: type[_Host], role_config: Any, context: ConnectorContext) -> _Host:
+            assert connector
+            return cls.from_names(
+                connector,
+                config=role_config,
+                context=context,
+                on_error=on_error,
+                stall_steps=stall_steps,
+                hook_budget_s=hook_budget_s,
+                max_slow_calls=max_slow_calls,
+            )
 
-            self.scheduler_host = host(SchedulerHost, config)
-            self.worker_host = host(WorkerHost, config if worker_config is None else worker_config)
+        self.scheduler_host = host(SchedulerHost, config, self.context) if connector else None
+        worker_config = config if worker_config is None else worker_config
+        #: each rank's worker host (rank 0's is ``worker_host``); none without a connector
+        self.worker_hosts = [host(WorkerHost, worker_config, c) for c in self.contexts] if connector else []
+        self.worker_host: WorkerHost | None = self.worker_hosts[0] if connector else None
         self.scheduler = Scheduler(shape, host=self.scheduler_host, context=self.context)
-        self.worker = ReferenceWorker(
-            self.context,
-            num_blocks=shape.num_blocks,
-            host=self.worker_host,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            device=device,
+        #: each rank's worker; ``worker`` is rank 0's
+        self.workers = [
+            ReferenceWorker(
+                context,
+                num_blocks=shape.num_blocks,
+                host=self.worker_hosts[context.tp_rank] if connector else None,
+                num_kv_heads=shape.heads_per_rank,
+                head_dim=shape.head_dim,
+                device=device,
+            )
+            for context in self.contexts
+        ]
+        self.worker = self.workers[0]
+        #: what steps the model: the one worker, or every rank as one (a test may put another worker here)
+        self.executor: ReferenceWorker | TensorParallelWorkers = (
+            self.worker if shape.tp_size == 1 else TensorParallelWorkers(self.workers)
         )
         # Decode every connector's metadata, even one with no worker side (its workers ignore it).
         self._metadata_types = self.scheduler_host.metadata_types if self.scheduler_host else {}
@@ -126,18 +148,32 @@ class Engine:
     def stats(self) -> EngineStats:
         """The scheduler's counters; degraded events: both hosts' failed hooks and what connectors report dropping."""
         stats = self.scheduler.stats
-        hosts = sum(h.degraded_events for h in (self.scheduler_host, self.worker_host) if h)
+        hosts = sum(h.degraded_events for h in (self.scheduler_host, *self.worker_hosts) if h)
         stats.degraded_events = hosts + self.scheduler.connector_degraded_events
         return stats
 
-    def add_request(self, prompt: Sequence[int], max_tokens: int = 16, request_id: str | None = None) -> Request:
-        """Queue a request; ``ValueError`` for a prompt of token ids outside the model's vocabulary."""
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int = 16,
+        request_id: str | None = None,
+        *,
+        adapter: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Queue a request; ``ValueError`` for a prompt of token ids outside the model's vocabulary.
+
+        ``adapter`` (a LoRA adapter's name: its KV differs) and ``cache_salt`` (a tenant: its
+        cached prefixes are its own) go into the request's block hashes as vLLM puts them.
+        """
         self._check_token_ids(prompt, "prompt token ids")
         request = Request(
             request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt,
             max_tokens,
             self.scheduler.block_size,
+            adapter=adapter,
+            cache_salt=cache_salt,
         )
         self.scheduler.add_request(request)
         return request
@@ -150,7 +186,7 @@ class Engine:
         """One engine step: schedule, send, execute, send back, update."""
         output = self.scheduler.schedule()
         wire = encode_scheduler_output(output)
-        worker_output = self.worker.execute_model(decode_scheduler_output(wire, self._metadata_types))
+        worker_output = self.executor.execute_model(decode_scheduler_output(wire, self._metadata_types))
         returned = decode_model_runner_output(encode_model_runner_output(worker_output))
         self.scheduler.update_from_output(output, returned)
 
@@ -180,7 +216,7 @@ class Engine:
         return [list(r.output_token_ids) for r in requests]
 
     def close(self) -> None:
-        for host in (self.scheduler_host, self.worker_host):
+        for host in (self.scheduler_host, *self.worker_hosts):
             if host is not None:
                 host.shutdown()
 

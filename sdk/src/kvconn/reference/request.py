@@ -26,10 +26,22 @@ class RequestStatus(enum.Enum):
 class Request:
     """A generation request; satisfies :class:`kvconn.ConnectorRequest`.
 
-    ``block_hashes`` grows as tokens are appended, one hash per full block.
+    ``block_hashes`` grows as tokens are appended, one hash per full block,
+    with vLLM's extra keys (:func:`kvconn.hashing.block_extra_keys`):
+    ``adapter`` names the LoRA adapter it runs under (which changes its KV),
+    ``cache_salt`` the tenant whose cached prefixes it may share (which does not).
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int, block_size: int) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        block_size: int,
+        *,
+        adapter: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         if max_tokens < 1:
@@ -43,7 +55,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
-        self.block_hashes: list[bytes] = hash_blocks(self.all_token_ids, block_size)
+        self.adapter, self.cache_salt = adapter, cache_salt
+        self.block_hashes: list[bytes] = hash_blocks(self.all_token_ids, block_size, **self._keys())
         #: external tokens being loaded asynchronously (WAITING_FOR_REMOTE_KVS)
         self.num_external_tokens = 0
 
@@ -65,7 +78,12 @@ class Request:
         if self.num_tokens % self.block_size == 0:
             parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
             start = len(self.block_hashes) * self.block_size
-            self.block_hashes.extend(hash_blocks(self.all_token_ids, self.block_size, parent=parent, start=start))
+            self.block_hashes.extend(
+                hash_blocks(self.all_token_ids, self.block_size, parent=parent, start=start, **self._keys())
+            )
+
+    def _keys(self) -> dict[str, str | None]:
+        return {"adapter": self.adapter, "cache_salt": self.cache_salt}
 
     def __repr__(self) -> str:
         return (

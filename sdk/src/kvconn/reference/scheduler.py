@@ -241,7 +241,13 @@ class Scheduler(SchedulerUpdate):
                 self._add_cached(cached, request, table, resumed=True)
             else:
                 new_reqs.append(
-                    NewRequestData(request.request_id, request.all_token_ids[:], table, request.num_computed_tokens)
+                    NewRequestData(
+                        request.request_id,
+                        request.all_token_ids[:],
+                        table,
+                        request.num_computed_tokens,
+                        request.adapter,
+                    )
                 )
         self.waiting.extendleft(reversed(skipped))
 

@@ -28,6 +28,7 @@ _POSITIVE = (
     "max_model_len",
     "num_kv_heads",
     "head_dim",
+    "tp_size",
 )
 
 
@@ -44,7 +45,9 @@ class EngineShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         enable_prefix_caching: whether computed blocks are reused by later requests.
         kv_cache_groups: layers sharing a block table, full attention or sliding window
             (default: one full-attention group of two layers).
-        num_kv_heads, head_dim: one layer's KV shape on a worker.
+        num_kv_heads, head_dim: one layer's KV shape, all ranks together.
+        tp_size: tensor-parallel ranks, each holding ``num_kv_heads // tp_size`` heads with a connector
+            worker side of its own (the reference engine runs them all; vLLM's test harness runs one).
     """
 
     block_size: int = 16
@@ -56,6 +59,7 @@ class EngineShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     kv_cache_groups: tuple[KVCacheGroupSpec, ...] = DEFAULT_KV_CACHE_GROUPS
     num_kv_heads: int = 2
     head_dim: int = 8
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         for name in _POSITIVE:
@@ -66,6 +70,15 @@ class EngineShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 f"EngineShape num_blocks must be <= {MAX_NUM_BLOCKS} in the reference engine, got {self.num_blocks}"
             )
         check_kv_cache_groups(self.kv_cache_groups, "EngineShape")
+        if self.num_kv_heads % self.tp_size:
+            raise ValueError(
+                f"EngineShape num_kv_heads ({self.num_kv_heads}) must split evenly over tp_size={self.tp_size} ranks"
+            )
+
+    @property
+    def heads_per_rank(self) -> int:
+        """KV heads on each tensor-parallel rank."""
+        return self.num_kv_heads // self.tp_size
 
     def replace(self, **options: Any) -> EngineShape:
         """This shape with ``options`` (field names) changed, validated like a new one.

@@ -8,11 +8,12 @@ then ``wait_for_save`` and ``get_finished``.
 The cost is a few batched torch ops per layer whatever the number of
 requests (the indices are built once a step per KV-cache group): a write
 scatters every computed position of every request, a read gathers every
-sampling request's context blocks and sums their bit patterns per token,
-then per request with one ``index_add_``. Integer sums are exact in any
+sampling request's context blocks and sums their weighted bit patterns per token,
+then per request with one ``index_add_``: the model's keyed digest, every
+element weighted by its place (:mod:`.model`). Integer sums are exact in any
 order, so what a request reads does not depend on which other requests
-share its step nor on torch's thread count, and any changed bit of the KV it
-reads changes it.
+share its step nor on torch's thread count, and any changed or moved element
+of the KV it reads changes it.
 """
 
 from __future__ import annotations
@@ -22,16 +23,25 @@ from typing import Any
 
 from ..context import ConnectorContext
 from ..host import WorkerHost
-from ..outputs import ModelRunnerOutput, SchedulerOutput
-from .model import VOCAB_SIZE, ReferenceModel, check_dtype, prefix_hashes
+from ..outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from .model import VOCAB_SIZE, ReferenceModel, adapter_seed, check_dtype, position_weights, prefix_hashes
 
-__all__ = ["ReferenceWorker"]
+__all__ = ["Forward", "ReferenceWorker"]
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One rank's step before sampling: per sampling request its per-layer digests; the connectors' report."""
+
+    reads: dict[str, list[int]]
+    connector_output: dict[str, KVConnectorOutput]
 
 
 @dataclass
 class _RequestState:
     token_ids: list[int]
     tables: list[list[int]]
+    seed: int  # where its rolling hash starts: its adapter's (model.adapter_seed)
     hashes: list[int] = field(default_factory=list)
 
 
@@ -66,7 +76,13 @@ class ReferenceWorker:
         check_dtype(context.dtype)
         dtype = getattr(torch, context.dtype)
         self.model = ReferenceModel(
-            num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab_size, dtype=dtype, device=device
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            vocab_size=vocab_size,
+            dtype=dtype,
+            device=device,
+            tp_rank=context.tp_rank,
+            tp_size=context.tp_size,
         )
         self.layers = [
             (name, g, spec.sliding_window)
@@ -77,10 +93,12 @@ class ReferenceWorker:
             name: torch.zeros((num_blocks, 2, self.block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
             for name, _, _ in self.layers
         }
-        # The same memory as integers of the element's width: reads sum bit patterns.
+        # The same memory as integers of the element's width: reads digest bit patterns, weighted by place.
         width = self.kv_caches[self.layers[0][0]].element_size()
         bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
         self._bits = {name: kv.view(bits) for name, kv in self.kv_caches.items()}
+        # [2, 1, heads, dim]: broadcast over a block's token slots, the cache's layout
+        self._weights = [self.model.read_weights(index)[:, None] for index in range(len(self.layers))]
         self._requests: dict[str, _RequestState] = {}
         if host is not None:
             host.register_kv_caches(self.kv_caches)
@@ -89,13 +107,15 @@ class ReferenceWorker:
         for req_id in output.finished_req_ids:
             self._requests.pop(req_id, None)
         for new in output.scheduled_new_reqs:
-            self._requests[new.req_id] = _RequestState(list(new.prompt_token_ids), [list(t) for t in new.block_ids])
+            tables = [list(t) for t in new.block_ids]
+            self._requests[new.req_id] = _RequestState(list(new.prompt_token_ids), tables, adapter_seed(new.adapter))
         cached = output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
             if cached.resumed_from_preemption[i]:
                 tables = [list(t) for t in new_blocks] if new_blocks else []
-                self._requests[req_id] = _RequestState(list(cached.all_token_ids[req_id]), tables)
+                seed = self._requests[req_id].seed  # kept across preemption, as its adapter is
+                self._requests[req_id] = _RequestState(list(cached.all_token_ids[req_id]), tables, seed)
                 continue
             state = self._requests[req_id]
             state.token_ids.extend(cached.new_token_ids[i])
@@ -104,6 +124,20 @@ class ReferenceWorker:
                     table.extend(added)
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and sample: every request that reached its last token gets one."""
+        step = self.forward(output)
+        sampled = {req_id: [self.model.next_token(r)] for req_id, r in step.reads.items()}
+        return ModelRunnerOutput(
+            req_ids=list(output.num_scheduled_tokens),
+            sampled_token_ids=sampled,
+            kv_connector_output=step.connector_output,
+        )
+
+    def forward(self, output: SchedulerOutput) -> Forward:
+        """Run one step up to sampling: the connector's hooks, KV written, and what each sampling request read.
+
+        A tensor-parallel engine adds the ranks' reads before sampling (:mod:`.ranks`).
+        """
         self._update_states(output)
         host, torch = self.host, self.model.torch
         if host is not None:
@@ -116,7 +150,7 @@ class ReferenceWorker:
         starts = output.num_computed_tokens_by_request()
         for req_id, n in output.num_scheduled_tokens.items():
             state, start = self._requests[req_id], starts[req_id]
-            hashes.extend(prefix_hashes(state.token_ids, state.hashes)[start : start + n])
+            hashes.extend(prefix_hashes(state.token_ids, state.hashes, seed=state.seed)[start : start + n])
             positions.append((req_id, start, n))
         sampling = [
             (req_id, start + n - 1)
@@ -138,9 +172,10 @@ class ReferenceWorker:
                 blocks, offsets = writes[group]
                 kv[blocks, :, offsets] = self.model.kv_values(inputs, layer_index)
             if sampling:
-                ids, segment = spans[group]
-                per_token = self._bits[name][ids].flatten(3).sum(-1, dtype=torch.int64).sum(1).view(-1)
-                sums = per_token.new_zeros(len(sampling) + 1).index_add_(0, segment, per_token)
+                ids, segment, slot_weights = spans[group]
+                per_slot = (self._bits[name][ids] * self._weights[layer_index]).sum(dim=(1, 3, 4), dtype=torch.int64)
+                per_slot = per_slot.view(-1) * slot_weights
+                sums = per_slot.new_zeros(len(sampling) + 1).index_add_(0, segment, per_slot)
                 reads.append(sums[:-1])
             if host is not None:
                 host.save_kv_layer(name, kv)
@@ -150,12 +185,7 @@ class ReferenceWorker:
             host.wait_for_save()
             connector_output = host.get_finished(set(output.finished_req_ids))
         per_request = torch.stack(reads, dim=1).tolist() if sampling else []
-        sampled = {req_id: [self.model.next_token(r)] for (req_id, _), r in zip(sampling, per_request, strict=True)}
-        return ModelRunnerOutput(
-            req_ids=list(output.num_scheduled_tokens),
-            sampled_token_ids=sampled,
-            kv_connector_output=connector_output,
-        )
+        return Forward({req_id: r for (req_id, _), r in zip(sampling, per_request, strict=True)}, connector_output)
 
     def _write_index(self, positions: list[tuple[str, int, int]], group: int) -> tuple[Any, Any]:
         """Block and in-block offset of every position computed this step, in ``group``'s tables."""
@@ -168,21 +198,26 @@ class ReferenceWorker:
         device = self.model.device  # where the scatter runs, as the read index (no host-to-device copy per layer)
         return torch.tensor(blocks, device=device), torch.tensor(offsets, device=device)
 
-    def _read_index(self, sampling: list[tuple[str, int]], group: int, window: int | None) -> tuple[Any, Any]:
-        """The blocks the sampling requests read in ``group``, and per token slot of them the request it counts for.
+    def _read_index(self, sampling: list[tuple[str, int]], group: int, window: int | None) -> tuple[Any, Any, Any]:
+        """What the sampling requests read in ``group``: blocks, and per token slot its request and position weight.
 
         Slot ``i * block_size + j`` of the gathered blocks belongs to request
         ``segment[...]``; slots outside a request's span (before its window,
         after its last token) count for ``len(sampling)``, a bucket dropped.
+        The third tensor holds each slot's :func:`~.model.position_weights`.
         """
         bs, torch = self.block_size, self.model.torch
         ids: list[int] = []
         owners: list[int] = []
         counts: list[int] = []
+        shifts: list[int] = []  # per request: a gathered slot's position minus its index among all gathered slots
+        spans: list[int] = []  # per request: how many slots it gathered
         none = len(sampling)
         for r, (req_id, last) in enumerate(sampling):
             first = 0 if window is None else max(0, last - window + 1)
             table = self._requests[req_id].tables[group][first // bs : last // bs + 1]
+            shifts.append((first // bs - len(ids)) * bs)
+            spans.append(len(table) * bs)
             ids += table
             lo, length = first % bs, last - first + 1
             owners += [none, r, none]
@@ -191,7 +226,10 @@ class ReferenceWorker:
         def index(values: list[int]) -> Any:
             return torch.tensor(values, dtype=torch.long, device=self.model.device)
 
-        return index(ids), index(owners).repeat_interleave(index(counts))
+        positions = torch.arange(len(ids) * bs, device=self.model.device) + index(shifts).repeat_interleave(
+            index(spans)
+        )
+        return index(ids), index(owners).repeat_interleave(index(counts)), position_weights(positions)
 
     def num_requests(self) -> int:
         return len(self._requests)

@@ -18,7 +18,7 @@ as vLLM then asks again after any); loads sync or async (``load_async``).
 Worker side:
 copies blocks to and from :data:`STORE`, a dict shared by every instance in
 the process, keyed by a namespace of the engine's model, dtype, block size
-and KV-cache groups (and ``store``), the layer and the block hash; a block
+and KV-cache groups (and ``store``), its tensor-parallel rank, the layer and the block hash; a block
 missing from the store when it is loaded is reported in
 ``get_block_ids_with_load_errors``.
 
@@ -30,6 +30,7 @@ them failed; ``fail_hook`` makes the named hook raise.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -103,7 +104,9 @@ class HookReferenceConnector(KVConnector):
     def __init__(self, config: HookReferenceConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         ctx = self.context
-        self.namespace = namespace_key(self.config.store, ctx.model, ctx.dtype, ctx.block_size, ctx.kv_cache_groups)
+        self.namespace = namespace_key(
+            self.config.store, ctx.model, ctx.dtype, ctx.block_size, ctx.kv_cache_groups, ctx.tp_rank
+        )
         self.requests: dict[str, ConnectorRequest] = {}
         self.saved_upto: dict[str, int] = {}  # blocks of each request already saved or loaded
         self.pending_loads: list[Transfer] = []
@@ -133,7 +136,7 @@ class HookReferenceConnector(KVConnector):
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         bs = self.context.block_size
         hits = 0
-        for block_hash in request.block_hashes[num_computed_tokens // bs :]:
+        for block_hash in self.block_keys(request)[num_computed_tokens // bs :]:
             if block_hash in self.failed_hashes or not self._saved(block_hash):
                 break
             hits += 1
@@ -153,8 +156,12 @@ class HookReferenceConnector(KVConnector):
             self.loads_in_flight[request.request_id] = {t.block_id: t.block_hash for t in loads}
 
     def transfers(self, request: ConnectorRequest, block_ids: BlockIds, blocks: range) -> list[Transfer]:
-        ids = iter_block_ids(block_ids, blocks.start, blocks.stop)
-        return [Transfer(request.request_id, g, b, request.block_hashes[i], i - blocks.start) for i, g, b in ids]
+        ids, keys = iter_block_ids(block_ids, blocks.start, blocks.stop), self.block_keys(request)
+        return [Transfer(request.request_id, g, b, keys[i], i - blocks.start) for i, g, b in ids]
+
+    def block_keys(self, request: ConnectorRequest) -> Sequence[bytes]:
+        """What each block of ``request`` is stored under: the engine's block hashes (the seam broken keys override)."""
+        return request.block_hashes
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
@@ -226,9 +233,13 @@ class HookReferenceConnector(KVConnector):
                 elif saved is None:
                     self.failed.add(t.block_id)
                 else:
-                    self.kv_caches[layer][t.block_id].copy_(saved)
+                    self.load_block(layer, t.block_id, saved)
             if self.config.load_async:
                 self.loading.add(t.req_id)
+
+    def load_block(self, layer: str, block_id: int, saved: Any) -> None:
+        """Write a block's saved bytes of ``layer`` into ``block_id``: a copy (the seam broken loaders override)."""
+        self.kv_caches[layer][block_id].copy_(saved)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str]]:
         done, self.loading = self.loading, set()

@@ -1,4 +1,4 @@
-"""The data checks (KV040-KV046) through vLLM: its real scheduler, its model-runner code, a model that reads KV.
+"""The data checks (KV040-KV048) through vLLM: its real scheduler, its model-runner code, a model that reads KV.
 
 :class:`VllmDataDriver` is the ``vllm`` driver's ``data_driver``: vLLM's v1
 ``Scheduler`` (``kv_load_failure_policy="recompute"``) with the connector
@@ -8,8 +8,9 @@ driven through vLLM's own ``KVConnectorModelRunnerMixin`` and
 caches in vLLM's layout. Its model (:class:`ModelLoop`) is the reference
 model on those tensors: each computed token writes KV that depends on its
 whole prefix, and each sampled token is a function of the KV read back
-through the live block table, so its tokens are the reference engine's for
-the same KV shape, and a wrong, stale or missing load changes them.
+through the live block table (the reference model's digest, every element
+weighted by its place), so its tokens are the reference engine's for the same
+KV shape, and a wrong, stale, missing or rearranged load changes them.
 
 Everything that recovers from a failed load is vLLM's (invalid blocks,
 ``_update_waiting_for_remote_kv`` re-asking the connector); the driver only
@@ -28,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvconn.host import CallOutcome, LoadPlan
-from kvconn.reference.model import ReferenceModel, prefix_hashes
+from kvconn.reference.model import ReferenceModel, adapter_seed, position_weights, prefix_hashes
 from kvconn.reference.stats import EngineStats
 from kvconn.testing.conformance.driver import DriverSpec, StepRecord
 from kvconn.testing.conformance.failures import FailureMode, watch_data_run
@@ -62,6 +63,11 @@ class ModelLoop(VllmLoop):
         self._windows = [getattr(g.kv_cache_spec, "sliding_window", None) for g in groups]
         self._layer_index = {name: i for i, name in enumerate(self.kv_caches)}  # group order, as the reference's
         self._bits = {name: kv.view(torch.int16) for name, kv in self.kv_caches.items()}
+        # the digest's weights in vLLM's layout, [heads, 1, K dims then V dims]: broadcast over a block's slots
+        self._weights = {
+            name: self.model.read_weights(i).permute(1, 0, 2).reshape(NUM_KV_HEADS, 1, 2 * HEAD_SIZE)
+            for name, i in self._layer_index.items()
+        }
         self._scrub_freed = scrub_freed
         self._hashes: dict[str, list[int]] = {}
         self._inputs: Any = None  # this step's KV inputs, and per group where they go
@@ -83,7 +89,9 @@ class ModelLoop(VllmLoop):
             request = self.scheduler.requests[req_id]
             tables = [list(t) for t in self.scheduler.kv_cache_manager.get_block_ids(req_id)]
             start, end = request.num_computed_tokens - n, request.num_computed_tokens
-            hashes += prefix_hashes(request.all_token_ids, self._hashes.setdefault(req_id, []))[start:end]
+            known = self._hashes.setdefault(req_id, [])
+            adapter = request.lora_request.lora_name if request.lora_request is not None else None
+            hashes += prefix_hashes(request.all_token_ids, known, seed=adapter_seed(adapter))[start:end]
             for table, (blocks, offsets) in zip(tables, targets, strict=True):
                 blocks += [table[p // bs] for p in range(start, end)]
                 offsets += [p % bs for p in range(start, end)]
@@ -106,9 +114,12 @@ class ModelLoop(VllmLoop):
         for req_id, tables, last in self._sampling:
             first = 0 if window is None else max(0, last - window + 1)
             ids = torch.tensor(tables[group][first // bs : last // bs + 1])
-            per_slot = self._bits[layer_name][ids].sum(dim=(1, 3), dtype=torch.int64).view(-1)
+            weighted = self._bits[layer_name][ids] * self._weights[layer_name]
+            per_slot = weighted.sum(dim=(1, 3), dtype=torch.int64).view(-1)
             lo = first % bs
-            self._reads[req_id].append(int(per_slot[lo : lo + last - first + 1].sum()))
+            span = slice(lo, lo + last - first + 1)  # the model's digest (kvconn.reference.model): every element counts
+            positions = torch.arange(first, last + 1)
+            self._reads[req_id].append(int((per_slot[span] * position_weights(positions)).sum()))
 
     def runner_output(self, output: Any, eos_req_ids: Iterable[str], kv_output: Any) -> Any:
         """The tokens the model sampled, for the requests that finished their prompt or decode this step."""
@@ -159,8 +170,17 @@ class DataRunMethods:
         start = request.num_computed_tokens
         self.stats.prompt_tokens_loaded += max(0, min(start + tokens, len(request.prompt_token_ids)) - start)
 
-    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> None:
-        request = self._requests[req_id] = make_request(req_id, prompt, max_tokens, self.block_size)
+    def add_request(
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        adapter: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        keys = {"adapter": adapter, "cache_salt": cache_salt}
+        request = self._requests[req_id] = make_request(req_id, prompt, max_tokens, self.block_size, **keys)
         self.scheduler.add_request(request)
 
     def step(self, *, withhold: Iterable[str] = ()) -> StepRecord:

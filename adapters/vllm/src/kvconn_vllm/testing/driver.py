@@ -62,8 +62,9 @@ class VllmDriver(VllmSchedulerMethods):
     """A :class:`~kvconn.testing.conformance.SchedulerDriver` over vLLM's scheduler."""
 
     def __init__(self, spec: DriverSpec) -> None:
-        from .harness import VLLM_TEST_SHAPE, make_scheduler
+        from .harness import VLLM_TEST_SHAPE, make_scheduler, one_rank
 
+        one_rank(spec.shape)
         self.block_size, self.num_blocks = spec.shape.block_size, spec.shape.num_blocks
         self.name = spec.connector
         # the scenario's shape, on the tiny model's KV shape; max_model_len: the tiny model's positions

@@ -40,6 +40,7 @@ __all__ = [
     "kvconn_transfer_config",
     "make_model_runner_output",
     "make_request",
+    "one_rank",
     "make_scheduler",
     "model_runner",
     "prepare_environment",
@@ -271,23 +272,62 @@ def _vllm_group(group: KVCacheGroupSpec, block_size: int) -> Any:
     return VllmGroupSpec(list(group.layer_names), SlidingWindowSpec(**shape, sliding_window=group.sliding_window))
 
 
-def make_request(req_id: str, prompt_token_ids: Sequence[int], max_tokens: int = 16, block_size: int = 16) -> Any:
-    """A vLLM ``Request`` with SHA-256 block hashing (so prefix caching works)."""
+def one_rank(shape: EngineShape) -> None:
+    """Refuse a tensor-parallel shape (``ScenarioUnsupported``): the harness runs one worker, rank 0.
+
+    What a TP check would need here: one worker per rank, each with its shard of the heads and a connector
+    worker side of its own, and their outputs combined as vLLM's ``KVOutputAggregator`` does; the reference
+    engine has that (``kvconn.reference.ranks``).
+    """
+    from kvconn.testing.conformance import ScenarioUnsupported
+
+    if shape.tp_size != 1:
+        raise ScenarioUnsupported(
+            f"vLLM's test harness runs one worker rank, not tp_size={shape.tp_size}: tensor parallelism is checked "
+            "on the reference engine (kvconn validate NAME)"
+        )
+
+
+def make_request(
+    req_id: str,
+    prompt_token_ids: Sequence[int],
+    max_tokens: int = 16,
+    block_size: int = 16,
+    *,
+    adapter: str | None = None,
+    cache_salt: str | None = None,
+) -> Any:
+    """A vLLM ``Request`` with SHA-256 block hashing (so prefix caching works).
+
+    ``adapter`` names a LoRA adapter (a ``LoRARequest``; vLLM's scheduler needs no LoRA config to
+    schedule it, and puts it in every block hash), ``cache_salt`` a tenant (in block 0's hash).
+    """
     _init_hashing()
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.request import Request
 
     params = SamplingParams(max_tokens=max_tokens)
     params.update_from_generation_config({}, EOS_TOKEN_ID)
+    lora = None
+    if adapter is not None:  # vLLM hashes the path with the name and never reads it here: no weights are loaded
+        adapter_id = _adapter_ids.setdefault(adapter, len(_adapter_ids) + 1)
+        lora = LoRARequest(adapter, adapter_id, f"kvconn-test-adapters/{adapter}")
     return Request(
         request_id=req_id,
         prompt_token_ids=list(prompt_token_ids),
         sampling_params=params,
         pooling_params=None,
         block_hasher=get_request_block_hasher(block_size, sha256),
+        lora_request=lora,
+        cache_salt=cache_salt,
     )
+
+
+#: A LoRA adapter's integer id, per name (vLLM's ``LoRARequest`` wants one, positive and stable).
+_adapter_ids: dict[str, int] = {}
 
 
 def make_model_runner_output(

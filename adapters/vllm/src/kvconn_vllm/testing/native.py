@@ -438,8 +438,9 @@ class NativeDriver(VllmSchedulerMethods):
     def __init__(self, spec: DriverSpec, target: NativeTarget) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
 
-        from .harness import VLLM_TEST_SHAPE, make_scheduler
+        from .harness import VLLM_TEST_SHAPE, make_scheduler, one_rank
 
+        one_rank(spec.shape)
         if len(spec.shape.kv_cache_groups) > 1 and not supports_hma(target.cls):
             raise ScenarioUnsupported(
                 f"{target.cls.__name__} is not SupportsHMA: vLLM runs it only with one KV-cache group"

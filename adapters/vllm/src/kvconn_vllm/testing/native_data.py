@@ -1,4 +1,4 @@
-"""The data checks (KV040-KV046) for vLLM's own connectors: their worker, vLLM's scheduler, a model that reads KV.
+"""The data checks (KV040-KV048) for vLLM's own connectors: their worker, vLLM's scheduler, a model that reads KV.
 
 :class:`NativeDataDriver` is :class:`~.native.NativeDriver` with the data
 driver's model (:class:`~.data_driver.ModelLoop`): the connector's own worker

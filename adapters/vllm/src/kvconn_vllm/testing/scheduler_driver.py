@@ -33,10 +33,19 @@ class VllmSchedulerMethods:
     _built: Built | None
     _withhold: frozenset[str]
 
-    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> None:
+    def add_request(
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        adapter: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
         from .harness import make_request
 
-        self.scheduler.add_request(make_request(req_id, prompt, max_tokens, self.block_size))
+        request = make_request(req_id, prompt, max_tokens, self.block_size, adapter=adapter, cache_salt=cache_salt)
+        self.scheduler.add_request(request)
 
     def abort(self, req_id: str) -> None:
         from vllm.v1.request import RequestStatus

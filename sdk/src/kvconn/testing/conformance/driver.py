@@ -107,8 +107,21 @@ class SchedulerDriver(Protocol):
     block_size: int
     num_blocks: int
 
-    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> None:
-        """Queue a request (it is scheduled on a later ``step``)."""
+    def add_request(
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        adapter: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request (it is scheduled on a later ``step``).
+
+        ``adapter`` and ``cache_salt`` go into its block hashes as vLLM's extra keys
+        (:func:`kvconn.hashing.block_extra_keys`); a driver whose engine has neither raises
+        :class:`ScenarioUnsupported` for a request that names one.
+        """
 
     def abort(self, req_id: str) -> None:
         """Abort a request, waiting or running; the connector's ``request_finished`` follows."""
@@ -139,7 +152,7 @@ DriverFactory = Callable[[DriverSpec], SchedulerDriver]
 
 
 class DataDriver(SchedulerDriver, Protocol):
-    """What the data checks (KV040-KV046) run on: an engine with the connector's worker side and a model.
+    """What the data checks (KV040-KV048) run on: an engine with the connector's worker side and a model.
 
     Built as ``factory.data_driver(spec, fail_loads=None, scrub_freed=False,
     worker_config=None)`` by a driver factory that has one (the reference

@@ -48,7 +48,11 @@ class LoadedBlock:
     injected failed load left), ``"partial:N"`` (the KV of its first ``N``
     tokens only: saved before it was full), ``"layer:K"`` (the KV
     of layer ``K`` at this position), ``"position:J"`` (this layer's KV of
-    block ``J``), or ``"other"``.
+    block ``J``), the right bytes in the wrong places (``"rearranged:kv"``:
+    K and V exchanged; ``"rearranged:slots"``: its token slots in another
+    order; ``"rearranged:heads"``: its heads in another order), ``"rank:R"``
+    (tensor-parallel rank ``R``'s shard of this block: its key misses the rank),
+    or ``"other"``. ``rank`` is the rank whose cache holds it.
     """
 
     req_id: str
@@ -58,6 +62,7 @@ class LoadedBlock:
     position: int
     block_id: int
     holds: str
+    rank: int = 0
 
 
 def audit_load(
@@ -71,14 +76,18 @@ def audit_load(
     table: Sequence[Sequence[int]],
     blocks: range,
     skip: set[int],
+    seed: int = 0,
+    ranks: Sequence[ReferenceModel] = (),
 ) -> list[LoadedBlock]:
     """The layers of the blocks at positions ``blocks`` of ``table`` that hold the wrong KV.
 
     ``layers`` are ``(name, group)`` in model order; blocks in ``skip`` (a
-    load reported failed) are not audited.
+    load reported failed) are not audited; ``seed``: the request's adapter's
+    (:func:`~kvconn.reference.model.adapter_seed`); ``ranks``: every tensor-parallel
+    rank's model (``model`` among them), to tell another rank's shard.
     """
     block_size = kv_caches[layers[0][0]].shape[2]
-    hashes = prefix_hashes(list(token_ids[: blocks.stop * block_size]), [])
+    hashes = prefix_hashes(list(token_ids[: blocks.stop * block_size]), [], seed=seed)
     inputs = model.kv_inputs(hashes)
     # per layer: [positions, 2, block_size, heads, dim], the cache's layout
     expected = []
@@ -86,6 +95,7 @@ def audit_load(
         values = model.kv_values(inputs, index)
         expected.append(values.view(blocks.stop, block_size, *values.shape[1:]).transpose(1, 2))
     found = []
+    rank = model.heads.start // model.num_kv_heads
     for index, (layer, group) in enumerate(layers):
         for position in blocks:
             if position >= len(table[group]):
@@ -96,9 +106,9 @@ def audit_load(
             actual = kv_caches[layer][block_id]
             if actual.equal(expected[index][position]):
                 continue
-            found.append(
-                LoadedBlock(req_id, step, layer, group, position, block_id, _what(actual, expected, index, position))
-            )
+            holds = _other_rank(actual, ranks, rank, inputs, index, position, block_size)
+            holds = holds or _what(actual, expected, index, position)
+            found.append(LoadedBlock(req_id, step, layer, group, position, block_id, holds, rank))
     return found
 
 
@@ -118,6 +128,9 @@ def _what(actual: Any, expected: list[Any], index: int, position: int) -> str:
         filled = right.index(False)
         if not any(right[filled:]):
             return f"partial:{filled}"
+    rearranged = _rearranged(actual, expected[index][position])
+    if rearranged is not None:
+        return f"rearranged:{rearranged}"
     for other, values in enumerate(expected):
         if other != index and actual.equal(values[position]):
             return f"layer:{other}"
@@ -125,3 +138,30 @@ def _what(actual: Any, expected: list[Any], index: int, position: int) -> str:
         if other != position and actual.equal(expected[index][other]):
             return f"position:{other}"
     return "other"
+
+
+def _rearranged(actual: Any, expected: Any) -> str | None:
+    """Which axis of a block (``[2, block_size, heads, dim]``) holds the right elements in another order, if one does.
+
+    K and V exchanged; the token slots, or the heads, permuted (each slot's, or
+    head's, values are some other slot's, or head's, of the block).
+    """
+    if actual.equal(expected.flip(0)):
+        return "kv"
+    for axis, name in ((1, "slots"), (2, "heads")):
+        found = actual.movedim(axis, 0).flatten(1)
+        wanted = expected.movedim(axis, 0).flatten(1)
+        if all(any(row.equal(other) for other in wanted) for row in found):
+            return name
+    return None
+
+
+def _other_rank(
+    actual: Any, ranks: Sequence[ReferenceModel], rank: int, inputs: Any, index: int, position: int, block_size: int
+) -> str | None:
+    """``"rank:R"`` when ``actual`` is rank ``R``'s shard of the block (another rank's), else ``None``."""
+    span = slice(position * block_size, (position + 1) * block_size)
+    for other, model in enumerate(ranks):
+        if other != rank and actual.equal(model.kv_values(inputs[span], index).transpose(0, 1)):
+            return f"rank:{other}"
+    return None

@@ -19,6 +19,7 @@ from ...host import CallOutcome, ConnectorHost, LoadPlan
 from ...host.wire import encode_metadata
 from ...outputs import KVConnectorOutput
 from ...reference.engine import Engine
+from ...reference.model import adapter_seed
 from ...reference.request import Request
 from ...reference.stats import EngineStats
 from ..utils import assert_scheduler_empty
@@ -45,6 +46,7 @@ class _Load:
     step: int
     is_async: bool
     token_ids: list[int]
+    seed: int  # the request's adapter's (its KV depends on it)
     table: list[list[int]]
     blocks: range
 
@@ -106,7 +108,7 @@ class ReferenceDriver:
             config = worker_config if worker_config is not None else spec.config
             self._process = WorkerProcess(spec.connector, config, self.engine.context, spec.shape)
             # the engine steps it in place of its own worker, which (and whose connector) then stays idle
-            self.engine.worker = self._process  # type: ignore[assignment]
+            self.engine.executor = self._process  # type: ignore[assignment]
         self.requests: dict[str, Request] = {}
         self._finished_calls: Counter[str] = Counter()
         self._withhold: frozenset[str] = frozenset()
@@ -200,7 +202,8 @@ class ReferenceDriver:
             first = request.num_computed_tokens // self.block_size
             span = range(first, first + plan.num_tokens // self.block_size)
             table = [list(t) for t in block_ids]
-            load = _Load(request.request_id, self._step, plan.load_async, list(request.all_token_ids), table, span)
+            tokens, seed = list(request.all_token_ids), adapter_seed(self.requests[request.request_id].adapter)
+            load = _Load(request.request_id, self._step, plan.load_async, tokens, seed, table, span)
             self._loads.append(load)
         if plan.load_async:
             answer = f"get_num_new_matched_tokens returned ({plan.num_tokens}, True) for it (an async load)"
@@ -239,7 +242,7 @@ class ReferenceDriver:
         """Fill each freed block with the pattern naming it (:func:`~.kv_audit.freed_value`)."""
         torch = self.worker.model.torch
         values = torch.tensor([freed_value(b) for b in block_ids]).view(-1, 1, 1, 1, 1)
-        for kv in self.worker.kv_caches.values():
+        for kv in (kv for worker in self.engine.workers for kv in worker.kv_caches.values()):
             kv[block_ids] = values.to(kv.dtype)
         for block_id in block_ids:
             self.freed_at.setdefault(block_id, []).append(self._step)
@@ -255,18 +258,22 @@ class ReferenceDriver:
         ]
         self._loads = [load for load in self._loads if load not in landed]
         layers = [(name, group) for name, group, _ in self.worker.layers]
+        models = [worker.model for worker in self.engine.workers]
         for load in landed:
-            self.wrong_loads += audit_load(
-                self.worker.model,
-                self.worker.kv_caches,
-                layers,
-                req_id=load.req_id,
-                step=load.step,
-                token_ids=load.token_ids,
-                table=load.table,
-                blocks=load.blocks,
-                skip=skip,
-            )
+            for worker in self.engine.workers:  # every rank's shard: a key without the rank mixes them
+                self.wrong_loads += audit_load(
+                    worker.model,
+                    worker.kv_caches,
+                    layers,
+                    req_id=load.req_id,
+                    step=load.step,
+                    token_ids=load.token_ids,
+                    seed=load.seed,
+                    table=load.table,
+                    blocks=load.blocks,
+                    skip=skip,
+                    ranks=models,
+                )
 
     def awaited(self) -> list[Awaited]:
         """The reports the engine still waits for, oldest first (see :func:`~.diagnose.stall`)."""
@@ -312,8 +319,18 @@ class ReferenceDriver:
 
     # ---------------------------------------------------------------- protocol
 
-    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> None:
-        self.requests[req_id] = self.engine.add_request(prompt, max_tokens, request_id=req_id)
+    def add_request(
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        adapter: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.requests[req_id] = self.engine.add_request(
+            prompt, max_tokens, request_id=req_id, adapter=adapter, cache_salt=cache_salt
+        )
 
     def abort(self, req_id: str) -> None:
         self.engine.abort(req_id)

@@ -38,6 +38,9 @@ from .session import Session
 __all__ = [
     "FAILED_LOAD",
     "FILL_STEP_ENDS",
+    "ISOLATED",
+    "ISOLATION",
+    "TENSOR_PARALLEL",
     "LOST_BLOCKS",
     "MID_BLOCK_CHUNKS",
     "PERSISTENT_FAILURE",
@@ -68,9 +71,13 @@ class Follow:
 
 @dataclass(frozen=True)
 class Req:
+    """A request of a data run; ``adapter`` and ``cache_salt`` go into its block hashes as vLLM's extra keys."""
+
     req_id: str
     prompt: tuple[int, ...] | Follow
     max_tokens: int
+    adapter: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -158,12 +165,41 @@ FILL_STEP_ENDS = DataRun(
 LOST_BLOCKS = DataRun("lost-blocks", {}, ((Req("a", prompt(70, 40), 3),), (Req("b", Follow("a", 4, 5), 3),)), 40)
 
 
+def _isolation() -> DataRun:
+    """Two tenants (``cache_salt``) and two adapters, each computing a prefix; then the other tenant, or adapter,
+    runs the same tokens (``b``, ``d``: nothing to load); then the first again (``a1``, ``c1``: a hit).
+
+    ``b`` and ``a1`` have the same prompt, and so have ``d`` and ``c1``: only the extra keys tell them apart.
+    """
+    salted, adapted = Follow("a", 4, 5), Follow("c", 4, 5)
+    return DataRun(
+        "isolation",
+        {},
+        (
+            (Req("a", prompt(70, 50), 3, cache_salt="tenant-1"), Req("c", prompt(70, 51), 3, adapter="adapter-1")),
+            (Req("b", salted, 3, cache_salt="tenant-2"), Req("d", adapted, 3, adapter="adapter-2")),
+            (Req("a1", salted, 3, cache_salt="tenant-1"), Req("c1", adapted, 3, adapter="adapter-1")),
+        ),
+        50,
+    )
+
+
+#: Two tensor-parallel ranks, each with half of the four heads and a worker side of its own, one store per run.
+TENSOR_PARALLEL = _reuse(
+    "tensor-parallel-reuse", {"tp_size": 2, "num_kv_heads": 4}, (53, 12), shared_blocks=4, b_suffix=9, seed=60
+)
+#: Tenants and adapters apart: vLLM's extra keys in the block hashes (see :func:`_isolation`).
+ISOLATION = _isolation()
+#: In :data:`ISOLATION`, the requests that must load nothing, and the request whose prefix they share.
+ISOLATED = {"b": "a", "d": "c"}
+
+
 class _Player:
     """Add requests and run them to completion; the same calls on an engine (the baseline) or a driver."""
 
     def __init__(
         self,
-        add: Callable[[str, Sequence[int], int], None],
+        add: Callable[[Req, Sequence[int]], None],
         step: Callable[[], object],
         busy: Callable[[], bool],
         phase_done: Callable[[], None] = lambda: None,
@@ -192,7 +228,7 @@ def _play(case: DataRun, run: _Player, generated: Callable[[str], list[int]], bl
                     raise RuntimeError(f"data run {case.name!r} is misconfigured: {tokens.source!r} is too short")
                 tokens = prompt(len(shared) + tokens.suffix, case.seed + 1 + index, shared)
             prompts[req.req_id] = tokens
-            run.add(req.req_id, tokens, req.max_tokens)
+            run.add(req, tokens)
         run.finish()
     return {req_id: generated(req_id) for req_id in prompts}
 
@@ -218,8 +254,9 @@ def _baseline(case: DataRun, shape: EngineShape) -> dict[str, list[int]]:
     engine = Engine(None, shape=shape)
     requests: dict[str, Any] = {}
 
-    def add(req_id: str, tokens: Sequence[int], max_tokens: int) -> None:
-        requests[req_id] = engine.add_request(tokens, max_tokens, request_id=req_id)
+    def add(req: Req, tokens: Sequence[int]) -> None:
+        keys = {"adapter": req.adapter, "cache_salt": req.cache_salt}
+        requests[req.req_id] = engine.add_request(tokens, req.max_tokens, request_id=req.req_id, **keys)
 
     run = _Player(add, engine.step, engine.scheduler.has_work)
     return _play(case, run, lambda r: list(requests[r].output_token_ids), engine.scheduler.block_size)
@@ -275,7 +312,8 @@ def data_runs(session: Session) -> list[tuple[DataRun, DataResult]]:
     if not {"saves", "loads"} <= session.capabilities:
         return []
     cases: list[tuple[DataRun, FailureMode | None]] = [
-        (case, None) for case in (*ROUND_TRIPS, MID_BLOCK_CHUNKS, PREEMPTED_SAVES, FILL_STEP_ENDS)
+        (case, None)
+        for case in (*ROUND_TRIPS, MID_BLOCK_CHUNKS, PREEMPTED_SAVES, FILL_STEP_ENDS, ISOLATION, TENSOR_PARALLEL)
     ]
     runs = []
     for case, fail_loads in [*cases, (FAILED_LOAD, "first"), (PERSISTENT_FAILURE, "persistent")]:
@@ -336,9 +374,9 @@ def _with_connector(
     def current() -> DataDriver:
         return drivers[min(phase[0], len(drivers) - 1)]
 
-    def add(req_id: str, tokens: Sequence[int], max_tokens: int) -> None:
-        owner[req_id] = current()
-        current().add_request(req_id, tokens, max_tokens)
+    def add(req: Req, tokens: Sequence[int]) -> None:
+        owner[req.req_id] = current()
+        current().add_request(req.req_id, tokens, req.max_tokens, adapter=req.adapter, cache_salt=req.cache_salt)
 
     def next_phase() -> None:
         phase[0] += 1

@@ -10,17 +10,20 @@ from __future__ import annotations
 from typing import Any
 
 from ..catalog import IMPORTED, check
-from ..diagnose import Diagnosis, explain_wrong_kv, store_trouble
+from ..diagnose import RANK_KEY_FIX, Diagnosis, explain_wrong_kv, store_trouble
 from ..driver import ScenarioUnsupported
 from ..reference import ReferenceDriver
 from ..results import CheckSkipped, ConformanceFailure
 from ..runs import (
     FAILED_LOAD,
     FILL_STEP_ENDS,
+    ISOLATED,
+    ISOLATION,
     LOST_BLOCKS,
     MID_BLOCK_CHUNKS,
     PREEMPTED_SAVES,
     ROUND_TRIPS,
+    TENSOR_PARALLEL,
     DataResult,
     DataRun,
     data_run,
@@ -314,3 +317,58 @@ def fresh_store(session: Session) -> None:
                 f"in the {case.name!r} data run, {dict(sorted(leaked.items()))} tokens were loaded on its first step, "
                 "before anything was computed in it: the store kept blocks from an earlier run"
             )
+
+
+@check(
+    "KV047",
+    "isolation",
+    fix="key blocks by the engine's block hashes (request.block_hashes): they carry vLLM's extra keys, the "
+    "request's LoRA adapter (its KV differs) and its cache_salt (a tenant's prefixes are its own); a key built "
+    "from the token ids alone mixes adapters and serves one tenant's cached KV to another",
+    **UNTIDY_DATA_CHECK,
+)
+def isolation(session: Session) -> None:
+    """Blocks computed under one ``cache_salt`` or adapter never load for another, whose tokens stay exact.
+
+    Tenant ``tenant-1`` and adapter ``adapter-1`` compute prefixes; then
+    ``tenant-2`` and ``adapter-2`` run the same tokens (nothing to load: their
+    block hashes differ), then the first tenant and adapter again (a hit).
+    Catches connectors that key blocks by their tokens rather than the
+    engine's hashes: another adapter's KV gives wrong tokens, and another
+    tenant's prefix is a leak even when the tokens are right (``cache_salt``
+    exists to stop one tenant timing, or reading, another's cached prompts).
+    """
+    result = data_run(session, ISOLATION)
+    for req_id, source in ISOLATED.items():
+        loaded = sum(record.loaded.get(req_id, 0) for record in result.records)
+        if loaded:
+            req = next(r for phase in ISOLATION.phases for r in phase if r.req_id == req_id)
+            other = ("adapter", req.adapter) if req.adapter else ("cache_salt", req.cache_salt)
+            raise ConformanceFailure(
+                f"in the {ISOLATION.name!r} data run, request {req_id!r} ({other[0]} {other[1]!r}) loaded {loaded} "
+                f"tokens of the prefix {source!r} computed under another {other[0]}: a block hash carries the "
+                f"{other[0]}, so nothing was there to load for {req_id!r}"
+                + (" (a cross-tenant hit, whatever its tokens)" if other[0] == "cache_salt" else "")
+            )
+    _exact(session, ISOLATION)
+
+
+@check(
+    "KV048",
+    "tensor-parallel",
+    fix=RANK_KEY_FIX,
+    **UNTIDY_DATA_CHECK,
+)
+def tensor_parallel(session: Session) -> None:
+    """Two tensor-parallel ranks share one store per run, each saving and loading its own shard; tokens exact.
+
+    The engine runs rank 0 and rank 1, each with half of the heads and a
+    worker side of its own whose context names its rank; their reads add up
+    before sampling, so the tokens are the single-rank engine's. Catches
+    store keys that leave out the rank: the two shards of a block land under
+    one key, and a rank loads the other's.
+    """
+    try:
+        _exact(session, TENSOR_PARALLEL)
+    except ScenarioUnsupported as exc:
+        raise CheckSkipped(str(exc)) from None

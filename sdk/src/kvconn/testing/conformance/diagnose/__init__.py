@@ -15,9 +15,10 @@ from __future__ import annotations
 from .diagnosis import Diagnosis
 from .errors import Awaited, Stalled, WaitsReporter, connector_frame, diagnose_error, stall
 from .store import WarningLog, capture_warnings, store_trouble
-from .wrong_kv import explain_wrong_kv, shifted_pairing, transfer_kind
+from .wrong_kv import RANK_KEY_FIX, explain_wrong_kv, shifted_pairing, transfer_kind
 
 __all__ = [
+    "RANK_KEY_FIX",
     "Awaited",
     "Diagnosis",
     "Stalled",

@@ -16,7 +16,13 @@ from ..kv_audit import LoadedBlock
 from ..observe import HashedBlock, hashed_blocks
 from .diagnosis import Diagnosis
 
-__all__ = ["explain_wrong_kv", "shifted_pairing", "transfer_kind"]
+__all__ = ["RANK_KEY_FIX", "explain_wrong_kv", "shifted_pairing", "transfer_kind"]
+
+#: The fix for a store key without the tensor-parallel rank (the check's own, and the diagnosis's).
+RANK_KEY_FIX = (
+    "key each block by the tensor-parallel rank as well as its hash (context.tp_rank; "
+    "kvconn.hashing.context_namespace(context) covers it): each rank holds its own shard of the heads"
+)
 
 
 def transfer_kind(path: str) -> str:
@@ -102,6 +108,23 @@ def explain_wrong_kv(
             "never save a block that was loaded, or whose load failed: save only blocks the engine computed "
             "(from num_computed_tokens on, after any rollback)",
         )
+    shard = next((w for w in wrong if w.holds.startswith("rank:")), None)
+    if shard is not None:
+        other = shard.holds.split(":")[1]
+        return Diagnosis(
+            f"the load of {shard.req_id!r} at step {shard.step}: on tensor-parallel rank {shard.rank}, block "
+            f"{shard.block_id} (position {shard.position}, layer {shard.layer!r}) holds rank {other}'s shard of it: "
+            f"rank {other}'s value under rank {shard.rank}'s key (the store key misses the rank)",
+            RANK_KEY_FIX,
+        )
+    rearranged = next((w for w in wrong if w.holds.startswith("rearranged:")), None)
+    if rearranged is not None:
+        observed, fix = _REARRANGED[rearranged.holds.split(":")[1]]
+        return Diagnosis(
+            f"the load of {rearranged.req_id!r} at step {rearranged.step}: block {rearranged.block_id} (position "
+            f"{rearranged.position}, layer {rearranged.layer!r}) holds the right bytes in the wrong places: {observed}",
+            f"{fix}, in the engine's layout (context.kv_layout): a model reads every element in its place",
+        )
     layers = [layer for group in groups for layer in group]
     holds = {w.holds for w in wrong}
     if len(holds) == 1 and first.holds.startswith("layer:"):
@@ -145,6 +168,12 @@ def explain_wrong_kv(
 
 
 _HOLDS = {"other": "bytes that are no KV of this prompt", "position": "the KV of another position"}
+#: What a block whose elements are all there, in other places, holds (``rearranged:<axis>``), and the fix.
+_REARRANGED = {
+    "kv": ("its K where V belongs and its V where K belongs (K and V exchanged)", "copy K to K and V to V"),
+    "slots": ("its token slots in another order", "copy token slot j of a saved block into slot j"),
+    "heads": ("its heads in another order", "copy head h of a saved block into head h"),
+}
 
 
 def _freed_id(loaded: LoadedBlock) -> int | None:
