@@ -44,6 +44,7 @@ SPECIFIC_FIXES = {
     "WrongLayerLoad": "key each saved block by its layer as well as its block hash",
     "OverClaims": "claim in get_num_new_matched_tokens only the blocks you hold",
     "ResavesLoaded": "never save a block that was loaded, or whose load failed",
+    "PoisonsQuietly": "never save a block that was loaded, or whose load failed",
     "KeepsFirstTableUnnamed": "read the table each step with block_state.get_block_ids(req_id): a request resumed "
     "after preemption has a new table",
     "DeferredSaver": "read a save's bytes out of the KV cache by the end of its step (by wait_for_save)",
@@ -95,6 +96,8 @@ SPECIFIC_FIXES = {
         ("KeysByTokens", "KV047", "in the 'isolation' data run, request 'b' (cache_salt 'tenant-2') loaded 64 tokens "
          "of the prefix 'a' computed under another cache_salt: a block hash carries the cache_salt, so nothing was "
          "there to load for 'b' (a cross-tenant hit, whatever its tokens)"),
+        ("PoisonsQuietly", "KV041", "in the 'failed-load-elsewhere' data run (its first load failed; 'b1' then ran "
+         "on another engine instance sharing its store), request 'b1' generated"),
         ("RankBlindKeys", "KV048", "on tensor-parallel rank 0, block 5 (position 0, layer 'layer.0') holds rank 1's "
          "shard of it: rank 1's value under rank 0's key (the store key misses the rank)"),
     ],
@@ -236,6 +239,7 @@ def test_two_async_loads_of_a_resumed_request_are_reported_once_each() -> None:
         ("ReversesSlots", "KV040"),
         ("KeysByTokens", "KV047"),  # right until two tenants or adapters share tokens
         ("RankBlindKeys", "KV048"),  # right with one rank
+        ("PoisonsQuietly", "KV041"),  # its own instance never loads the poison: only another one shows it
     ],
 )
 def test_broken_saver_fails_only_its_own_check(connector: str, only: str) -> None:
@@ -413,3 +417,31 @@ def test_a_load_error_reported_after_its_finished_load_fails(late: bool) -> None
 def _fresh_async_namespaces() -> Callable[[str], dict[str, object]]:
     fresh = _fresh_namespaces()
     return lambda run: {**fresh(run), "load_async": True}
+
+
+@pytest.mark.parametrize(
+    ("store", "contract", "observed", "fix"),
+    [
+        ("NextKeysValue", "get() must copy each value into its own buffer, in key order", "its store layer refused 4 "
+         "loaded value(s) (load_failed_integrity_other_key): the store returned another key's value",
+         "make get() fill each buffer with the value of its own key"),
+        ("ShortValues", "get() must answer each value's length in bytes", "its store layer refused 4 loaded value(s) "
+         "(load_failed_integrity_short): the store returned fewer bytes than were put",
+         "make get() copy the whole value and answer its full length"),
+        ("DropsPuts", "contains() must see every key put() stored", "loaded no token through the connector; its stats "
+         "count blocks_saved=10 (the store's put() answered True for each), yet no lookup found one of them",
+         "make put() answer True only for a value it stored"),
+    ],
+)  # fmt: skip
+def test_a_broken_store_is_named_by_the_store_contract_and_by_the_engine(
+    store: str, contract: str, observed: str, fix: str
+) -> None:
+    """The store contract (KV007) runs first and names the store call; the engine's round trip (KV040) then quotes
+    what the store layer counted, in the store's terms, not in hooks."""
+    with _quiet():
+        report = run_conformance(f"kvconn_conformance_fixtures.broken_stores:{store}", config_factory=fresh_namespace)
+    first = next(r for r in report.results if r.status == "failed")
+    assert first.id == "KV007" and f"{store}Store, from {store}.open_store()" in first.message
+    assert first.message.split("; fix: ")[1].startswith(contract)
+    observed_part, fix_part = report.result("KV040").message.split("; fix: ")
+    assert observed in observed_part and fix_part.startswith(fix)

@@ -37,6 +37,7 @@ from .session import Session
 
 __all__ = [
     "FAILED_LOAD",
+    "FAILED_LOAD_ELSEWHERE",
     "FILL_STEP_ENDS",
     "ISOLATED",
     "ISOLATION",
@@ -93,6 +94,9 @@ class DataRun:
     options: Mapping[str, Any]
     phases: tuple[tuple[Req, ...], ...]
     seed: int
+    #: from this phase on, requests run on another engine instance (new scheduler and worker, same config,
+    #: so the same store where the store outlives an instance): it never saw what the first instance did
+    elsewhere_from: int | None = None
 
 
 def _reuse(
@@ -125,6 +129,8 @@ def _shared_twice(name: str, seed: int) -> DataRun:
 
 #: The connector's first load fails, once.
 FAILED_LOAD = _shared_twice("failed-load", 14)
+#: The same, with ``b1`` on another engine instance: what was saved after the failure, judged by one that never saw it.
+FAILED_LOAD_ELSEWHERE = replace(_shared_twice("failed-load-elsewhere", 44), elsewhere_from=2)
 #: Every load of ``a``'s first block fails, as a corrupt value that stays in the store: ``b``, then ``b1``, share it.
 PERSISTENT_FAILURE = _shared_twice("persistent-failure", 42)
 #: The same with a full-attention and a sliding-window group: vLLM 0.33 takes such a failure per request
@@ -316,7 +322,12 @@ def data_runs(session: Session) -> list[tuple[DataRun, DataResult]]:
         for case in (*ROUND_TRIPS, MID_BLOCK_CHUNKS, PREEMPTED_SAVES, FILL_STEP_ENDS, ISOLATION, TENSOR_PARALLEL)
     ]
     runs = []
-    for case, fail_loads in [*cases, (FAILED_LOAD, "first"), (PERSISTENT_FAILURE, "persistent")]:
+    failing: list[tuple[DataRun, FailureMode | None]] = [
+        (FAILED_LOAD, "first"),
+        (FAILED_LOAD_ELSEWHERE, "first"),
+        (PERSISTENT_FAILURE, "persistent"),
+    ]
+    for case, fail_loads in [*cases, *failing]:
         try:
             runs.append((case, data_run(session, case, fail_loads=fail_loads)))
         except (ScenarioBroken, ScenarioUnsupported):
@@ -349,7 +360,8 @@ def _with_connector(
 ) -> DataResult | Diagnosis | ScenarioUnsupported:
     """Play ``case``; with ``lose_blocks`` the phases after the first run on an engine whose worker side has
     a fresh (empty) store while its scheduler side still sees the first phase's; with ``worker_process`` too,
-    that worker side runs in a process of its own (same config), where a store in process memory is empty."""
+    that worker side runs in a process of its own (same config), where a store in process memory is empty.
+    A case with ``elsewhere_from`` runs its later phases on a second engine instance with the same config."""
     spec = DriverSpec(session.connector, session.config_for(case.name), _shape(case))
     factory = data_driver(session)
     try:
@@ -369,10 +381,13 @@ def _with_connector(
     elif lose_blocks:
         emptied = session.config_for(f"{case.name}-emptied")
         drivers.append(factory(spec, scrub_freed=True, worker_config=emptied))
+    elif case.elsewhere_from is not None:
+        drivers.append(factory(spec, scrub_freed=True))
     phase, owner, records = [0], dict[str, DataDriver](), list[StepRecord]()
+    switch = case.elsewhere_from or 1  # the phase from which the second driver, if any, runs
 
     def current() -> DataDriver:
-        return drivers[min(phase[0], len(drivers) - 1)]
+        return drivers[1 if len(drivers) > 1 and phase[0] >= switch else 0]
 
     def add(req: Req, tokens: Sequence[int]) -> None:
         owner[req.req_id] = current()

@@ -6,6 +6,6 @@ and ``docs/checks.md`` lists every check by id.
 
 from __future__ import annotations
 
-from . import data, lifecycle, packaging, recovery, tables, wire
+from . import data, lifecycle, packaging, recovery, store, tables, wire
 
-__all__ = ["data", "lifecycle", "packaging", "recovery", "tables", "wire"]
+__all__ = ["data", "lifecycle", "packaging", "recovery", "store", "tables", "wire"]

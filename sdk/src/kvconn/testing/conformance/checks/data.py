@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..catalog import IMPORTED, check
-from ..diagnose import RANK_KEY_FIX, Diagnosis, explain_wrong_kv, store_trouble
+from ..diagnose import RANK_KEY_FIX, Diagnosis, explain_wrong_kv, lost_saves, store_refusals, store_trouble
 from ..driver import ScenarioUnsupported
 from ..reference import ReferenceDriver
 from ..results import CheckSkipped, ConformanceFailure
 from ..runs import (
     FAILED_LOAD,
+    FAILED_LOAD_ELSEWHERE,
     FILL_STEP_ENDS,
     ISOLATED,
     ISOLATION,
@@ -73,16 +74,20 @@ def _exact(session: Session, case: DataRun) -> bool:
     result = data_run(session, case)
     stats = result.driver.stats
     if stats.failed_load_blocks:
-        raise ConformanceFailure(
+        seen = (
             f"in the {case.name!r} data run the connector reported {stats.failed_load_blocks} block(s) failed to "
-            "load though nothing failed: it claimed more tokens than it holds"
+            "load though nothing failed"
         )
+        refused = store_refusals(result.records)
+        if refused is not None:  # the store layer knows why: the store's calls, not the hooks
+            raise ConformanceFailure(f"{seen}: {refused.observed}", refused.fix)
+        raise ConformanceFailure(f"{seen}: it claimed more tokens than it holds")
     if stats.prompt_tokens_loaded == 0 and session.every_data_run_loads:
         seen = (
             f"in the {case.name!r} data run, requests sharing full blocks with earlier ones, whose local copies "
             "were gone, loaded no token through the connector"
         )
-        why = store_trouble(result.records, stats.degraded_events, result.warnings)
+        why = store_trouble(result.records, stats.degraded_events, result.warnings) or lost_saves(result.records)
         raise ConformanceFailure(seen) if why is None else ConformanceFailure(f"{seen}; {why.observed}", why.fix)
     compare_tokens(session, case, result)
     return stats.prompt_tokens_loaded > 0
@@ -139,7 +144,11 @@ def load_failure(session: Session) -> None:
     request back and recomputes it. Catches connectors that crash when a
     request's computed tokens go backwards, that save the garbage they loaded
     (poisoning the store for the next request with the same prefix), and that
-    lose track of the request afterwards.
+    lose track of the request afterwards. The run is played again with its
+    last request on a second engine instance (new scheduler and worker, the
+    same config, so the same store where it outlives an instance): a
+    connector that poisoned the store and stops claiming the failed block
+    itself still fails there.
 
     With a ``config_factory``, the connector's own store also loses data: a
     request saves, then another runs on an engine whose scheduler side sees
@@ -169,6 +178,15 @@ def failed_load_recomputed(session: Session) -> None:
         raise ConformanceFailure(
             f"after a failed load and every request ending, get_num_tracked_requests says {tracked}"
         )
+    # What it saved after the failure, judged by an engine that never saw it (a connector that stops claiming
+    # a block whose load failed hides a poisoned store from its own instance, not from the others sharing it).
+    elsewhere = data_run(session, FAILED_LOAD_ELSEWHERE, fail_loads="first")
+    compare_tokens(
+        session,
+        FAILED_LOAD_ELSEWHERE,
+        elsewhere,
+        " (its first load failed; 'b1' then ran on another engine instance sharing its store)",
+    )
 
 
 def _in_process_state(driver: ReferenceDriver) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .diagnosis import Diagnosis
 from .errors import Awaited, Stalled, WaitsReporter, connector_frame, diagnose_error, stall
-from .store import WarningLog, capture_warnings, store_trouble
+from .store import WarningLog, capture_warnings, lost_saves, store_refusals, store_trouble
 from .wrong_kv import RANK_KEY_FIX, explain_wrong_kv, shifted_pairing, transfer_kind
 
 __all__ = [
@@ -30,6 +30,8 @@ __all__ = [
     "explain_wrong_kv",
     "shifted_pairing",
     "stall",
+    "lost_saves",
+    "store_refusals",
     "store_trouble",
     "transfer_kind",
 ]
