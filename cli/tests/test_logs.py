@@ -73,3 +73,27 @@ def test_a_summary_of_a_quiet_run_says_nothing(
     monkeypatch.delenv("TORCH_LOGS", raising=False)
     WarningSummary().install().report()
     assert capsys.readouterr().err == ""
+
+
+def test_a_summary_names_the_checks_a_warning_was_logged_under(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A green run's warnings often come from the faults a check injects: the summary says which check ran."""
+    from kvconn.testing.conformance import CheckResult
+
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    summary = WarningSummary().install()
+    seen: list[str] = []
+    on_result = summary.attributing(lambda result: seen.append(result.id))
+    store = logging.getLogger("kvconn.store")
+    on_result(CheckResult("KV040", "round-trip", "passed"))
+    store.warning("a block was gone when loaded")
+    store.warning("a block was gone when loaded")
+    on_result(CheckResult("KV041", "load-failure", "passed"))
+    store.warning("a block was gone when loaded")
+    on_result(CheckResult("KV045", "fresh-store", "passed"))
+    summary.report()
+    assert seen == ["KV040", "KV041", "KV045"]
+    assert capsys.readouterr().err == (
+        "kvconn: WARNING kvconn.store: a block was gone when loaded (3 times, while KV041, KV045 ran)\n"
+    )

@@ -15,6 +15,11 @@ import collections
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvconn.testing.conformance import CheckResult
 
 __all__ = ["WarningSummary", "configure_logging", "debug_from_env"]
 
@@ -66,9 +71,11 @@ class WarningSummary(logging.Handler):
     """Collects the records of a run in place of the stderr handler; :meth:`report` writes each distinct one once.
 
     Records are the same warning when they come from one logger with one message template (``record.msg``:
-    "%d tokens" logged with 16 and 64 is one warning, shown as first logged). The engines' own records below
-    ERROR (:data:`ENGINE_LOGGERS`) are only counted. Torch, which logs through a handler of its own, is told
-    to keep its warnings (``TORCH_LOGS=-torch``) unless the environment says otherwise.
+    "%d tokens" logged with 16 and 64 is one warning, shown as first logged). Each says the checks it was
+    logged under (:meth:`attributing`): some checks inject faults, and a warning a green run shows is then
+    theirs ("a block was gone when loaded" while KV041 makes a store lose blocks). The engines' own records
+    below ERROR (:data:`ENGINE_LOGGERS`) are only counted. Torch, which logs through a handler of its own, is
+    told to keep its warnings (``TORCH_LOGS=-torch``) unless the environment says otherwise.
     """
 
     def __init__(self) -> None:
@@ -77,6 +84,9 @@ class WarningSummary(logging.Handler):
         self.counts: collections.Counter[tuple[str, int, str]] = collections.Counter()
         self.first: dict[tuple[str, int, str], str] = {}
         self.hidden = 0
+        #: Per warning, the checks that logged it; and the warnings logged since the last check ended.
+        self.checks: dict[tuple[str, int, str], dict[str, None]] = collections.defaultdict(dict)
+        self._pending: list[tuple[str, int, str]] = []
         self._replaced: list[logging.Handler] = []
 
     def install(self) -> WarningSummary:
@@ -94,11 +104,33 @@ class WarningSummary(logging.Handler):
         if key not in self.first:
             self.first[key] = self.format(record)
         self.counts[key] += 1
+        self._pending.append(key)
+
+    def attributing(self, on_result: Callable[[CheckResult], None]) -> Callable[[CheckResult], None]:
+        """``on_result``, which first marks the warnings logged since the previous result as this check's."""
+
+        def attribute(result: CheckResult) -> None:
+            for key in self._pending:
+                self.checks[key][result.id] = None
+            self._pending.clear()
+            on_result(result)
+
+        return attribute
 
     def report(self) -> None:
         """Give the root logger its handlers back, then write each distinct record once, with its count."""
         logging.getLogger().handlers[:] = self._replaced
-        lines = [self.first[key] + (f" ({n} times)" if n > 1 else "") for key, n in self.counts.items()]
+        lines = [
+            self.first[key] + _count_and_checks(n, list(self.checks.get(key, ()))) for key, n in self.counts.items()
+        ]
         if self.hidden:
             lines.append(f"kvconn: {self.hidden} log lines of the engines (vLLM, torch) not shown: -v shows them")
         sys.stderr.write("".join(f"{line}\n" for line in lines))
+
+
+def _count_and_checks(count: int, checks: list[str]) -> str:
+    """`` (3 times, while KV041 ran)``: how often a warning came, and under which checks; empty for once, outside."""
+    said = [f"{count} times"] if count > 1 else []
+    if checks:
+        said.append(f"while {', '.join(checks)} ran")
+    return f" ({', '.join(said)})" if said else ""

@@ -127,14 +127,17 @@ def validate(
         for problem in problems.values():
             print_traceback(problem.error)
 
+    summary = None if debug or verbose else WarningSummary().install()
+
     def run(target: str, on_result: Callable[[CheckResult], None]) -> ConnectorReport:
         if target in problems:  # known not to load: report it without importing it again
             return ConnectorReport(name=target, results=[], load_error=problems[target].message)
+        if summary is not None:
+            on_result = summary.attributing(on_result)
         if target.startswith(NATIVE_PREFIX):
             return _run_native(target.removeprefix(NATIVE_PREFIX), config_map, check, on_result, debug)
         return _run_one(target, config_map, factory, check, engine.value, on_result, debug)
 
-    summary = None if debug or verbose else WarningSummary().install()
     try:
         with plugin_output_to_stderr():
             reports = _run_with_progress(err_console(), targets, num_checks, run)
