@@ -50,7 +50,9 @@ def test_a_summary_shows_each_distinct_warning_once_counted_and_counts_the_engin
     summary = WarningSummary().install()
     store, vllm = logging.getLogger("kvconn.store"), logging.getLogger("vllm.distributed.kv_transfer")
     for tokens in (16, 64, 16):
-        store.warning("a block was gone when loaded (%d tokens)", tokens)  # one warning: one template
+        store.warning("a block was gone when loaded (%d tokens)", tokens)  # one warning: only a number differs
+    store.warning("%s: a block was gone", "RedisConnector")
+    store.warning("%s: a block was gone", "MooncakeConnector")  # another connector: another warning
     store.error("the store is off")
     for _ in range(45):
         vllm.warning("Initializing KVConnectorBase_V1. This API is experimental")
@@ -59,6 +61,8 @@ def test_a_summary_shows_each_distinct_warning_once_counted_and_counts_the_engin
     summary.report()
     assert capsys.readouterr().err.splitlines() == [
         "kvconn: WARNING kvconn.store: a block was gone when loaded (16 tokens) (3 times)",
+        "kvconn: WARNING kvconn.store: RedisConnector: a block was gone",
+        "kvconn: WARNING kvconn.store: MooncakeConnector: a block was gone",
         "kvconn: ERROR kvconn.store: the store is off",
         "kvconn: ERROR vllm.distributed.kv_transfer: vLLM failed",
         "kvconn: 45 log lines of the engines (vLLM, torch) not shown: -v shows them",

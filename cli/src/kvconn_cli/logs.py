@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -55,6 +56,8 @@ class _StderrHandler(logging.Handler):
 
 
 _FORMAT = "kvconn: %(levelname)s %(name)s: %(message)s"
+#: What two logs of one warning may differ in (a count of tokens, a request's number).
+_NUMBER = re.compile(r"\d+(\.\d+)?")
 
 
 def configure_logging(debug: bool, *, verbose: bool = False) -> None:
@@ -70,12 +73,13 @@ def configure_logging(debug: bool, *, verbose: bool = False) -> None:
 class WarningSummary(logging.Handler):
     """Collects the records of a run in place of the stderr handler; :meth:`report` writes each distinct one once.
 
-    Records are the same warning when they come from one logger with one message template (``record.msg``:
-    "%d tokens" logged with 16 and 64 is one warning, shown as first logged). Each says the checks it was
-    logged under (:meth:`attributing`): some checks inject faults, and a warning a green run shows is then
-    theirs ("a block was gone when loaded" while KV041 makes a store lose blocks). The engines' own records
-    below ERROR (:data:`ENGINE_LOGGERS`) are only counted. Torch, which logs through a handler of its own, is
-    told to keep its warnings (``TORCH_LOGS=-torch``) unless the environment says otherwise.
+    Records are the same warning when they come from one logger with one message but for its numbers ("64
+    tokens" and "16 tokens" are one, shown as first logged; another connector's name makes another). Each
+    says the checks it was logged under (:meth:`attributing`): some checks inject faults, and a warning a
+    green run shows is then theirs ("a block was gone when loaded" while KV041 makes a store lose blocks).
+    The engines' own records below ERROR (:data:`ENGINE_LOGGERS`) are only counted. Torch, which logs
+    through a handler of its own, is told to keep its warnings (``TORCH_LOGS=-torch``) unless the
+    environment says otherwise.
     """
 
     def __init__(self) -> None:
@@ -100,7 +104,7 @@ class WarningSummary(logging.Handler):
         if record.levelno < logging.ERROR and record.name.partition(".")[0] in ENGINE_LOGGERS:
             self.hidden += 1
             return
-        key = (record.name, record.levelno, str(record.msg))
+        key = (record.name, record.levelno, _NUMBER.sub("#", record.getMessage()))
         if key not in self.first:
             self.first[key] = self.format(record)
         self.counts[key] += 1
