@@ -26,7 +26,7 @@ from kvconn_cli.rounds import interleaved_rounds
 
 __all__ = [
     "Bench", "arg_parser", "bare_connector_class", "machine", "median_times", "parse_args", "percentile",
-    "round_times",
+    "redis_server", "round_times",
 ]  # fmt: skip
 
 
@@ -103,6 +103,19 @@ def _calibrate(fn: Callable[[], object], min_time: float) -> int:
         if elapsed >= min_time or number >= 1 << 20:
             return number
         number *= 2 if elapsed <= 0 else max(2, min(10, int(min_time / elapsed) + 1))
+
+
+def redis_server() -> Any:
+    """A throw-away ``redis-server`` (the redis plugin's test helper: 127.0.0.1, a free port, stopped by PID),
+    not started yet; ``start()`` raises ``RuntimeError`` without the Debian package."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "plugins/redis/tests/redis_server.py"
+    spec = importlib.util.spec_from_file_location("redis_server", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.RedisServer()
 
 
 def machine() -> dict[str, Any]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import random
 import shutil
 import statistics
@@ -38,21 +37,11 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from benchlib import Bench, arg_parser
+from benchlib import Bench, arg_parser, redis_server
 
-ROOT = Path(__file__).resolve().parents[1]
 CANNOT_RUN = 2
-
-
-def _redis_server() -> Any:
-    spec = importlib.util.spec_from_file_location("redis_server", ROOT / "plugins/redis/tests/redis_server.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.RedisServer()
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -71,7 +60,7 @@ def redis_rows(args: argparse.Namespace) -> dict[str, list[float]]:
 
     layers = tuple(f"layer.{i}" for i in range(args.layers))
     context = ConnectorContext(block_size=16, kv_cache_groups=(KVCacheGroupSpec(layers),))
-    server = _redis_server().start()
+    server = redis_server().start()
     try:
         config = RedisConnector.Config(url=server.url, load_async=False, timeout_s=30.0, socket_timeout_s=30.0)
         worker: Any = RedisConnector(config, role=KVConnectorRole.WORKER, context=context).side

@@ -9,8 +9,12 @@
 #      no connector / fit / offload / ExampleConnector side by side, the physical limit a pinned host-to-GPU copy.
 #      Needs a CUDA build of vLLM: KVCONN_VLLM_PYTHON names its interpreter; without it this part is skipped
 #      (said, not failed: parts 1 and 2 need only torch).
+#   4. scripts/sglang_gpu_check.py: an sglang.Engine with HiCache whose L3 is kvconn's SGLang tier over Redis,
+#      multi-turn chats whose history left the device and host tiers, tokens compared with HiCache without L3,
+#      the pages L3 served counted. Needs a CUDA build of SGLang: KVCONN_SGLANG_PYTHON names its interpreter
+#      (with kvconn-sdk, kvconn-sglang and kvconn-redis installed); without it this part is skipped (said).
 # Usage: scripts/gpu-check.sh [OUT_DIR]   (default: a new temporary directory; PYTHON=... picks the interpreter,
-# default .venv/bin/python). Each part has its own time limit: parts 1-2 end within 5 minutes, part 3 within 10.
+# default .venv/bin/python). Each part has its own time limit: parts 1-2 end within 5 minutes, parts 3 and 4 within 10 each.
 # Needs a CUDA build of torch with the repository's packages installed (make install, then a CUDA torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +29,7 @@ fi
 if [ -z "$OUT" ]; then OUT=$(mktemp -d -t kvconn-gpu-check.XXXXXX); fi
 mkdir -p "$OUT"
 "$PYTHON" -c 'import torch; print(f"gpu-check: torch {torch.__version__} (CUDA {torch.version.cuda}) on {torch.cuda.get_device_name()}")'
-echo "== 1/3 correctness of offload against CUDA KV caches"
+echo "== 1/4 correctness of offload against CUDA KV caches"
 timeout 120 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -k cuda \
   plugins/offload/tests/test_units.py plugins/offload/tests/test_engine.py \
   | tee "$OUT/correctness.txt"
@@ -33,14 +37,21 @@ if grep -q "SKIPPED" "$OUT/correctness.txt"; then
   echo "gpu-check: a CUDA test skipped although CUDA is available: see $OUT/correctness.txt" >&2
   exit 1
 fi
-echo "== 2/3 pinned bandwidth of the worker hooks vs torch's pinned copy_"
+echo "== 2/4 pinned bandwidth of the worker hooks vs torch's pinned copy_"
 timeout 150 "$PYTHON" benchmarks/offload_bandwidth.py --device cuda --json "$OUT/offload_bandwidth_cuda.json" \
   | tee "$OUT/offload_bandwidth_cuda.txt"
-echo "== 3/3 vLLM end to end on the GPU"
+echo "== 3/4 vLLM end to end on the GPU"
 if [ -z "${KVCONN_VLLM_PYTHON:-}" ]; then
   echo "gpu-check: part 3 skipped: KVCONN_VLLM_PYTHON names no interpreter with a CUDA build of vLLM"
 else
   timeout 600 "$PYTHON" benchmarks/vllm_e2e.py --device cuda --python "$KVCONN_VLLM_PYTHON" \
     --configs none,fit,bare,offload,example --json "$OUT/vllm_e2e_cuda.json" | tee "$OUT/vllm_e2e_cuda.txt"
+fi
+echo "== 4/4 SGLang on the GPU: HiCache with kvconn's storage tier (Redis) against HiCache without L3"
+if [ -z "${KVCONN_SGLANG_PYTHON:-}" ]; then
+  echo "gpu-check: part 4 skipped: KVCONN_SGLANG_PYTHON names no interpreter with a CUDA build of SGLang"
+else
+  timeout 600 scripts/with-redis-server.sh "$KVCONN_SGLANG_PYTHON" scripts/sglang_gpu_check.py \
+    | tee "$OUT/sglang_gpu.txt"
 fi
 echo "gpu-check: done; figures in $OUT/ (record them in benchmarks/RESULTS.md with this command)"

@@ -354,3 +354,21 @@ def test_the_store_kit_fails_a_store_whose_own_timeout_outlasts_the_deadline() -
     store = kit.make_store()
     with pytest.raises(AssertionError, match=r"contains\(\) on an unreachable store raised after 0\.\d+ s, past"):
         kit.test_an_unreachable_store_raises_in_bounded_time(store)
+
+
+def test_store_stats_report_degraded_events_by_reason_and_the_scheduler_side_reports_its_own() -> None:
+    from kvconn.connector import KVConnector
+    from kvconn.store import StoreConnector
+    from kvconn.store.stats import StoreStats
+
+    stats = StoreStats("test")
+    stats.count("blocks_saved", 2)
+    stats.degraded("save_failed_refused", 3, "the store refused values")
+    stats.degraded("lookup_failed", 1, "lookups failed")
+    assert stats.take() == {
+        "blocks_saved": 2.0, "save_failed_refused": 3.0, "lookup_failed": 1.0, "degraded_events": 4.0,
+        "degraded.save_failed_refused": 3.0, "degraded.lookup_failed": 1.0,
+    }  # fmt: skip
+    assert stats.take() == {}
+    assert StoreConnector.cache_tier == "remote" and KVConnector.cache_tier is None
+    assert callable(StoreScheduler.scheduler_stats)

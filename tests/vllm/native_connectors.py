@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnector,
     ExampleConnectorMetadata,
@@ -143,3 +144,172 @@ class RotatedLoadsOffloadingConnector(FailedLoadAwareOffloadingConnector):
             spec = job.dst_spec
             job.dst_spec = GPULoadStoreSpec(list(np.roll(spec.block_ids, 1)), spec.group_sizes, spec.block_indices)
         return meta
+
+
+#: (store, block hash) -> {layer: one block of that layer}: what HashedBlocksConnector saved, in this process.
+HASHED_STORE: dict[tuple[str, bytes], dict[str, Any]] = {}
+
+
+class HashedBlocksMetadata(KVConnectorMetadata):
+    """Pairs of (block hash, block id) to save and to load: no request id anywhere."""
+
+    def __init__(self, saves: list[tuple[bytes, int]], loads: list[tuple[bytes, int]]) -> None:
+        self.saves, self.loads = saves, loads
+
+
+class HashedBlocksConnector(KVConnectorBase_V1):
+    """A correct vLLM connector whose metadata names no request: (block hash, block id) pairs.
+
+    Scheduler side: claims the blocks of a prompt whose every layer is in :data:`HASHED_STORE`
+    (never a block whose load failed, never the last prompt token), and saves each block on the step
+    that fills it, with the live table from vLLM's block state, for every scheduled request.
+    Worker side: copies blocks between the KV caches and the store, saves landing at ``wait_for_save``.
+    ``kv_connector_extra_config``: ``store``, the store's name.
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.store = str(self._kv_transfer_config.get_from_extra_config("store", "default"))
+        self.requests: dict[str, Any] = {}
+        self.saved_upto: dict[str, int] = {}
+        self.pending_loads: list[tuple[bytes, int]] = []
+        self.loads_in_flight: dict[int, bytes] = {}
+        self.failed_hashes: set[bytes] = set()
+        self.kv_caches: dict[str, Any] = {}
+        self.errors: set[int] = set()
+        self.unsaved: dict[bytes, dict[str, Any]] = {}
+
+    # scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        bs, hits = self.block_size, 0
+        for block_hash in request.block_hashes[num_computed_tokens // bs : (request.num_tokens - 1) // bs]:
+            if block_hash in self.failed_hashes or (self.store, block_hash) not in HASHED_STORE:
+                break
+            hits += 1
+        return hits * bs, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        first = request.num_computed_tokens // self.block_size
+        last = first + num_external_tokens // self.block_size
+        table = blocks.get_block_ids()[0]
+        loads = [(request.block_hashes[i], table[i]) for i in range(first, last)]
+        self.pending_loads += loads
+        self.loads_in_flight.update({block_id: block_hash for block_hash, block_id in loads})
+        self.requests[request.request_id] = request
+        self.saved_upto[request.request_id] = last
+
+    def acting(self, scheduler_output: Any) -> list[str]:
+        """The requests whose blocks may fill this step: every scheduled one."""
+        return list(scheduler_output.num_scheduled_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        meta, self.pending_loads = HashedBlocksMetadata([], self.pending_loads), []
+        for req_id in self.acting(scheduler_output):
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            computed = request.num_computed_tokens + scheduler_output.num_scheduled_tokens[req_id]
+            full = min(computed // self.block_size, len(request.block_hashes))
+            start = self.saved_upto[req_id]
+            if full <= start:
+                continue
+            table = self.table(scheduler_output, req_id)
+            meta.saves += [(request.block_hashes[i], table[i]) for i in range(start, full)]
+            self.saved_upto[req_id] = full
+        return meta
+
+    def table(self, scheduler_output: Any, req_id: str) -> list[int]:
+        """The request's live table (its first KV-cache group), from vLLM's block state."""
+        return list(scheduler_output.kv_connector_block_state.get_block_ids(req_id)[0])
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        invalid = connector_output.invalid_block_ids or set()
+        self.failed_hashes.update(h for b, h in self.loads_in_flight.items() if b in invalid)
+        self.loads_in_flight = {}  # sync loads: done with the step that carried them
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        self.requests.pop(request.request_id, None)
+        self.saved_upto.pop(request.request_id, None)
+        return False, None
+
+    # worker side
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.kv_caches = kv_caches
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HashedBlocksMetadata)
+        for block_hash, block_id in meta.loads:
+            saved = HASHED_STORE.get((self.store, block_hash))
+            if saved is None:
+                self.errors.add(block_id)
+                continue
+            for layer, kv in self.kv_caches.items():
+                kv[block_id].copy_(saved[layer])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HashedBlocksMetadata)
+        for block_hash, block_id in meta.saves:
+            self.unsaved.setdefault(block_hash, {})[layer_name] = kv_layer[block_id].clone()
+
+    def wait_for_save(self) -> None:
+        for block_hash, layers in self.unsaved.items():
+            HASHED_STORE.setdefault((self.store, block_hash), layers)
+        self.unsaved = {}
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self.errors = self.errors, set()
+        return errors
+
+
+class NewBlocksOnlyHashedConnector(HashedBlocksConnector):
+    """The seed's bug, natively: it saves only for requests that got new blocks this step, so the step that fills
+    a block and allocates none saves nothing. Its metadata names no request, so only what lands shows it."""
+
+    def acting(self, scheduler_output: Any) -> list[str]:
+        cached = scheduler_output.scheduled_cached_reqs
+        grown = [r for r, ids in zip(cached.req_ids, cached.new_block_ids, strict=True) if ids is not None]
+        return [r.req_id for r in scheduler_output.scheduled_new_reqs] + grown
+
+
+class ClaimsWholePromptConnector(HashedBlocksConnector):
+    """Claims every full block of a prompt it holds, the last included: a block-aligned prompt leaves vLLM's
+    scheduler no token to compute after the synchronous load (``assert num_new_tokens > 0``)."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        bs, hits = self.block_size, 0
+        for block_hash in request.block_hashes[num_computed_tokens // bs :]:
+            if (self.store, block_hash) not in HASHED_STORE:
+                break
+            hits += 1
+        return hits * bs, False
+
+
+class AppendsAfterPreemptionConnector(HashedBlocksConnector):
+    """Keeps each request's table from its first step and appends what later steps add, a resumed request's
+    table included (a request tracker that outlives preemption): after a resume it saves other blocks' bytes."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.tables: dict[str, list[int]] = {}
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        for new in scheduler_output.scheduled_new_reqs:  # under the V2 runner a resumed request comes back here
+            self.tables.setdefault(new.req_id, []).extend(new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, added in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if added is not None:  # under V1, a resumed request's whole new table: appended all the same
+                self.tables.setdefault(req_id, []).extend(added[0])
+        return super().build_connector_meta(scheduler_output)
+
+    def table(self, scheduler_output: Any, req_id: str) -> list[int]:
+        return self.tables[req_id]
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        self.tables.pop(request.request_id, None)
+        return super().request_finished(request, block_ids)

@@ -45,14 +45,14 @@ def _engine_error() -> str | None:
     return None
 
 
-def _example() -> types.ModuleType:
-    """examples/vllm_offline.py, imported (its model, workload and engine are what this tier runs)."""
-    if "vllm_offline" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("vllm_offline", EXAMPLE)
+def example(name: str = "vllm_offline") -> types.ModuleType:
+    """``examples/<name>.py``, imported once (its model, workload and engine are what this tier runs)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLE.parent / f"{name}.py")
         assert spec and spec.loader
-        sys.modules["vllm_offline"] = module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    return sys.modules["vllm_offline"]
+    return sys.modules[name]
 
 
 pytest_collection_modifyitems = guard_tier(HERE, _engine_error(), needs="vLLM's CPU engine", fix="run make test-vllm")
@@ -61,7 +61,7 @@ pytest_collection_modifyitems = guard_tier(HERE, _engine_error(), needs="vLLM's 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The example's 2-layer random-weight Llama (``vllm_offline.tiny_llama``): nothing is fetched."""
-    return _example().tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+    return example().tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
 def engine_env(*, multiprocess: bool) -> dict[str, str]:

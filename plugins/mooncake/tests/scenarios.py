@@ -163,13 +163,14 @@ def isolation(config: Config) -> dict[str, Any]:
     """
     work = prompts(2, 48, 5, seed=3)
     hits, exact = {}, {}
-    writer_options = {"model": "model-a", "tp_size": 2}  # rank 0 of two
+    # two tensor-parallel ranks, each saving its own shard: "same" hits only if each rank reads its own
+    writer_options = {"model": "model-a", "tp_size": 2}
     with Engine("mooncake", config, **writer_options) as writer:
         writer.generate(work, max_tokens=2)
         for name, changed in {
             "same": {},
             "other_model": {"model": "model-b"},
-            "other_tp_rank": {"tp_rank": 1},
+            "other_tp_size": {"tp_size": 1},
             "other_dtype": {"dtype": "bfloat16"},
             "comma_layers": {"kv_cache_groups": (KVCacheGroupSpec(("layer.0,layer.1",)),), "head_dim": 16},
             "other_shape": {"num_kv_heads": 4, "head_dim": 4},

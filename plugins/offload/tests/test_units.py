@@ -96,6 +96,42 @@ def test_lru_touch_changes_the_victim_and_fifo_ignores_it() -> None:
         assert manager.get(survivor) is not None and len(manager) == 2
 
 
+def test_manager_records_what_became_loadable_and_what_left_only_once_asked() -> None:
+    keys = [bytes([i]) * 32 for i in range(4)]
+    manager = OffloadManager(2)
+    manager.prepare_store(keys[:1])
+    manager.complete_store(keys[:1])
+    assert manager._stored is None  # nobody asked: nothing kept
+    assert manager.take_changes() == ([], [])
+    manager.prepare_store(keys[1:2])
+    manager.complete_store(keys[1:2])
+    manager.prepare_store(keys[2:3])  # evicts keys[0] (LRU)
+    manager.complete_store(keys[2:3], success=False)  # a failed store is never announced
+    manager.forget([keys[1]])  # found stale
+    assert manager.take_changes() == ([keys[1]], [keys[0], keys[1]])
+    assert manager.take_changes() == ([], [])
+
+
+def test_offload_declares_host_tier_and_reports_its_pool() -> None:
+    from kvconn.telemetry import BlockRemoved, BlockStored
+    from kvconn_offload import OffloadConnector
+
+    assert OffloadConnector.cache_tier == "host"
+    assert {m.name: m.kind for m in OffloadConnector.metrics} == {
+        "pool_used_blocks": "gauge", "pool_blocks": "gauge", "evictions": "counter"
+    }  # fmt: skip
+    side = load_connector("offload", role="scheduler", config={"pool_blocks": 1}).side
+    assert side.take_events() == []  # an engine that publishes events asks before any block is stored
+    assert side.scheduler_stats() == {"pool_used_blocks": 0, "pool_blocks": 1, "evictions": 0}
+    keys = [bytes([i]) * 32 for i in range(2)]
+    for key in keys:
+        side.manager.prepare_store([key])
+        side.manager.complete_store([key])
+    assert side.scheduler_stats() == {"pool_used_blocks": 1, "pool_blocks": 1, "evictions": 1}
+    assert side.scheduler_stats()["evictions"] == 0  # since the last call
+    assert side.take_events() == [BlockStored(keys, 16), BlockRemoved(keys[:1])]
+
+
 def _step(req: Request, num_computed: int, n: int, table: tuple[list[int], ...]) -> tuple[SchedulerOutput, object]:
     output = SchedulerOutput(
         step=0,

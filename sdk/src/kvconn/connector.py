@@ -20,6 +20,7 @@ import msgspec
 from ._plugins.sides import build_side
 from .context import ConnectorContext
 from .metadata import KVConnectorMetadata
+from .telemetry import CacheTier, MetricSpec
 from .version import API_VERSION
 
 __all__ = ["KVConnector", "KVConnectorRole", "NoConfig"]
@@ -61,6 +62,12 @@ class KVConnector:
     #: workers run in other processes refuses such a connector at start-up, rather
     #: than run it with no hits. A property may decide it from the config.
     in_process_state: bool = False
+    #: Where the connector's hits come from (:mod:`kvconn.telemetry`), so an engine can say which tier served
+    #: each cached token; ``None``: not said (vLLM counts such hits as ``external_unspecified``).
+    cache_tier: ClassVar[CacheTier | None] = None
+    #: Metrics the connector reports in its stats beyond :data:`kvconn.telemetry.STANDARD_COUNTERS`
+    #: (a pool's occupancy, say): declared here, exported by the engine adapter under the connector's name.
+    metrics: ClassVar[tuple[MetricSpec, ...]] = ()
     #: The class whose instance implements the scheduler-side hooks, or its lazy
     #: ``"package.module:Class"`` path (imported only when that role is built);
     #: ``None``: this class's own methods are the scheduler-side hooks.

@@ -40,8 +40,12 @@ frees its blocks and asks the connector again).
 
 from __future__ import annotations
 
+import difflib
+import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -57,18 +61,29 @@ except ImportError:  # vLLM 0.29: failed loads are invalid blocks only, with any
     KVConnectorTransferResults = None
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvconn import load_connector_class
 from kvconn.block_state import KVConnectorBlockState, block_ids_in_range
 from kvconn.connector import KVConnectorRole as KVConnRole
-from kvconn.errors import ConnectorConfigError, KVConnError, WireError
+from kvconn.errors import ConnectorConfigError, ConnectorNotFoundError, KVConnError, WireError
 from kvconn.host import NO_LOAD, ConnectorHost, LoadPlan, LoadSpec, SchedulerHost, StepUpdate, WorkerHost
 from kvconn.host.wire import decode_metadata, encode_metadata
-from kvconn.introspection import connector_roles, hook_object
+from kvconn.introspection import build_config, connector_roles, hook_object
 from kvconn.metadata import KVConnectorMetadata as KVConnMetadata
 from kvconn.outputs import KVConnectorOutput
 
 from . import EXTRA_CONFIG_KEYS, route_logs_to_vllm
 from .reports import ReportCollector, WorkerReport, encode_report
 from .tables import TableTracker
+from .telemetry import (
+    GAUGES,
+    SECONDS,
+    ConnectorTelemetry,
+    aggregate_stats,
+    hit_source,
+    prom_metrics_class,
+    reduce_stats,
+    to_vllm_events,
+)
 from .translate import (
     VllmRequestView,
     check_kv_caches,
@@ -142,16 +157,17 @@ class KVConnVllmWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class KVConnVllmStats(KVConnectorStats):
-    """Worker counters as ``{"<connector>.<counter>": value}``, summed over workers."""
+    """Counters as ``{"<connector>.<counter>": value}``, summed over workers and steps; gauges and step seconds.
+
+    The layout is :mod:`.telemetry`'s (gauges under ``"gauges"``, the seconds of
+    each step's loads and saves under ``"seconds"``).
+    """
 
     def aggregate(self, other: KVConnectorStats) -> KVConnVllmStats:
-        data: dict[str, Any] = dict(self.data)
-        for key, value in other.data.items():
-            data[key] = data.get(key, 0) + value
-        return KVConnVllmStats(data=data)
+        return KVConnVllmStats(data=aggregate_stats(dict(self.data), other.data))
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        return reduce_stats(self.data)
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
@@ -161,7 +177,23 @@ class KVConnVllmStats(KVConnectorStats):
 
 
 def _host_options(extra: dict[str, Any]) -> tuple[str | list[str], Any, dict[str, Any]]:
-    """The connector name(s), their config, and the host's own options (``kvconn_on_error`` ...)."""
+    """The connector name(s), their config, and the host's own options (``kvconn_on_error`` ...).
+
+    A ``kvconn_`` key the adapter does not read is an error: a misspelt one
+    would otherwise leave the engine on defaults without a word.
+    """
+    unknown = sorted(k for k in extra if k.startswith("kvconn_") and k not in EXTRA_CONFIG_KEYS)
+    if unknown:
+        hints = [
+            f"{key!r} (did you mean {close[0]!r}?)"
+            if (close := difflib.get_close_matches(key, EXTRA_CONFIG_KEYS, 1))
+            else repr(key)
+            for key in unknown
+        ]
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config has unknown kvconn key(s): {', '.join(hints)}; "
+            f"the keys kvconn reads are {', '.join(EXTRA_CONFIG_KEYS)}"
+        )
     names = extra.get("kvconn_connector")
     if not names or not isinstance(names, (str, list)) or not all(isinstance(n, str) for n in names):
         raise ConnectorConfigError(
@@ -170,7 +202,39 @@ def _host_options(extra: dict[str, Any]) -> tuple[str | list[str], Any, dict[str
             f"got kvconn_connector={names!r} (see `kvconn list` for the installed ones)"
         )
     options = {key.removeprefix("kvconn_"): extra[key] for key in EXTRA_CONFIG_KEYS[2:] if key in extra}
+    if options.get("on_error", "degrade") not in ("degrade", "raise"):
+        raise ConnectorConfigError(f"kvconn_on_error must be 'degrade' or 'raise', not {options['on_error']!r}")
     return names, extra.get("kvconn_config"), options
+
+
+def _per_connector(names: str | list[str], config: Any) -> dict[str, Any]:
+    """Each connector's config (``kvconn_config`` is the one connector's, or ``{name: config}`` for several)."""
+    name_list = [names] if isinstance(names, str) else names
+    configs = {name_list[0]: config} if len(name_list) == 1 else (config if isinstance(config, dict) else {})
+    return {name: configs.get(name) for name in name_list}
+
+
+def _validate_hint(names: str | list[str], config: Any) -> str:
+    """The command that finds a config error in a second, before a launch (one per connector)."""
+    commands = [
+        f"kvconn validate {name}" + (f" --config '{json.dumps(one)}'" if one else "")
+        for name, one in _per_connector(names, config).items()
+    ]
+    return "; check a kv_connector_extra_config before a launch with: " + " && ".join(commands)
+
+
+def check_extra_config(extra: dict[str, Any]) -> None:
+    """Everything about ``kv_connector_extra_config`` that needs no engine: keys, connector names, their configs.
+
+    Raises a :class:`~kvconn.errors.KVConnError` whose message names what is wrong and the
+    ``kvconn validate`` command to check a fix, as the connector's own start-up would, later.
+    """
+    names, config, _ = _host_options(extra)
+    try:
+        for name, one in _per_connector(names, config).items():
+            build_config(load_connector_class(name), one, name=name)
+    except KVConnError as exc:
+        raise type(exc)(f"{exc}{_validate_hint(names, config)}") from None
 
 
 #: vLLM executors that run the workers in the scheduler's process.
@@ -251,13 +315,16 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         names, config, options = _host_options(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         is_worker = role == KVConnectorRole.WORKER
         self.context = context_from_vllm(vllm_config, kv_cache_config, tp_rank=_tp_rank() if is_worker else 0)
-        self.host = ConnectorHost.from_names(
-            names,
-            role=KVConnRole.WORKER if is_worker else KVConnRole.SCHEDULER,
-            config=config,
-            context=self.context,
-            **options,
-        )
+        try:
+            self.host = ConnectorHost.from_names(
+                names,
+                role=KVConnRole.WORKER if is_worker else KVConnRole.SCHEDULER,
+                config=config,
+                context=self.context,
+                **options,
+            )
+        except (ConnectorConfigError, ConnectorNotFoundError) as exc:
+            raise type(exc)(f"{exc}{_validate_hint(names, config)}") from None
         # The same host as its role's class, for that role's calls (the other role's attribute is never set).
         if isinstance(self.host, WorkerHost):
             self._worker_host = self.host
@@ -265,6 +332,13 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler_host = self.host
         _refuse_split_in_process_state(self.host, vllm_config)
         route_logs_to_vllm({type(c).__module__.partition(".")[0] for c in self.host.connectors.values()})
+        self._telemetry = {n: ConnectorTelemetry.of(type(c)) for n, c in self.host.connectors.items()}
+        # Events only when vLLM publishes them: a connector records none until its take_events is first called,
+        # so it is called once here, before any block is stored.
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        self._publishes_events = bool(getattr(events_config, "enable_kv_cache_events", False))
+        if self._publishes_events:
+            self.take_events()
         # scheduler side
         self._step = 0
         self._plans: dict[str, tuple[LoadPlan, int]] = {}
@@ -294,7 +368,23 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         # Kept between a step's end and vLLM's calls for them: read-only (replaced, never changed in place).
         self._invalid: set[int] | frozenset[int] = _NO_BLOCKS
         self._failed_recving: set[str] | frozenset[str] = _NO_IDS
-        self._stats: dict[str, float] = {}
+        # Stats for vLLM (KVConnVllmStats' layout), and what they are gathered from off the step path: the
+        # scheduler's lookups (loader, blocks missed, blocks hit) and whether anything happened since the last
+        # gathering (news: a lookup, a worker report); the host's errors counted so far.
+        self._stats: dict[str, Any] = {}
+        self._lookups: list[tuple[str | None, int, int]] = []
+        self._news = False
+        self._errors_seen: dict[tuple[str, str], int] = {}
+        self._loader: tuple[str, str | None] = ("", None)  # the last request update_state_after_alloc saw
+        self._lookup_names = (
+            self.host.implementers("get_num_new_matched_tokens") if isinstance(self.host, SchedulerHost) else []
+        )
+        self._scheduler_stats: list[tuple[str, Callable[[], Any]]] = [
+            (n, fn)
+            for n, c in self.host.connectors.items()
+            if isinstance(self.host, SchedulerHost) and callable(fn := getattr(hook_object(c), "scheduler_stats", None))
+        ]
+        self._timed: list[str] = []  # the connectors with work in this worker step: its seconds are theirs
         self._saved = True  # no step open until metadata is bound
         self._late_layer_logged = False
 
@@ -325,10 +415,53 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             plan, local_hit = NO_LOAD, request.num_computed_tokens
         view = VllmRequestView(request, num_computed_tokens=local_hit)
         loading = self._scheduler_host.update_state_after_alloc(view, block_ids, plan)
+        self._loader = (request.request_id, plan.connector if num_external_tokens else None)
+        if self._lookup_names:  # counted when stats are gathered: a lookup here costs one append
+            size = self.context.block_size
+            missable = request.num_tokens // size - local_hit // size  # full blocks past vLLM's own hit
+            self._lookups.append((self._loader[1], missable, num_external_tokens // size))
+            self._news = True
         if num_external_tokens and not loading:  # the host records a load that is on; this one no connector does
             end = local_hit + num_external_tokens
             blocks_to_load = block_ids_in_range(block_ids, local_hit, end, self.context.block_size)
             self._failed_loads[request.request_id] = (blocks_to_load, plan.load_async or self._per_request)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        """The tier of the connector loading ``request``'s external tokens (vLLM's by-source cached-token counters).
+
+        vLLM asks right after ``update_state_after_alloc`` for the same request.
+        One connector loads a request's whole external hit (the host's first
+        hit wins), so a request has one source; with several connectors each
+        request's is its loader's (offload: host, a remote store:
+        ``external_unspecified``, vLLM's source for remote stores).
+        """
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        if not num_external_tokens:
+            return {}
+        req_id, loader = self._loader
+        tier = self._telemetry[loader].tier if loader is not None and req_id == request.request_id else None
+        return {CacheHitSource(hit_source(tier)): num_external_tokens}
+
+    def take_events(self) -> Any:
+        """The blocks kvconn's connectors stored and dropped since the last step, as vLLM's KV-cache events.
+
+        vLLM calls this every step and publishes what it returns with its own
+        events (``kv_events_config``); with its publisher off, connectors are
+        never asked, so they record nothing.
+        """
+        if not self._publishes_events:
+            return ()
+        events: list[Any] = []
+        for name, connector in self.host.connectors.items() if isinstance(self.host, SchedulerHost) else ():
+            take = getattr(hook_object(connector), "take_events", None)
+            if take is None:
+                continue
+            try:
+                events += to_vllm_events(take(), self._telemetry[name].tier)
+            except Exception:  # telemetry never stops the engine
+                logger.exception("kvconn connector %r: its KV-cache events were dropped", name)
+        return events
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnVllmMetadata | IdleStep:
         self._step += 1
@@ -439,11 +572,23 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             outputs, failed_recving = self._attribute(connector_output)
         host = self._scheduler_host
+        if outputs:
+            self._news = self._news or bool(self._scheduler_stats)  # a report may have changed their levels
+            if any(out.failed or out.invalid_block_ids for out in outputs.values()):
+                self._count_failed_loads(outputs)
         in_flight = host.loads_in_flight() if self._per_request else None  # before the host settles them
         update = host.update_connector_output(outputs)
         finished = self._hold_failed_loads(in_flight, update) if in_flight else update.finished_recving
         connector_output.finished_sending = update.finished_sending or None
         connector_output.finished_recving = (finished | failed_recving) or None
+
+    def _count_failed_loads(self, outputs: dict[str, KVConnectorOutput]) -> None:
+        """Count the loads in flight that these reports fail: a failed connector's all, else those with a bad block."""
+        for name, loads in self._scheduler_host.loads_in_flight().items():
+            out = outputs.get(name)
+            if out is not None:
+                failed = sum(out.failed or not out.invalid_block_ids.isdisjoint(blocks) for blocks, _ in loads.values())
+                self._add_stat(f"{name}.failed_loads", failed)
 
     def _hold_failed_loads(self, in_flight: dict[str, dict[str, LoadSpec]], update: StepUpdate) -> set[str]:
         """Several groups: the loads that ended this update are finished for vLLM, but those with a failed block.
@@ -513,6 +658,7 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             self._begin_step({n: types[n]() for n in connector_metadata if n in self._readers} if self._readers else {})
             return
         self._bound = connector_metadata if isinstance(connector_metadata, KVConnVllmMetadata) else _UNBOUND
+        self._timed = list(self._bound.connectors)  # a step with work: its loads and saves are timed
         decoded: dict[str, KVConnMetadata] = {}
         for name, blob in self._bound.connectors.items() if self._readers else ():
             if name not in self._readers:
@@ -527,7 +673,18 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
     def _begin_step(self, metadata: dict[str, KVConnMetadata]) -> None:
         self._worker_host.bind_connector_metadata(metadata)
         self._saved = False
+        if not self._bound.loads:
+            self._worker_host.start_load_kv()
+            return
+        started = perf_counter()
         self._worker_host.start_load_kv()
+        self._observe_seconds(list(self._bound.loads), "load", perf_counter() - started)
+
+    def _observe_seconds(self, names: list[str], what: str, seconds: float) -> None:
+        """One step's seconds in loads or saves, for each connector with work in it (the calls are the host's)."""
+        observed = self._stats.setdefault(SECONDS, {})
+        for name in names:
+            observed.setdefault(f"{name}.{what}", []).append(seconds)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Nothing to do: the step's loads started when its metadata was bound."""
@@ -549,7 +706,13 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         """Once a step: vLLM calls it after ``get_finished`` too when a draft model runs (deferred finalize)."""
         if not self._saved:
             self._saved = True
+            if not self._timed:
+                self._worker_host.wait_for_save()
+                return
+            started = perf_counter()
             self._worker_host.wait_for_save()
+            timed, self._timed = self._timed, []
+            self._observe_seconds(timed, "save", perf_counter() - started)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Collect the step's reports; the merged sets go to vLLM only without worker metadata.
@@ -592,9 +755,12 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
             news = True
             if out.invalid_block_ids:
                 self._invalid = self._invalid | out.invalid_block_ids
+            gauges = self._telemetry[name].gauges
             for key, value in out.stats.items():
-                if not key.startswith("_"):  # private gauges reach the connector's scheduler side only
-                    self._stats[f"{name}.{key}"] = self._stats.get(f"{name}.{key}", 0) + value
+                if key in gauges:
+                    self._stats.setdefault(GAUGES, {})[f"{name}.{key}"] = value
+                elif not key.startswith("_"):  # private gauges reach the connector's scheduler side only
+                    self._add_stat(f"{name}.{key}", value)
         self._report = WorkerReport(outputs, set(failed_async)) if news else None
         if self._per_request:  # vLLM takes these requests' failures, not blocks (see the module docstring)
             self._failed_recving, self._invalid = failed_async, _NO_BLOCKS
@@ -613,15 +779,76 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         invalid, self._invalid = self._invalid, _NO_BLOCKS
         return set(invalid)
 
+    def _add_stat(self, key: str, value: float) -> None:
+        if value:
+            self._stats[key] = self._stats.get(key, 0) + value
+
     def get_kv_connector_stats(self) -> KVConnVllmStats | None:
+        """What happened since the last call (vLLM asks each step, on both sides, and sums them per interval).
+
+        Worker side: the connectors' counters and the seconds of each step's
+        loads and saves. Scheduler side: lookups, hits and misses, failed loads,
+        each connector's ``scheduler_stats()``; gathered here only after a step
+        with news (a lookup, a worker report), so the usual step costs one test.
+        """
+        if self._news:
+            self._news = False
+            self._gather_scheduler_stats()
+        if self.host.error_counts:
+            self._count_errors()
         if not self._stats:
             return None
         stats, self._stats = KVConnVllmStats(data=self._stats), {}
         return stats
 
+    def _gather_scheduler_stats(self) -> None:
+        lookups, self._lookups = self._lookups, []
+        for loader, missable, hit in lookups:
+            for name in self._lookup_names:
+                served = hit if name == loader else 0
+                self._add_stat(f"{name}.lookups", 1)
+                self._add_stat(f"{name}.hit_blocks", served)
+                self._add_stat(f"{name}.missed_blocks", max(0, missable - served))
+        for name, collect in self._scheduler_stats:
+            try:
+                reported = collect()
+            except Exception:  # telemetry never stops the engine
+                logger.exception("kvconn connector %r: scheduler_stats() failed; its stats are left out", name)
+                continue
+            gauges = self._telemetry[name].gauges
+            for key, value in reported.items():
+                if key in gauges:
+                    self._stats.setdefault(GAUGES, {})[f"{name}.{key}"] = value
+                else:
+                    self._add_stat(f"{name}.{key}", value)
+
+    def _count_errors(self) -> None:
+        """The host's degraded calls since the last count, as ``degraded.<hook>_error`` per connector."""
+        for (name, hook), count in self.host.error_counts.items():
+            if (new := count - self._errors_seen.get((name, hook), 0)) > 0:
+                self._errors_seen[(name, hook)] = count
+                self._add_stat(f"{name}.degraded.{hook}_error", new)
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnVllmStats | None:
         return KVConnVllmStats(data=dict(data)) if data is not None else None
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, *args: Any) -> Any:
+        """``vllm:kvconn_*`` series per connector (:mod:`.telemetry`), made in vLLM's front end."""
+        return prom_metrics_class()(vllm_config, *args)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """vLLM's earliest call with the connector's config: the front end's config check, with full CUDA graphs.
+
+        kvconn checks ``kv_connector_extra_config`` here (keys, connector names,
+        their configs): a mistake stops ``vllm serve`` before an engine starts.
+        Elsewhere vLLM first hands the config to the connector's constructor,
+        after the model has loaded.
+        """
+        check_extra_config(dict(extra_config or {}))
+        return bool(super().requires_piecewise_for_cudagraph(extra_config))
 
     def build_connector_worker_meta(self) -> KVConnVllmWorkerMetadata | None:
         report, self._report = self._report, None

@@ -31,6 +31,7 @@ BENCHMARKS = {
     "offload": "offload_bandwidth.py",
     "mooncake": "mooncake_throughput.py",
     "vllm-e2e": "vllm_e2e.py",
+    "sglang": "sglang_tier.py",
 }
 
 

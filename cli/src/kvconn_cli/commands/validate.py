@@ -29,6 +29,7 @@ class Driver(str, enum.Enum):
 
     reference = "reference"
     vllm = "vllm"
+    sglang = "sglang"  # store connectors as SGLang's HiCache storage tier (kvconn_sglang.testing.checks)
 
 
 def validate(
@@ -118,7 +119,7 @@ def validate(
     with plugin_output_to_stderr():  # the factory's module is the author's code: its prints must not reach --json
         factory = _load_config_factory(config_factory) if config_factory else None
     kvconn_targets = resolve_targets(names or [], all_installed, modules or [], others=bool(native))
-    num_checks = len(select_checks(list_checks(), check))
+    num_checks = _sglang_checks(check) if engine is Driver.sglang else len(select_checks(list_checks(), check))
     if junit is not None:
         check_writable(junit)
     problems = {p.target: p for p in preflight(kvconn_targets, config_map)}
@@ -135,7 +136,10 @@ def validate(
         if summary is not None:
             on_result = summary.attributing(on_result)
         if target.startswith(NATIVE_PREFIX):
-            return _run_native(target.removeprefix(NATIVE_PREFIX), config_map, check, on_result, debug)
+            native = target.removeprefix(NATIVE_PREFIX)
+            return _run_through(*_ADAPTER_RUNS["native"], native, config_map, check, on_result, debug)
+        if engine is Driver.sglang:
+            return _run_through(*_ADAPTER_RUNS["sglang"], target, config_map, check, on_result, debug)
         return _run_one(target, config_map, factory, check, engine.value, on_result, debug)
 
     try:
@@ -152,6 +156,15 @@ def validate(
             summary.report()
     if not all(r.ok for r in reports):
         raise typer.Exit(EXIT_FAILURE)
+
+
+def _sglang_checks(select: str | None) -> int:
+    """How many SGLang checks ``--check`` selects (for the progress line); 0 without kvconn-sglang."""
+    try:
+        from kvconn_sglang.testing.checks import selected
+    except ImportError:
+        return 0
+    return len(selected(select))
 
 
 def _load_config_factory(path: str) -> ConfigFactory:
@@ -198,25 +211,39 @@ def _run_one(
         return ConnectorReport(name=target, results=[], load_error=f"the conformance run stopped: {reason(exc)}")
 
 
-def _run_native(
+#: The runs an adapter holds (``--vllm-connector``, ``--engine sglang``): its runner, and what to install for it.
+_ADAPTER_RUNS = {
+    "native": ("kvconn_vllm.testing.native:run_native_conformance", "--vllm-connector needs kvconn-vllm"),
+    "sglang": ("kvconn_sglang.testing.checks:run_sglang_conformance", "--engine sglang needs kvconn-sglang"),
+}
+
+
+def _run_through(
+    runner: str,
+    needs: str,
     name: str,
     config: dict[str, Any] | None,
     select: str | None,
     on_result: Callable[[CheckResult], None],
     debug: bool,
 ) -> ConnectorReport:
-    """A vLLM connector's run (``--vllm-connector``), through ``kvconn_vllm.testing.native``."""
+    """A run by an adapter's ``runner`` ("module:function"); a load error saying what ``needs`` installing when
+    it does not import, and one saying why when the run stops."""
+    import importlib
+
     from kvconn.testing.conformance import ConnectorReport
 
     from ..inspection import reason
     from ..output import print_traceback
 
+    module, _, function = runner.partition(":")
     try:
-        from kvconn_vllm.testing.native import run_native_conformance
+        run = getattr(importlib.import_module(module), function)
     except ImportError as exc:
-        return ConnectorReport(name, [], load_error=f"--vllm-connector needs kvconn-vllm installed: {reason(exc)}")
+        return ConnectorReport(name, [], load_error=f"{needs} installed: {reason(exc)}")
     try:
-        return run_native_conformance(name, config=config, select=select, on_result=on_result)
+        report: ConnectorReport = run(name, config=config, select=select, on_result=on_result)
+        return report
     except (Exception, SystemExit) as exc:
         if debug:
             print_traceback(exc)

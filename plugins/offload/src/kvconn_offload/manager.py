@@ -6,6 +6,10 @@ key names the whole prefix up to it. An entry is *pending* from
 ``prepare_store`` until ``complete_store``, and *pinned* while loads read it;
 eviction (LRU or FIFO) only takes ready, unpinned entries, so no slot is
 rewritten while a copy still reads or writes it.
+
+Once :meth:`record_changes` was called, the keys that became loadable and those
+dropped are kept until :meth:`take_changes` (the KV-cache events of an engine
+that publishes them); until then nothing is kept.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class OffloadManager:
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # eviction order: first = next victim
         self._free: list[int] = list(range(num_slots))  # a heap: lowest slots first keeps stores contiguous
         self.evictions = 0
+        self._stored: list[bytes] | None = None  # None: changes are not recorded (no engine takes them)
+        self._removed: list[bytes] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -93,6 +99,8 @@ class OffloadManager:
                 continue
             if success:
                 entry.ready = True
+                if self._stored is not None:
+                    self._stored.append(key)
             else:
                 del self._entries[key]
                 heapq.heappush(self._free, entry.slot)
@@ -104,6 +112,7 @@ class OffloadManager:
             if entry is not None and entry.ready and entry.pins == 0:
                 del self._entries[key]
                 heapq.heappush(self._free, entry.slot)
+                self._note_removed(key)
 
     def prepare_load(self, keys: Iterable[bytes]) -> None:
         """Pin ready entries a load is about to read (never evicted until ``complete_load``)."""
@@ -123,5 +132,23 @@ class OffloadManager:
             if entry.ready and entry.pins == 0:
                 del self._entries[key]
                 self.evictions += 1
+                self._note_removed(key)
                 return entry.slot
         return None
+
+    def _note_removed(self, key: bytes) -> None:
+        if self._stored is not None:
+            self._removed.append(key)
+
+    def record_changes(self) -> None:
+        """Keep the keys stored and removed from now on, for :meth:`take_changes`."""
+        if self._stored is None:
+            self._stored = []
+
+    def take_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """The keys that became loadable and those dropped since the last call, in that order."""
+        self.record_changes()
+        assert self._stored is not None
+        changes = self._stored, self._removed
+        self._stored, self._removed = [], []
+        return changes

@@ -39,6 +39,7 @@ from kvconn import (
     iter_block_ids,
     loadable_hit,
 )
+from kvconn.telemetry import BlockRemoved, BlockStored, KVEvent
 
 from .config import OffloadConfig
 from .manager import OffloadManager
@@ -93,6 +94,34 @@ class OffloadScheduler:
         self._new_delayed: list[str] = []
         self._sync_loads: deque[tuple[int, list[str]]] = deque()  # sync load batches sent: number, requests
         self._next_load_seq = 1
+        self._evictions_reported = 0
+        self._events_taken = False  # an engine takes events: the pool records its changes from its creation
+
+    # -------------------------------------------------------------- telemetry
+
+    def scheduler_stats(self) -> dict[str, float]:
+        """The pool's occupancy (gauges) and the evictions since the last call (``OffloadConnector.metrics``)."""
+        manager = self.manager
+        if manager is None:
+            return {}
+        evicted, self._evictions_reported = manager.evictions - self._evictions_reported, manager.evictions
+        return {"pool_used_blocks": len(manager), "pool_blocks": manager.num_slots, "evictions": evicted}
+
+    def take_events(self) -> list[KVEvent]:
+        """Offloaded blocks that became loadable, and those evicted or found stale, since the last call.
+
+        An offloaded block is named by the hash of its last engine block (``block_size_multiple`` engine blocks).
+        """
+        self._events_taken = True
+        if self.manager is None:
+            return []
+        stored, removed = self.manager.take_changes()
+        events: list[KVEvent] = []
+        if stored:
+            events.append(BlockStored(stored, self.block_size * self.multiple))
+        if removed:
+            events.append(BlockRemoved(removed))
+        return events
 
     # ----------------------------------------------------------------- lookup
 
@@ -217,6 +246,8 @@ class OffloadScheduler:
             self.load_async, self._auto_load_async = not stats[BLOCKING_COPIES_STAT], False
         if self.manager is None and stats.get(POOL_SLOTS_STAT):
             self.manager = OffloadManager(int(stats[POOL_SLOTS_STAT]), policy=self.policy)
+            if self._events_taken:
+                self.manager.record_changes()
             logger.info("offload pool: %d offloaded blocks (reported by the worker)", self.manager.num_slots)
         self._done_seq = max(self._done_seq, int(stats.get(STORES_DONE_STAT, 0)))
         while self._store_jobs and self._store_jobs[0][0] <= self._done_seq:

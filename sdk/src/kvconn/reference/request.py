@@ -56,7 +56,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.adapter, self.cache_salt = adapter, cache_salt
-        self.block_hashes: list[bytes] = hash_blocks(self.all_token_ids, block_size, **self._keys())
+        self.block_hashes: list[bytes] = hash_blocks(
+            self.all_token_ids, block_size, adapter=adapter, cache_salt=cache_salt
+        )
         #: external tokens being loaded asynchronously (WAITING_FOR_REMOTE_KVS)
         self.num_external_tokens = 0
 
@@ -79,11 +81,15 @@ class Request:
             parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
             start = len(self.block_hashes) * self.block_size
             self.block_hashes.extend(
-                hash_blocks(self.all_token_ids, self.block_size, parent=parent, start=start, **self._keys())
+                hash_blocks(
+                    self.all_token_ids,
+                    self.block_size,
+                    parent=parent,
+                    start=start,
+                    adapter=self.adapter,
+                    cache_salt=self.cache_salt,
+                )
             )
-
-    def _keys(self) -> dict[str, str | None]:
-        return {"adapter": self.adapter, "cache_salt": self.cache_salt}
 
     def __repr__(self) -> str:
         return (

@@ -46,6 +46,8 @@ class StoreConnector(KVConnector):
     api_version = "1.0"
     scheduler_side = StoreScheduler
     worker_side = "kvconn.store.worker:StoreWorker"  # imports torch: only where a worker is built
+    #: A store outside the engine's memory (Mooncake, Redis); a store on a local disk declares ``"disk"``.
+    cache_tier = "remote"
     #: ``True`` only for a store in this process whose calls never wait (no I/O, no lock held while
     #: waiting, e.g. a dict): it is then called inline, on the engine's thread, with no hand-off to the
     #: store thread and no deadline. A store that can hang (a server, a file system) must leave it

@@ -60,6 +60,10 @@ class StoreScheduler(StoreSide):
         self._in_flight: dict[tuple[int, bytes], float] = {}
         self._step = 0
 
+    def scheduler_stats(self) -> dict[str, float]:
+        """What degraded on this side since the last call (failed lookups, saves never sent), for engine telemetry."""
+        return self.stats.take()
+
     # ---------------------------------------------------------------- lookup
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:

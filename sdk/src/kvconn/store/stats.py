@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+from ..telemetry import DEGRADED_PREFIX
+
 __all__ = ["StoreStats"]
 
 logger = logging.getLogger("kvconn.store")
@@ -14,7 +16,9 @@ class StoreStats:
     """What moved and what degraded; :meth:`take` returns and clears what happened since the last call.
 
     ``degraded_events`` (in :meth:`take`) sums the degraded counts, so an engine
-    that adds it up reports a store outage rather than zero.
+    that adds it up reports a store outage rather than zero; ``degraded.<kind>``
+    (:data:`kvconn.telemetry.DEGRADED_PREFIX`) holds each kind's share, which
+    engine adapters export as degraded events by reason.
     """
 
     def __init__(self, name: str) -> None:
@@ -44,4 +48,5 @@ class StoreStats:
         degraded, self._degraded = self._degraded, Counter()
         if degraded:
             since["degraded_events"] = sum(degraded.values())
+            since.update({DEGRADED_PREFIX + kind: n for kind, n in degraded.items()})
         return {key: float(value) for key, value in since.items()}

@@ -53,6 +53,7 @@ from .layout import GroupLayout, StagingBuffers, byte_rows
 from .metadata import StoreBlock, StoreMetadata
 from .protocol import BlockStore, PartsStore, ScatterStore
 from .side import StoreSide
+from .values import explain, judge, seal_parts
 
 __all__ = ["StoreWorker"]
 
@@ -197,18 +198,11 @@ class StoreWorker(StoreSide):
         if len(lengths) != len(keys):
             raise ValueError(f"the store returned {len(lengths)} answers for {len(keys)} keys")
         answers = iter(zip(lengths, values, strict=True))
-        verify = self.integrity.verify_parts
         for group in load.groups:
-            stride, digest = group.stride, group.layout.digest
+            digest = group.layout.digest
             for key in group.keys:
                 length, (header, payload) = next(answers)
-                if length is None:
-                    group.verdicts.append("missing")
-                elif length != stride:
-                    group.verdicts.append("integrity_short")
-                else:
-                    reason = verify(key, digest, header, payload)
-                    group.verdicts.append(None if reason is None else f"integrity_{reason}")
+                group.verdicts.append(judge(self.integrity, key, digest, length, header, payload))
 
     def _in_place_parts(self, load: _Load) -> tuple[list[bytes], list[list[memoryview]]]:
         """Per value of an in-place load: its key, and its parts (a header of its own, its block's row per layer)."""
@@ -323,20 +317,15 @@ class StoreWorker(StoreSide):
         deadline still reads a block the engine has changed since, the value it
         stores fails verification, and never loads.
         """
-        n = sum(len(ids) for ids in by_group.values())
-        headers = memoryview(bytearray(n * HEADER_BYTES))  # fresh: a late put may still read an old one
         keys: list[bytes] = []
         parts: list[list[memoryview]] = []
         sizes: list[int] = []
         for g, ids in by_group.items():
             layout = self._layouts[g]
-            for block_hash, block_id in ids.items():
-                key, payload = self.keys.key(g, block_hash), layout.parts(block_id)
-                header = headers[len(keys) * HEADER_BYTES : (len(keys) + 1) * HEADER_BYTES]
-                header[:] = self.integrity.seal(key, layout.digest, payload)
-                keys.append(key)
-                parts.append([header, *payload])
-                sizes.append(layout.value_bytes)
+            group_keys = self.keys.keys(g, ids)
+            parts += seal_parts(self.integrity, group_keys, layout.digest, [layout.parts(b) for b in ids.values()])
+            keys += group_keys
+            sizes += [layout.value_bytes] * len(group_keys)
         self._put(lambda store: store.put_parts(keys, parts), sizes)  # type: ignore[attr-defined]
 
     def _put(self, put: Callable[[BlockStore], Sequence[bool]], sizes: Sequence[int]) -> bool:
@@ -441,9 +430,5 @@ class StoreWorker(StoreSide):
 
 
 def _why(reason: str) -> str:
-    if reason == "missing":
-        return "a block was gone when loaded (evicted, or the store restarted); it is recomputed"
-    return (
-        f"a stored value failed verification ({reason.removeprefix('integrity_')}): not written by this connector "
-        "for this key and KV layout, or damaged; it never reaches the KV cache and the block is recomputed"
-    )
+    instead = "it is recomputed" if reason == "missing" else "the block is recomputed"
+    return explain(reason, unit="block", layout="KV layout", lands_in="the KV cache", instead=instead)

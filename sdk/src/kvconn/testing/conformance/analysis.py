@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 
 from ...block_state import BlockIds
 from ...context import NULL_BLOCK_ID
+from ...outputs import SchedulerOutput
 from .observe import BlockRefs, block_refs
 from .scenarios import Trace
 
-__all__ = ["StepView", "live_ids", "step_views"]
+__all__ = ["StepView", "completing_a_block", "live_ids", "step_views"]
 
 
 @dataclass
@@ -31,6 +32,14 @@ class StepView:
 def live_ids(table: BlockIds | None) -> set[int]:
     """The real (non-null) block ids of a table."""
     return {b for group in table or () for b in group if b != NULL_BLOCK_ID}
+
+
+def completing_a_block(output: SchedulerOutput, block_size: int) -> set[str]:
+    """The requests whose step completes at least one of their blocks (those a full-block saver acts on)."""
+    computed = output.num_computed_tokens_by_request()
+    return {
+        r for r, n in output.num_scheduled_tokens.items() if (computed[r] + n) // block_size > computed[r] // block_size
+    }
 
 
 def step_views(trace: Trace) -> list[StepView]:

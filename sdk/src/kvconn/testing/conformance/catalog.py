@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 __all__ = ["CAPABILITIES", "IMPORTED", "SCHEDULER_CHECK", "Check", "check", "get_check", "list_checks"]
 
 #: What a check may require of a connector (from its class attributes).
-#: ``scheduler``/``worker``: serves that role; ``saves``/``loads``: declares it.
-CAPABILITIES = frozenset({"scheduler", "worker", "saves", "loads"})
+#: ``scheduler``/``worker``: serves that role; ``saves``/``loads``: declares it; ``store``: a ``kvconn.store``
+#: ``StoreConnector`` (a store of its own).
+CAPABILITIES = frozenset({"scheduler", "worker", "saves", "loads", "store"})
 
 CheckFunction = Callable[["Session"], None]
 

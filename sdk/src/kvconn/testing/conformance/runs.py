@@ -36,6 +36,8 @@ from .scenarios import IDLE_STEP_S, MAX_STEPS, TWO_GROUPS, prompt
 from .session import Session
 
 __all__ = [
+    "BLOCK_FILL_CONTROL",
+    "BLOCK_FILL_REUSE",
     "FAILED_LOAD",
     "FAILED_LOAD_ELSEWHERE",
     "FILL_STEP_ENDS",
@@ -190,6 +192,20 @@ def _isolation() -> DataRun:
     )
 
 
+#: ``a``'s 48-token prompt under a 40-token budget: its second chunk fills its third block and allocates none (as
+#: the block-fill-chunk scenario), and ``a`` ends there (one token), so no later step gives a connector that acts only
+#: on new blocks a second chance; ``b`` shares its three full blocks, every one of which it must be able to load.
+BLOCK_FILL_REUSE = DataRun(
+    "block-fill-reuse",
+    {"max_num_batched_tokens": 40},
+    ((Req("a", prompt(48, 61), 1),), (Req("b", Follow("a", 3, 5), 3),)),
+    61,
+)
+#: The same sharing with nothing special about any step: ``a``'s prompt computes in one step that allocates its three
+#: blocks. What a connector claims here is what it claims when no block filled on a step that allocated none.
+BLOCK_FILL_CONTROL = DataRun(
+    "block-fill-control", {}, ((Req("a", prompt(48, 62), 1),), (Req("b", Follow("a", 3, 5), 3),)), 62
+)
 #: Two tensor-parallel ranks, each with half of the four heads and a worker side of its own, one store per run.
 TENSOR_PARALLEL = _reuse(
     "tensor-parallel-reuse", {"tp_size": 2, "num_kv_heads": 4}, (53, 12), shared_blocks=4, b_suffix=9, seed=60
@@ -319,7 +335,15 @@ def data_runs(session: Session) -> list[tuple[DataRun, DataResult]]:
         return []
     cases: list[tuple[DataRun, FailureMode | None]] = [
         (case, None)
-        for case in (*ROUND_TRIPS, MID_BLOCK_CHUNKS, PREEMPTED_SAVES, FILL_STEP_ENDS, ISOLATION, TENSOR_PARALLEL)
+        for case in (
+            *ROUND_TRIPS,
+            MID_BLOCK_CHUNKS,
+            PREEMPTED_SAVES,
+            FILL_STEP_ENDS,
+            ISOLATION,
+            TENSOR_PARALLEL,
+            BLOCK_FILL_REUSE,
+        )
     ]
     runs = []
     failing: list[tuple[DataRun, FailureMode | None]] = [

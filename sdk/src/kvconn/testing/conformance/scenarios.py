@@ -167,6 +167,13 @@ STANDARD: tuple[Scenario, ...] = (
         options={"max_num_batched_tokens": 40, "enable_prefix_caching": False},
     ),
     Scenario(
+        "aligned-repeat",
+        "a 64-token prompt (four full blocks), then the same prompt again (prefix caching off): a connector holding "
+        "every block of it must leave its last token to compute",
+        (Arrival("r0", prompt(64, 660), 3), Arrival("r1", prompt(64, 660), 3, at_step=6)),
+        options={"enable_prefix_caching": False},
+    ),
+    Scenario(
         "shared-prefixes",
         "eight concurrent requests sharing a 40-token prefix; the later four hit the prefix cache",
         tuple(Arrival(f"r{i}", prompt(49, 700 + i, _SHARED), 6, 0 if i < 4 else 3) for i in range(8)),

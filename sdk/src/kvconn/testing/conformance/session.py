@@ -12,6 +12,7 @@ from ..._plugins.registry import build_config, connector_roles, load_connector_c
 from ...connector import KVConnector
 from ...errors import BlockStateSerializationError, ConnectorConfigError, ConnectorError, WireError
 from ...host import BadHookAnswer
+from ...store import StoreConnector
 from .catalog import Check, get_check
 from .driver import DriverFactory, get_driver
 from .results import NOT_RUN, CheckResult, CheckSkipped, ConformanceFailure, ScenarioBroken
@@ -61,6 +62,7 @@ _MISSING = {
     "loads": "the connector does not load (loads = False)",
     "scheduler": "the connector does not serve the scheduler role",
     "worker": "the connector does not serve the worker role",
+    "store": "not a kvconn.store connector (StoreConnector): no store of its own to hold to the store contract",
 }
 
 
@@ -117,6 +119,7 @@ class Session:
             {r.value for r in roles}
             | ({"saves"} if getattr(self.cls, "saves", False) else set())
             | ({"loads"} if getattr(self.cls, "loads", False) else set())
+            | ({"store"} if isinstance(self.cls, type) and issubclass(self.cls, StoreConnector) else set())
         )
         self._memo: dict[str, Any] = {}
         self._results: dict[str, CheckResult] = {}

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .... import KVConnectorRole, load_connector
-from ....store import BlockStore, StoreConnector
+from ....store import BlockStore
 from ..catalog import IMPORTED, check
 from ..results import CheckSkipped, ConformanceFailure
 from ..session import Session
@@ -30,6 +30,7 @@ RUN = "store-contract"
     "store-contract",
     fix="make the store's calls keep the BlockStore contract (docs/authoring.md; kvconn/store/protocol.py): "
     "batched answers per key in order, write-once put, get into the caller's buffers answering lengths",
+    requires=("store",),
     after=IMPORTED,
 )
 def store_contract(session: Session) -> None:
@@ -44,10 +45,6 @@ def store_contract(session: Session) -> None:
     answers True and keeps nothing, before the engine checks meet them as a
     failed or empty load.
     """
-    if not issubclass(session.cls, StoreConnector):
-        raise CheckSkipped("not a kvconn.store connector (StoreConnector): its store has no contract to check")
-    if session.config_error is not None:
-        raise CheckSkipped("the connector does not configure with no config (KV004)")
     try:
         from ...store_conformance import StoreConformance
     except ImportError as exc:  # pytest, which the store kit's skips use

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from ....hashing import hash_blocks
-from ..analysis import StepView, live_ids, step_views
-from ..catalog import SCHEDULER_CHECK, check
+from ..analysis import StepView, completing_a_block, live_ids, step_views
+from ..catalog import SCHEDULER_CHECK, check, get_check
 from ..diagnose import shifted_pairing, transfer_kind
+from ..driver import ScenarioUnsupported
 from ..observe import hashed_blocks
 from ..results import CheckSkipped, ConformanceFailure
-from ..runs import Run, all_runs
+from ..runs import BLOCK_FILL_CONTROL, BLOCK_FILL_REUSE, DataResult, Run, all_runs, data_run
 from ..scenarios import BLOCK_FILL_CHUNK, OFFERED_ONLY, Trace
 from ..session import Session
 
@@ -53,7 +54,16 @@ def block_fill(session: Session) -> None:
     block id it carries for the request must be in the live table. Besides
     the standard scenarios, one of its own: a prefill chunk that ends on a
     block boundary (vLLM 0.29's ``MooncakeStoreConnector`` asserts there).
+
+    Judged by what lands too, whatever the metadata looks like: for a
+    connector that saves and loads, a request sharing the three full blocks
+    of a prompt whose third block filled on such a step must be able to load
+    as many of them as when the prompt computed in one step that allocated
+    all three (:data:`~..runs.BLOCK_FILL_REUSE` against
+    :data:`~..runs.BLOCK_FILL_CONTROL`: a connector that reuses only some
+    blocks by design claims alike in both).
     """
+    judged = _block_fill_lands(session)
     traces = session.completed_traces()
     fill = session.trace(BLOCK_FILL_CHUNK)
     if fill.error:
@@ -78,8 +88,37 @@ def block_fill(session: Session) -> None:
                         f"in {trace.where()}, step {record.step} (the block-fill step of {req_id}): the metadata "
                         f"carries blocks {sorted(stale)} for it, not in its live table {record.tables.get(req_id)}"
                     )
-    if not any(v.refs for t in session.standard_traces() for v in _views(session, t)):
-        raise CheckSkipped("the connector's metadata never carries a request's block ids: nothing to compare")
+    if not judged and not any(v.refs for t in session.standard_traces() for v in _views(session, t)):
+        raise CheckSkipped(
+            "the connector neither saves and loads (so what lands cannot be judged) nor carries a request's block "
+            "ids in its metadata (so its tables cannot): a connector that moves KV is judged by a later request "
+            "loading what it saved"
+        )
+
+
+def _block_fill_lands(session: Session) -> bool:
+    """What a saving and loading connector saved on a block-fill step can be loaded; whether that applied."""
+    if not {"saves", "loads"} <= session.capabilities:
+        return False
+    if session.run(get_check("KV044")).status == "failed":
+        return False  # a save deferred past its step (KV044's root cause) is claimable a step late: not this bug
+    try:
+        claimed, control = (_claimed(data_run(session, case)) for case in (BLOCK_FILL_REUSE, BLOCK_FILL_CONTROL))
+    except ScenarioUnsupported:
+        return False
+    if claimed < control:
+        raise ConformanceFailure(
+            f"in the {BLOCK_FILL_REUSE.name!r} data run, 'a' ({BLOCK_FILL_CHUNK.description}) finished with 3 full "
+            f"blocks, and 'b', sharing all three, loaded {claimed} tokens of them, where it loads {control} when "
+            f"'a''s prompt computes in one step ({BLOCK_FILL_CONTROL.name!r}): the block filled on the step that "
+            "allocated none was never saved (a connector acting only on requests that got new blocks misses that step)"
+        )
+    return True  # what the loaded bytes hold is the data checks' (KV040 reads a block filled by a decode step)
+
+
+def _claimed(result: DataResult) -> int:
+    """The tokens ``b`` loaded through the connector in a block-fill run."""
+    return sum(record.loaded.get("b", 0) for record in result.records)
 
 
 @check(
@@ -203,7 +242,11 @@ def lazy_resolve(session: Session) -> None:
     Catches eager connectors that resolve every offered table each step (the
     cost the lazy block state removes) and connectors that call the
     resolver for requests outside the offered set. A request counts as acted
-    on when the step's metadata carries some of its block ids.
+    on when the step's metadata carries some of its block ids, or when the
+    step completes one of its blocks (what a full-block saver resolves a
+    table for), so a connector whose metadata names no request (block hash
+    and block id pairs) is judged by the steps it resolves on, not by its
+    metadata's shape.
     """
     for trace in session.completed_traces():
         for view in _views(session, trace):
@@ -214,9 +257,11 @@ def lazy_resolve(session: Session) -> None:
                     f"in {trace.where()}, step {record.step}: tables of {bypass} were resolved though not offered"
                 )
             loose = {b for ids in view.refs.get(None, ()) for b in ids}
-            acted = {r for r in view.refs if r is not None} | {
-                r for r in record.resolved if live_ids(record.tables.get(r)) & loose
-            }
+            acted = (
+                {r for r in view.refs if r is not None}
+                | {r for r in record.resolved if live_ids(record.tables.get(r)) & loose}
+                | completing_a_block(record.output, trace.block_size)
+            )
             unused = sorted(set(record.resolved) - acted)
             if unused:
                 raise ConformanceFailure(

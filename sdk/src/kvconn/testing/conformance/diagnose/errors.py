@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from .diagnosis import Diagnosis
 
-__all__ = ["Awaited", "Stalled", "WaitsReporter", "connector_frame", "diagnose_error", "stall"]
+__all__ = ["Awaited", "Stalled", "WaitsReporter", "connector_frame", "diagnose_error", "engine_failure", "stall"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,9 @@ def diagnose_error(exc: BaseException, driver: object, where: str, setting: str)
     if isinstance(exc, Stalled):
         return Diagnosis(f"{where}: {exc}", exc.fix)
     observed = f"the connector raised in {where}: {type(exc).__name__}: {exc}"
+    engine = engine_failure(exc, where)
+    if engine is not None:
+        return engine
     frame = connector_frame(exc)
     if frame is None:
         return Diagnosis(observed)
@@ -137,3 +140,38 @@ def diagnose_error(exc: BaseException, driver: object, where: str, setting: str)
     observed += f", at {frame}; that step: {at_step}"
     hook = getattr(exc, "hook", "the hook")
     return Diagnosis(observed, f"make {hook} ({frame.split(' in ')[0]}) cope with what that step had: {at_step}")
+
+
+#: Where an engine's own code lives (its scheduler, workers and engine core, kvconn's reference engine): an
+#: exception raised there is the engine failing, whatever the connector did to cause it.
+_ENGINE_CODE = ("/vllm/v1/core/", "/vllm/v1/worker/", "/vllm/v1/engine/", "/kvconn/reference/")
+#: An engine assertion a connector's answer causes (the failing line, stripped), and the cause in the
+#: connector's terms, with its fix.
+_ENGINE_CAUSES = {
+    "assert num_new_tokens > 0": (
+        "get_num_new_matched_tokens claimed every token of a prompt (a synchronous load), leaving the engine no "
+        "token to compute, so it cannot schedule the request",
+        "leave at least one prompt token to compute: claim at most (request.num_tokens - 1) // block_size * "
+        "block_size tokens (num_computed_tokens included)",
+    ),
+}
+
+
+def engine_failure(exc: BaseException, where: str) -> Diagnosis | None:
+    """The engine's own exception, where it was raised, and its cause in the connector's terms where known.
+
+    ``None`` when ``exc`` was not raised in the engine's code (the connector's frame then says where).
+    """
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames or not any(part in frames[-1].filename.replace("\\", "/") for part in _ENGINE_CODE):
+        return None
+    frame = frames[-1]
+    line = (frame.line or "").strip()
+    observed = (
+        f"the engine raised in {where}: {type(exc).__name__}: {exc}, at {frame.filename}:{frame.lineno} in "
+        f"{frame.name}: {line}"
+    )
+    cause = _ENGINE_CAUSES.get(line)
+    if cause is None:
+        return Diagnosis(f"{observed}: an answer of the connector broke the engine's invariant there")
+    return Diagnosis(f"{observed}: {cause[0]}", cause[1])

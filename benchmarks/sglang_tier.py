@@ -1,0 +1,162 @@
+"""What the kvconn SGLang tier costs over the store it drives: pages through the adapter against raw batched calls.
+
+SGLang's own ``MHATokenToKVPoolHost`` (``page_first``, on the CPU) holds the
+pages; the adapter (``kvconn_sglang.KVConnStorage``, built by SGLang's
+``StorageBackendFactory``) saves them with ``batch_set_v1`` (seal, one batched
+put of each page's header and its K and V read in place) and loads them with
+``batch_get_v1`` (one batched get into staging, verify, copy into the pool's
+pages); the raw side calls the same store's batched ``put`` / ``get`` on the
+same pages' bytes (no header, no verification, no copy into the pool). Per
+round: fresh keys, raw and adapter alternating which goes first. Stores: a real
+``redis-server`` (127.0.0.1, a free port) and Mooncake's embedded store.
+Target: adapter throughput >= 0.9 of raw, each store and direction (the median
+of the per-round ratios).
+
+Needs SGLang (``.venv-sglang``): ``kvconn bench sglang`` from that venv.
+Usage: ``python benchmarks/sglang_tier.py [--pages N] [--rounds R] [--quick] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+import uuid
+from typing import Any
+
+from benchlib import Bench, arg_parser, redis_server
+
+CANNOT_RUN = 2
+TARGET = 0.9
+
+
+def _pools(page_size: int, layers: int, heads: int, head_dim: int, pages: int) -> Any:
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    tokens = 4 * pages * page_size
+    device = MHATokenToKVPool(
+        tokens, page_size, torch.float16, head_num=heads, head_dim=head_dim, layer_num=layers, device="cpu",
+        enable_memory_saver=False, start_layer=0, end_layer=layers - 1,
+    )  # fmt: skip
+    host = MHATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info, 1.0, 0, page_size, "page_first", pin_memory=False,
+        device_capacity_tokens=device.size, start_layer=0, end_layer=layers - 1,
+    )  # fmt: skip
+    host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape).half())
+    return host
+
+
+def _measure(store: str, config: dict[str, Any], raw_store: Any, host: Any, pages: int, rounds: int) -> dict[str, list]:
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from kvconn_sglang import extra_config
+    from kvconn_sglang.testing.rig import storage_config
+
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(extra_config(store, config)), host)
+    backend.register_mem_pool_host(host)
+    page_size = host.page_size
+    saved = host.alloc(pages * page_size)
+    target = host.alloc(pages * page_size)
+    views = backend.tier.views
+    page_bytes = [b"".join(bytes(p) for p in parts) for parts in views.pages(saved)]
+    buffers = [memoryview(bytearray(len(b))) for b in page_bytes]
+    ratios: dict[str, list] = {"save": [], "load": [], "raw_save_s": [], "kvconn_save_s": [], "raw_load_s": [],
+                               "kvconn_load_s": []}  # fmt: skip
+    for r in range(rounds + 1):  # round 0 warms both sides up
+        hashes = [f"{uuid.uuid4().hex}{i:032x}" for i in range(pages)]
+        raw_keys = [f"raw/{h}".encode() for h in hashes]
+
+        def raw_save(keys: list[bytes] = raw_keys) -> None:
+            assert all(raw_store.put(keys, page_bytes))
+
+        def kvconn_save(names: list[str] = hashes) -> None:
+            assert all(backend.batch_set_v1(names, saved))
+
+        def raw_load(keys: list[bytes] = raw_keys) -> None:
+            assert all(n is not None for n in raw_store.get(keys, buffers))
+
+        def kvconn_load(names: list[str] = hashes) -> None:
+            assert all(backend.batch_get_v1(names, target))
+
+        times = {}
+        pairs = [("raw_save_s", raw_save), ("kvconn_save_s", kvconn_save)]
+        for name, fn in pairs if r % 2 else pairs[::-1]:
+            start = time.perf_counter()
+            fn()
+            times[name] = time.perf_counter() - start
+        pairs = [("raw_load_s", raw_load), ("kvconn_load_s", kvconn_load)]
+        for name, fn in pairs if r % 2 else pairs[::-1]:
+            start = time.perf_counter()
+            fn()
+            times[name] = time.perf_counter() - start
+        if r == 0:
+            continue
+        for name, seconds in times.items():
+            ratios[name].append(seconds)
+        ratios["save"].append(times["raw_save_s"] / times["kvconn_save_s"])
+        ratios["load"].append(times["raw_load_s"] / times["kvconn_load_s"])
+    backend.close()
+    return ratios
+
+
+def main() -> int:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--pages", type=int, default=64, help="pages per batched call (SGLang batches up to 128)")
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        print(
+            "cannot run here: needs SGLang (run it from .venv-sglang, which make test-sglang builds)", file=sys.stderr
+        )
+        return CANNOT_RUN
+    from kvconn_sglang.testing.rig import init_sglang
+
+    init_sglang()
+    pages, rounds = (4, 2) if args.quick else (args.pages, args.rounds)
+    shape = (16, 8, 4, 64)  # page size, layers, KV heads, head dim: 128 KiB a page in fp16
+    host = _pools(*shape, pages=pages)
+    bench = Bench("kvconn SGLang tier against the store's raw batched calls",
+                  ["store", "pages", "page KiB", "raw save ms", "kvconn save ms", "save ratio", "raw load ms",
+                   "kvconn load ms", "load ratio"])  # fmt: skip
+    runs: dict[str, tuple[dict[str, Any], Any, Any]] = {}
+    from kvconn_mooncake.config import MooncakeConfig
+    from kvconn_mooncake.connector import open_store
+
+    name = f"bench-{uuid.uuid4().hex}"
+    mooncake = {"embedded_store": name, "embedded_capacity_bytes": 8 << 30}
+    runs["mooncake (embedded)"] = ("mooncake", mooncake), open_store(MooncakeConfig(**mooncake)), None
+    server = None
+    try:
+        server = redis_server().start()
+        import redis
+
+        from kvconn_redis import RedisStore
+
+        config = {"url": server.url, "timeout_s": 30.0, "socket_timeout_s": 30.0}
+        runs["redis"] = ("redis", config), RedisStore(redis.Redis.from_url(server.url, socket_timeout=30.0)), server
+    except RuntimeError as exc:  # no redis-server here
+        bench.notes.append(f"redis left out: {exc}")
+    try:
+        for label, ((store, config), raw_store, srv) in runs.items():
+            figures = _measure(store, config, raw_store, host, pages, rounds)
+            med = {k: statistics.median(v) for k, v in figures.items()}
+            bench.row(label, pages, host.page_size * shape[1] * shape[2] * shape[3] * 2 * 2 // 1024,
+                      1000 * med["raw_save_s"], 1000 * med["kvconn_save_s"], med["save"],
+                      1000 * med["raw_load_s"], 1000 * med["kvconn_load_s"], med["load"])  # fmt: skip
+            for direction in ("save", "load"):
+                bench.target(f"{label} {direction} >= {TARGET} of raw", med[direction] >= TARGET,
+                             f"{med[direction]:.2f} (median of {rounds} rounds)")  # fmt: skip
+            if srv is not None:
+                raw_store.client.flushall()
+    finally:
+        if server is not None:
+            server.stop()
+    return bench.finish(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Known bytes through SGLang's host pools, every layout, MHA and MLA: saved in place, read back exactly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvconn.store import HEADER_BYTES
+from kvconn_sglang.testing.rig import (
+    MHA_LAYOUTS,
+    MLA_LAYOUTS,
+    PAGE,
+    extra,
+    fill_known,
+    make_pools,
+    page,
+    storage_config,
+)
+
+LAYOUTS = [("mha", layout) for layout in MHA_LAYOUTS] + [("mla", layout) for layout in MLA_LAYOUTS]
+
+
+def _backend(store: tuple[str, dict[str, Any]], kind: str, layout: str, seed: int) -> tuple[Any, Any]:
+    """(the tier as SGLang's factory builds it, its host pool of known bytes)."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    _, host = make_pools(kind, layout)
+    config = storage_config(extra(*store), mla=kind == "mla")
+    backend = StorageBackendFactory.create_backend("dynamic", config, host)
+    backend.register_mem_pool_host(host)
+    fill_known(host, seed)
+    return backend, host
+
+
+@pytest.mark.parametrize(("kind", "layout"), LAYOUTS)
+def test_round_trip_of_known_bytes(store: tuple[str, dict[str, Any]], kind: str, layout: str) -> None:
+    backend, host = _backend(store, kind, layout, seed=7)
+    saved = host.alloc(4 * PAGE)
+    keys = [f"{i:064x}" for i in range(4)]
+    assert backend.batch_set_v1(keys, saved) == [True] * 4
+    assert backend.batch_exists([*keys, f"{99:064x}"]) == 4
+    loaded = host.alloc(4 * PAGE)
+    for i in range(4):
+        assert not torch.equal(page(host, saved, i), page(host, loaded, i))  # the test can fail
+    assert backend.batch_get_v1(keys, loaded) == [True] * 4
+    for i in range(4):
+        assert torch.equal(page(host, saved, i), page(host, loaded, i)), f"page {i}"
+    backend.close()
+
+
+def test_a_partial_hit_counts_the_leading_pages(store: tuple[str, dict[str, Any]]) -> None:
+    backend, host = _backend(store, "mha", "page_first", seed=3)
+    keys = [f"{i:064x}" for i in range(5)]
+    backend.batch_set_v1(keys[:2], host.alloc(2 * PAGE))
+    backend.batch_set_v1(keys[3:], host.alloc(2 * PAGE))
+    assert backend.batch_exists(keys) == 2
+    results = backend.batch_get_v1(keys, host.alloc(5 * PAGE))
+    assert results == [True, True, False, True, True]
+    assert isinstance(results, list)
+    backend.close()
+
+
+def test_a_corrupt_value_is_a_miss_and_never_bytes_in_the_pool(store: tuple[str, dict[str, Any]]) -> None:
+    backend, host = _backend(store, "mha", "layer_first", seed=5)
+    keys = [f"{i:064x}" for i in range(3)]
+    # A value under page 1's key before SGLang saves it: write-once keeps it, whoever wrote it.
+    key = backend.tier.key(keys[1])
+    junk = b"\xab" * (HEADER_BYTES + backend.tier.views.page_bytes)  # the right length, foreign bytes
+    raw = backend.tier.guard.call("put", lambda s: s.put([key], [junk]))
+    assert list(raw) == [True]
+    assert backend.batch_set_v1(keys, host.alloc(3 * PAGE)) == [True] * 3
+    target = host.alloc(3 * PAGE)
+    untouched = page(host, target, 1)
+    assert backend.batch_get_v1(keys, target) == [True, False, True]
+    assert torch.equal(page(host, target, 1), untouched) or not page(host, target, 1).any()
+    assert backend.get_stats()["load_failed_integrity_foreign"] == 1
+    backend.close()
+
+
+def test_the_generic_calls_round_trip_flat_pages(store: tuple[str, dict[str, Any]]) -> None:
+    backend, host = _backend(store, "mha", "page_head", seed=11)
+    saved = host.alloc(2 * PAGE)
+    pages = [host.get_data_page(int(saved[i * PAGE])) for i in range(2)]
+    keys = [f"{i + 50:064x}" for i in range(2)]
+    assert backend.batch_set(keys, pages) is True
+    assert backend.exists(keys[0]) is True
+    got = backend.batch_get(keys, [host.get_dummy_flat_data_page() for _ in keys])
+    assert all(torch.equal(a, b) for a, b in zip(pages, got, strict=True))
+    assert backend.get(f"{99:064x}", host.get_dummy_flat_data_page()) is None
+    # A zero-copy reader never takes a flat (generic) value: another byte order.
+    assert backend.batch_get_v1(keys[:1], host.alloc(PAGE)) == [False]
+    backend.close()
+
+
+def test_a_call_that_raises_inside_the_tier_is_a_miss_never_an_exception(store: tuple[str, dict[str, Any]]) -> None:
+    backend, host = _backend(store, "mha", "page_first", seed=13)
+    keys = [f"{i + 900:064x}" for i in range(3)]
+    one_page = host.alloc(PAGE)  # three keys, one page of slots: the tier cannot pair them
+    assert backend.batch_set_v1(keys, one_page) == [False, False, False]
+    assert backend.batch_get_v1(keys, one_page) == [False, False, False]
+    stats = backend.get_stats()
+    assert stats["batch_set_v1_raised"] == 1 and stats["batch_get_v1_raised"] == 1
+    backend.close()
