@@ -180,7 +180,13 @@ def run_workload(llm: Any) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--connector", action="append", help="a kvconn connector; repeat for several")
+    parser.add_argument(
+        "--connector",
+        action="append",
+        metavar="NAME",
+        help="a kvconn connector: an installed name (see `kvconn list`) or 'pkg.module:Class' for a class that is "
+        "not installed (on vLLM's PYTHONPATH); repeat for several",
+    )
     parser.add_argument("--config", type=json.loads, help="kvconn_config as JSON (several connectors: {name: config})")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--one-run", nargs=2, metavar=("MODEL", "KV_TRANSFER_CONFIG"), help=argparse.SUPPRESS)

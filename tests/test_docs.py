@@ -9,6 +9,8 @@
 * ``toml`` blocks parse; ``text`` blocks (diagrams, listings, synopses) are not code.
 * A block preceded by ``<!-- excerpt -->`` is a fragment: it must still compile
   (python) or parse, but does not run.
+* A ``python`` block preceded by ``<!-- pytest -->`` is a test module: pytest runs
+  it, in a process of its own, and every test in it must pass.
 
 The README's author snippet is also built into a plugin with the README's
 entry-point lines, pip-installed, and validated by name with the real CLI.
@@ -37,7 +39,7 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 KVCONN = Path(sys.executable).parent / "kvconn"
 
 _FENCE = re.compile(r"^```(?P<lang>[\w+-]*)\s*$")
-_MARKER = re.compile(r"^<!--\s*(?P<marker>excerpt|validate:\s*\w+)\s*-->$")
+_MARKER = re.compile(r"^<!--\s*(?P<marker>excerpt|pytest|validate:\s*\w+)\s*-->$")
 _SHELLS = {"sh", "bash", "shell"}
 _LANGUAGES = {"python", "toml", "text", *_SHELLS}
 
@@ -50,7 +52,7 @@ class Block:
     line: int
     lang: str
     code: str
-    marker: str  # "", "excerpt" or "validate: ClassName"
+    marker: str  # "", "excerpt", "pytest" or "validate: ClassName"
 
     @property
     def name(self) -> str:
@@ -113,6 +115,23 @@ def test_python_blocks_run(block: Block, tmp_path: Path, monkeypatch: pytest.Mon
         failures = {r.id: r.message for r in report.results if r.status == "failed"}
         assert report.ok, f"{block.name}: {report.load_error or failures}"
         assert report.passed > 0
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.name) for b in BLOCKS if b.marker == "pytest"])
+def test_pytest_blocks_pass(block: Block, tmp_path: Path) -> None:
+    (tmp_path / f"{block.module}.py").write_text(block.code, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    pytest_args = ["-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), f"{block.module}.py"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *pytest_args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, f"{block.name}:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
 
 
 @pytest.mark.parametrize("block", _blocks("python", excerpts=True))
@@ -372,3 +391,42 @@ def test_a_wrong_name_is_caught(span: str, for_vllm: str, kvconn_code: str) -> N
     assert (problems, wanted) != ([], set())
     if for_vllm:
         assert wanted == {for_vllm} and not problems
+
+
+def test_the_offline_example_help_gives_the_connector_forms_of_the_vllm_guide() -> None:
+    """docs/vllm.md runs examples/vllm_offline.py with a name or "pkg.module:Class": its --help says both."""
+    assert '`"pkg.module:Class"`' in (REPO / "docs" / "vllm.md").read_text(encoding="utf-8")
+    example = REPO / "examples" / "vllm_offline.py"
+    proc = subprocess.run([sys.executable, str(example), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "pkg.module:Class" in proc.stdout and "kvconn list" in proc.stdout
+
+
+def _prose(text: str) -> str:
+    """Docstring or Markdown text as words: Sphinx roles and double backticks as Markdown's code, spaces folded."""
+    return " ".join(re.sub(r":\w+:`~?([^`]+)`", r"`\1`", text).replace("``", "`").split())
+
+
+def test_the_store_contract_in_the_guide_is_the_protocols_word_for_word() -> None:
+    """docs/authoring.md gives the store contract of kvconn/store/protocol.py: each rule of the module's docstring,
+    and each call's signature and docstring. Either changing alone fails here."""
+    import inspect
+
+    from kvconn.store import BlockStore, protocol
+
+    guide = _prose((REPO / "docs" / "authoring.md").read_text(encoding="utf-8"))
+    assert protocol.__doc__ is not None
+    rules = protocol.__doc__[protocol.__doc__.index("\n* ") :].split("\n* ")[1:]
+    assert len(rules) >= 5
+    missing = [rule for rule in map(_prose, rules) if rule not in guide]
+    calls = ("contains", "put", "get", "close")
+    for name in calls:
+        method = getattr(BlockStore, name)
+        signature = inspect.signature(method)
+        params = ", ".join(p for p in signature.parameters if p != "self")
+        entry = _prose(f"`{name}({params}) -> {signature.return_annotation}`: {inspect.getdoc(method)}")
+        if entry not in guide:
+            missing.append(entry)
+    assert not missing, "docs/authoring.md does not give these as kvconn.store.protocol does:\n" + "\n".join(missing)
+    declared = {name for name, _ in inspect.getmembers(BlockStore, inspect.isfunction) if not name.startswith("_")}
+    assert declared == set(calls), "a call of BlockStore the guide does not list"

@@ -158,7 +158,7 @@ def test_dash_h_is_help_everywhere(run_kvconn: RunKvconn, command: str) -> None:
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["validate", "--bogus"], "no such option: --bogus (see 'kvconn validate --help')"),
+        (["validate", "--frobnicate"], "no such option: --frobnicate (see 'kvconn validate --help')"),
         (
             ["simulate", "--connector", "dummy", "--requests", "many"],
             "invalid value for '--requests': Input should be a valid integer, unable to parse string as an "

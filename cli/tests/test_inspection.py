@@ -23,6 +23,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True):
     mode: Literal["sync", "async"] = "sync"
     tags: list[str] = msgspec.field(default_factory=lambda: ["a"])
     timeout: float | None = None
+    secret: Annotated[str, msgspec.Meta(min_length=16, description="A shared secret.")] | None = None
 
 
 @pytest.mark.parametrize(
@@ -43,7 +44,7 @@ def test_type_name(annotation: object, expected: str) -> None:
 
 def test_config_fields_read_types_defaults_docs_and_constraints() -> None:
     fields = {f.name: f for f in config_fields(StoreConfig)}
-    assert list(fields) == ["host", "port", "mode", "tags", "timeout"]
+    assert list(fields) == ["host", "port", "mode", "tags", "timeout", "secret"]
     host, port = fields["host"], fields["port"]
     assert (host.type, host.required, host.default, host.doc) == ("str", True, None, "Store host name.")
     # A documented type alias carries its description and constraints along.
@@ -52,6 +53,9 @@ def test_config_fields_read_types_defaults_docs_and_constraints() -> None:
     assert fields["mode"].type == "Literal['sync', 'async']"
     assert fields["tags"].default == ["a"]  # a default factory's value
     assert (fields["timeout"].type, fields["timeout"].default, fields["timeout"].doc) == ("float | None", None, "")
+    # An optional field documented on its member (as StoreConfig.integrity_secret): the doc is found there.
+    secret = fields["secret"]
+    assert (secret.type, secret.doc, secret.constraints) == ("str | None", "A shared secret.", {"min_length": 16})
 
 
 def test_config_fields_of_no_config() -> None:

@@ -310,6 +310,52 @@ def test_an_in_process_store_is_called_on_the_callers_thread_and_a_raise_still_t
     guard.close()
 
 
+def test_in_process_store_is_the_deprecated_name_of_inline_calls() -> None:
+    """Renamed: too close to KVConnector.in_process_state (where the sides may run), a different setting."""
+    with pytest.warns(DeprecationWarning, match="declare inline_calls = True"):
+
+        class OldName(memory_store.MemoryStoreConnector):
+            in_process_store = True
+
+    assert OldName.inline_calls is True
+    assert memory_store.MemoryStoreConnector.inline_calls is False
+
+
+def test_a_store_connector_gives_each_run_a_namespace_of_its_own(tmp_path: Path) -> None:
+    first, second = (memory_store.MemoryStoreConnector.fresh_store_config("KV045", tmp_path) for _ in range(2))
+    assert first is not None and second is not None
+    assert set(first) == {"namespace"} and first != second and first["namespace"].startswith("KV045-")
+
+
+class _UnreachableTooSlowly(memory_store.MemoryStore):
+    """Raises once unreachable, but only after its client's own timeout, longer than the connector's deadline."""
+
+    down = False
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        if self.down:
+            time.sleep(0.3)
+            raise ConnectionError("timed out")
+        return list(super().contains(keys))
+
+
+def test_the_store_kit_fails_a_store_whose_own_timeout_outlasts_the_deadline() -> None:
+    class Kit(StoreConformance):
+        deadline_s = 0.1
+
+        def make_store(self) -> BlockStore:
+            return _UnreachableTooSlowly(f"too-slow-{random.random()}")
+
+        def make_unreachable(self, store: BlockStore) -> None:
+            assert isinstance(store, _UnreachableTooSlowly)
+            store.down = True
+
+    kit = Kit()
+    store = kit.make_store()
+    with pytest.raises(AssertionError, match=r"contains\(\) on an unreachable store raised after 0\.\d+ s, past"):
+        kit.test_an_unreachable_store_raises_in_bounded_time(store)
+
+
 def test_store_stats_report_degraded_events_by_reason_and_the_scheduler_side_reports_its_own() -> None:
     from kvconn.connector import KVConnector
     from kvconn.store import StoreConnector

@@ -482,6 +482,32 @@ def test_kvconn_validate_engine_vllm_runs_the_checks_through_vllm() -> None:
     assert "load_error" not in report
 
 
+def test_kvconn_validate_engine_vllm_prints_the_report_and_a_handful_of_lines_besides() -> None:
+    """Every engine the driver builds logs vLLM's start-up warnings (about 45 lines a run): counted, shown with -v."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    kvconn = shutil.which("kvconn", path=str(Path(sys.executable).parent))
+    assert kvconn is not None, "kvconn-cli is not installed in the vLLM venv"
+    experimental = "Initializing KVConnectorBase_V1"
+
+    def validate(*flags: str) -> subprocess.CompletedProcess[str]:
+        args = [kvconn, "validate", "dummy", "--engine", "vllm", "--check", "KV01*", *flags]
+        result = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result
+
+    quiet = validate()
+    assert "dummy: ok" in quiet.stdout
+    lines = quiet.stderr.splitlines()
+    assert len(lines) <= 4, quiet.stderr
+    assert experimental not in quiet.stderr and len(lines) == len(set(lines))
+    assert "-v shows them" in lines[-1]
+    assert validate("-v").stderr.count(experimental) > 1  # once per engine built: everything is there with -v
+
+
 @pytest.mark.usefixtures("runner")
 def test_a_scheduler_only_connector_sends_workers_nothing(
     test_connectors: str, caplog: pytest.LogCaptureFixture

@@ -11,7 +11,9 @@ broken with a one-line reason; it never takes the command down.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import operator
 import sys
 import types
 import typing
@@ -254,10 +256,17 @@ def config_fields(config_type: type) -> list[ConfigField]:
 
 
 def _unwrap_annotated(tp: Any) -> tuple[Any, list[msgspec.Meta]]:
+    """``tp`` without its ``Annotated`` layers, and their Metas; also inside an optional field's union
+    (``Annotated[str, Meta(...)] | None``: the description sits on the member, since msgspec refuses a
+    length constraint on the union)."""
     metas: list[msgspec.Meta] = []
     while typing.get_origin(tp) is typing.Annotated:
         metas.extend(m for m in tp.__metadata__ if isinstance(m, msgspec.Meta))
         tp = tp.__origin__
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        members = [_unwrap_annotated(member) for member in typing.get_args(tp)]
+        metas.extend(meta for _, member_metas in members for meta in member_metas)
+        tp = functools.reduce(operator.or_, (member for member, _ in members))
     return tp, metas
 
 

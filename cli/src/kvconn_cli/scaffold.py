@@ -31,8 +31,8 @@ _STORE = {"store_init.py.tmpl": "src/${package}/__init__.py", "store_test_store.
 _HOOKS = {"__init__.py.tmpl": "src/${package}/__init__.py"}
 _README_LAYOUT = {
     False: "`${prefix}Store` (four batched calls) is what moves bytes and `${prefix}Connector`, a "
-    "`kvconn.store.StoreConnector`, does the rest; replace the in-process dict with your store's client. "
-    "`tests/test_store.py` checks the store contract",
+    "`kvconn.store.StoreConnector`, does the rest; as generated the store is a directory of files, replace it "
+    "with your store's client. `tests/test_store.py` checks the store contract",
     True: "`${prefix}Connector` declares it, `${prefix}Scheduler` and `${prefix}Worker` (its `scheduler_side` and "
     "`worker_side`) implement the hooks of each role. It already finds the blocks each step fills, resolves only "
     "those requests' tables, sends the workers the blocks to save and load, and tracks requests; fill in the TODOs "

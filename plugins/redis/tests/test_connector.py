@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -94,13 +95,19 @@ def test_corrupt_or_foreign_values_never_load(server: RedisServer, expected: lis
     assert engine.stats.failed_load_blocks > 0
 
 
-def test_kvconn_validate_redis(server: RedisServer) -> None:
+def test_kvconn_validate_redis_twice_on_one_server_leaves_nothing_behind(server: RedisServer, tmp_path: Path) -> None:
+    """The connector declares a fresh store per run (StoreConnector's namespace): a second plain validate against
+    the same server stays green (KV045), and neither run leaves a file in the temporary directory."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     kvconn = [sys.executable, "-m", "kvconn_cli", "validate", "redis"]
-    factory = ["--config-factory", "kvconn_redis:fresh_namespace"]
-    env = {**os.environ, "KVCONN_REDIS_URL": server.url}
-    proc = subprocess.run([*kvconn, *factory], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "redis: ok" in proc.stdout
+    env = {**os.environ, "KVCONN_REDIS_URL": server.url, "TMPDIR": str(temp)}
+    for attempt in ("first", "second"):
+        proc = subprocess.run(kvconn, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, f"{attempt} run: {proc.stdout}{proc.stderr}"
+        assert "redis: ok" in proc.stdout and " 0 failed" in proc.stdout
+        assert not list(temp.iterdir()), f"the {attempt} run left {sorted(p.name for p in temp.iterdir())}"
+    assert server.client().dbsize() > 0  # both runs stored blocks there: the namespace kept them apart
 
 
 def test_a_server_down_at_start_is_used_once_it_is_up(expected: list[list[int]]) -> None:

@@ -14,7 +14,7 @@ from redis_server import RedisServer
 
 from kvconn.store import BlockStore
 from kvconn.testing.store_conformance import StoreConformance
-from kvconn_redis import RedisStore
+from kvconn_redis import RedisConfig, RedisStore, client
 
 
 class TestRedisStore(StoreConformance):
@@ -25,7 +25,7 @@ class TestRedisStore(StoreConformance):
         self.server.stop()
 
     def make_store(self) -> BlockStore:
-        return RedisStore(redis.Redis(port=self.server.port, socket_timeout=1.0, socket_connect_timeout=1.0))
+        return RedisStore(client(self.server.url, RedisConfig().socket_timeout_s))  # as the connector opens it
 
     def make_unreachable(self, store: BlockStore) -> None:
         self.server.signal(signal.SIGSTOP)  # a stalled server: calls must time out and raise

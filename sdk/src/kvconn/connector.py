@@ -11,7 +11,9 @@ objects it declares per role (``scheduler_side`` / ``worker_side``, below).
 from __future__ import annotations
 
 import enum
-from typing import ClassVar
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -86,6 +88,21 @@ class KVConnector:
         #: This role's side, built as ``Side(config, context)``: the object registered as the
         #: pluggy plugin in place of the connector. ``None`` when the connector is its own hooks.
         self.side: object | None = build_side(type(self), self.role.value, self.config, self.context)
+
+    @classmethod
+    def fresh_store_config(cls, run: str, directory: Path) -> Mapping[str, Any] | None:
+        """Config fields giving one conformance run (``kvconn validate``, ``ConnectorConformance``) a store of its own.
+
+        A store that outlives the connector's instances (files, a server, a
+        process-wide dict) would carry one run's blocks into the next and into
+        the next ``kvconn validate`` (KV045): override this to answer, for the
+        run named ``run``, the fields that point the connector at an empty
+        store (a fresh namespace; a database file under ``directory``, a
+        directory the suite creates for this run and removes afterwards). They
+        are laid over the config under test. ``None`` (the default): instances
+        share nothing that outlives them.
+        """
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(role={self.role.value})"

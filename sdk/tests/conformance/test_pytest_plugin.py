@@ -85,3 +85,27 @@ def test_config_factory_gives_each_run_its_own_config(
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly")
     result.assert_outcomes(passed=2 * len(list_checks()) + 1)
+
+
+def test_config_factory_gets_a_directory_per_run_removed_after_the_class(pytester: pytest.Pytester) -> None:
+    """As pytest's tmp_path: each run's directory is empty and its own, and none is left once the class ends."""
+    pytester.makepyfile(
+        """
+        from kvconn.testing import ConnectorConformance
+
+        DIRECTORIES = []
+
+        class TestStore(ConnectorConformance):
+            connector = "kvconn.testing.memory_connector:MemoryConnector"
+
+            def config_factory(self, run, directory):
+                assert directory.is_dir() and not any(directory.iterdir()) and directory not in DIRECTORIES
+                DIRECTORIES.append(directory)
+                return {"store": str(directory)}
+
+        def test_the_directories_are_gone():
+            assert len(DIRECTORIES) > 10 and not [d for d in DIRECTORIES if d.parent.exists()]
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly")
+    result.assert_outcomes(passed=len(list_checks()) + 1)

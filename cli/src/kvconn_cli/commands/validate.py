@@ -62,8 +62,9 @@ def validate(
         typer.Option(
             "--config-factory",
             metavar="PKG.MOD:FUNCTION",
-            help="A function run(name) -> config called for each scenario and data run: a fresh store namespace "
-            "per run for a connector whose store outlives its instances (and the lost-blocks part of KV041).",
+            help="A function f(run) or f(run, directory) -> config, called for each scenario and data run in place "
+            "of the connector's own fresh_store_config: a fresh store per run for a connector whose store outlives "
+            "its instances (and the lost-blocks part of KV041); directory is the run's own, removed afterwards.",
         ),
     ] = None,
     check: Annotated[
@@ -77,6 +78,15 @@ def validate(
         Path | None, typer.Option("--junit", metavar="FILE", help="Also write the results as JUnit XML to this file.")
     ] = None,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and debug logs.")] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="Show every log line as it comes, the engines' own (vLLM, torch) included; without it each "
+            "distinct warning is shown once, counted, after the report.",
+        ),
+    ] = False,
     engine: Annotated[Driver, typer.Option("--engine", help="The engine that drives the checks.")] = Driver.reference,
     vllm_connectors: Annotated[
         list[str] | None,
@@ -98,12 +108,12 @@ def validate(
     from ..errors import EXIT_FAILURE
     from ..inspection import plugin_output_to_stderr
     from ..junit import check_writable, write_junit
-    from ..logs import configure_logging, debug_from_env
+    from ..logs import WarningSummary, configure_logging, debug_from_env
     from ..output import err_console, print_json, print_traceback
     from ..validation import check_vllm_connectors, preflight, resolve_targets, select_checks
 
     debug = debug or debug_from_env()
-    configure_logging(debug)
+    configure_logging(debug, verbose=verbose)
     config_map = read_config(config, config_file)
     native = check_vllm_connectors(vllm_connectors or [], engine.value, config_factory)
     with plugin_output_to_stderr():  # the factory's module is the author's code: its prints must not reach --json
@@ -118,9 +128,13 @@ def validate(
         for problem in problems.values():
             print_traceback(problem.error)
 
+    summary = None if debug or verbose else WarningSummary().install()
+
     def run(target: str, on_result: Callable[[CheckResult], None]) -> ConnectorReport:
         if target in problems:  # known not to load: report it without importing it again
             return ConnectorReport(name=target, results=[], load_error=problems[target].message)
+        if summary is not None:
+            on_result = summary.attributing(on_result)
         if target.startswith(NATIVE_PREFIX):
             native = target.removeprefix(NATIVE_PREFIX)
             return _run_through(*_ADAPTER_RUNS["native"], native, config_map, check, on_result, debug)
@@ -128,14 +142,18 @@ def validate(
             return _run_through(*_ADAPTER_RUNS["sglang"], target, config_map, check, on_result, debug)
         return _run_one(target, config_map, factory, check, engine.value, on_result, debug)
 
-    with plugin_output_to_stderr():
-        reports = _run_with_progress(err_console(), targets, num_checks, run)
-    if junit is not None:
-        write_junit(reports, junit)
-    if as_json:
-        print_json({"connectors": [r.to_dict() for r in reports]})
-    else:
-        _render(reports, debug_hint=bool(problems) and not debug)
+    try:
+        with plugin_output_to_stderr():
+            reports = _run_with_progress(err_console(), targets, num_checks, run)
+        if junit is not None:
+            write_junit(reports, junit)
+        if as_json:
+            print_json({"connectors": [r.to_dict() for r in reports]})
+        else:
+            _render(reports, debug_hint=bool(problems) and not debug)
+    finally:
+        if summary is not None:
+            summary.report()
     if not all(r.ok for r in reports):
         raise typer.Exit(EXIT_FAILURE)
 
@@ -294,7 +312,8 @@ def _render(reports: Sequence[ConnectorReport], *, debug_hint: bool) -> None:
                 # a check skipped because a check it depends on failed: the root cause is the failure above
                 status = "not run" if r.message.startswith(NOT_RUN) else r.status
                 style = _STYLE.get(status, "")
-                message = r.message.replace("; fix: ", "\nfix: ")  # observed, then how to fix, on its own line
+                # observed, then how to fix on a line of its own; the "; " stays for plain columns, which join lines
+                message = r.message.replace("; fix: ", ";\nfix: ")
                 table.add_row(escape(r.id), escape(r.name), f"[{style}]{status}[/]", escape(message))
             print_table(table)
         for line in report.notes:

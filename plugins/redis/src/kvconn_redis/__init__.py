@@ -9,10 +9,12 @@ from typing import Annotated
 
 import msgspec
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from kvconn.store import BlockStore, StoreConfig, StoreConnector
 
-__all__ = ["DEFAULT_URL", "RedisConfig", "RedisConnector", "RedisStore", "fresh_namespace"]
+__all__ = ["DEFAULT_URL", "RedisConfig", "RedisConnector", "RedisStore", "client", "fresh_namespace"]
 
 #: The server when neither the config nor ``KVCONN_REDIS_URL`` names one (Valkey speaks the same protocol).
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -25,7 +27,12 @@ class RedisConfig(StoreConfig, kw_only=True):
         msgspec.field(default_factory=lambda: os.environ.get("KVCONN_REDIS_URL", DEFAULT_URL))
     )
     socket_timeout_s: Annotated[
-        float, msgspec.Meta(description="a call waiting longer on the socket raises (the store is then off)", gt=0)
+        float,
+        msgspec.Meta(
+            description="a call waiting longer on the socket raises (the store is then off); keep it below "
+            "timeout_s, so that the client, not the deadline, ends a call to a stalled server",
+            gt=0,
+        ),
     ] = 1.0
 
 
@@ -89,9 +96,16 @@ class RedisConnector(StoreConnector):
     config: RedisConfig
 
     def open_store(self) -> BlockStore:
-        timeout = self.config.socket_timeout_s
-        client = redis.Redis.from_url(self.config.url, socket_timeout=timeout, socket_connect_timeout=timeout)
-        return RedisStore(client)
+        return RedisStore(client(self.config.url, self.config.socket_timeout_s))
+
+
+def client(url: str, socket_timeout_s: float) -> redis.Redis:
+    """A client whose every call raises within ``socket_timeout_s``: no retries (redis-py's default retries a
+    timed-out call with backoff, 15 s in all for a 1 s timeout, far past the deadline); after a failed call the
+    connector probes the server again itself."""
+    return redis.Redis.from_url(
+        url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s, retry=Retry(NoBackoff(), 0)
+    )
 
 
 def _set_nx(connection: redis.Connection, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[bool]:

@@ -11,7 +11,7 @@ built, else by the first call), so a store that cannot be reached at start-up
 is the same "down" case, retried in the background.
 
 A store declared in-process (``inline``: its calls do no I/O and never wait,
-:attr:`kvconn.store.StoreConnector.in_process_store`) is called on the
+:attr:`kvconn.store.StoreConnector.inline_calls`) is called on the
 caller's thread instead: no hand-off, which costs a thread switch per call
 (milliseconds on a loaded machine), and no deadline, which such a store never
 needs. A call that raises still trips it.

@@ -6,15 +6,27 @@ blocks, when, namespacing, integrity, deadlines, a store that is down) is
 :class:`~kvconn.store.StoreConnector`'s. The calls are batched because every
 step moves many blocks and a remote store pays per round trip.
 
-Contract (checked by :class:`kvconn.testing.StoreConformance`):
+The contract (docs/authoring.md gives it word for word: tests/test_docs.py
+checks that the two agree; :class:`kvconn.testing.StoreConformance` checks a
+store against it):
 
-* a value may disappear at any time (eviction, a restart): ``contains`` and
-  ``get`` then say it is missing, never raise for it;
-* ``put`` is write-once: a key that is stored keeps its first value;
-* a store that cannot answer (down, unreachable, too slow for its own
-  timeout) **raises**; it never answers "missing" for "don't know" and never
-  hangs without bound. The connector puts a deadline on every call anyway.
-* calls may come from several threads at once.
+* Keys and values are bytes. Every call is batched: one answer per key, in
+  the order asked (an empty batch answers an empty list).
+* A value may disappear at any time (eviction, a restart): ``contains`` and
+  ``get`` then say it is missing, never raise for it.
+* ``put`` is write-once: a key that is stored keeps its first value.
+* Calls may come from several threads at once. The scheduler and each worker
+  open a store of their own, usually in other processes: they meet only
+  through what the store holds, so a value ``put`` by one is seen by the
+  others' ``contains`` and ``get`` once the ``put`` has returned.
+* A store that cannot answer (down, unreachable, too slow for its own
+  timeout) **raises** (any ``Exception``); it never answers "missing" for
+  "don't know" and never hangs without bound. A full store is not that: it
+  refuses the keys it cannot hold (``put`` answers ``False``).
+* The connector puts a deadline on every call anyway (``timeout_s``); give
+  the client a timeout of its own shorter than it, so that a call to a
+  stalled server ends by raising rather than holding a store thread past the
+  deadline.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ storage connector must get right (lookups, saves on the step that fills a
 block, async loads, the integrity check, cool-down of failed blocks, delayed
 frees until saves land) is the code every store connector runs. Loads are
 sync unless ``load_async``. The store is a dict in this process, so it is
-called inline (:attr:`~kvconn.store.StoreConnector.in_process_store`): no
+called inline (:attr:`~kvconn.store.StoreConnector.inline_calls`): no
 hand-off to a store thread, no deadline; and it writes values from parts, so
 saves read the KV caches in place.
 
@@ -75,7 +75,7 @@ class MemoryConnector(MemoryStoreConnector):
     """:class:`~kvconn.testing.memory_store.MemoryStoreConnector` with the faults of :class:`MemoryConfig`."""
 
     Config = MemoryConfig
-    in_process_store = True
+    inline_calls = True
     worker_side = "kvconn.testing.memory_worker:MemoryWorker"  # imports torch: only where a worker is built
     config: MemoryConfig
 

@@ -15,6 +15,7 @@ apply to the connector is skipped with the reason.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -65,23 +66,36 @@ class ConnectorConformance:
     """Subclass with ``connector = "name"`` to get every conformance check as a test.
 
     ``config`` is the connector's config (its defaults when ``None``);
-    ``driver`` names the scheduler driver (``"reference"``). Override
-    :meth:`config_factory` to give each scenario and data run a config of its
-    own, e.g. a fresh directory or namespace for a store that persists.
+    ``driver`` names the scheduler driver (``"reference"``). A connector whose
+    store persists declares ``fresh_store_config`` and every run gets a fresh
+    store; override :meth:`config_factory` to choose each scenario's and data
+    run's config here instead. The run directories are removed when the
+    class's tests end.
     """
 
     connector: ClassVar[str]
     config: ClassVar[Mapping[str, Any] | None] = None
     driver: ClassVar[str] = "reference"
 
-    def config_factory(self, run: str) -> Mapping[str, Any] | None:
+    def config_factory(self, run: str, directory: Path) -> Mapping[str, Any] | None:
         """The config for the scenario or data run named ``run`` (called once per run): ``config`` by default.
 
         Every run already gets new connector instances; a store that outlives
         them (files, a server) must not carry blocks from one run into the
-        next (KV045), so return a fresh namespace for each ``run``.
+        next (KV045), so return a fresh store for each ``run``: a namespace,
+        or files under ``directory`` (empty, the run's own, removed with the
+        session, as pytest's ``tmp_path``). An override taking ``run`` alone
+        still works.
         """
         return type(self).config
+
+    @pytest.fixture(scope="class", autouse=True)
+    def _kvconn_close_session(self) -> Iterator[None]:
+        """Close the class's session after its last test: its run directories go with it."""
+        yield
+        session = _SESSIONS.pop(type(self), None)
+        if isinstance(session, Session):
+            session.close()
 
     @pytest.mark.parametrize("kvconn_check", _CHECKS, ids=[f"{c.id}-{c.name}" for c in _CHECKS])
     def test_conformance(self, kvconn_check: Check) -> None:

@@ -8,20 +8,24 @@ Subclass it in one line in a test module, defining how to open a fresh store::
 
 Every check says what the store did and how to fix it. Override
 :meth:`make_unreachable` to also check that a store that cannot answer raises
-(rather than answering "missing" or hanging). ``kvconn validate`` runs the
-connector checks on top.
+(rather than answering "missing" or hanging), and does so within the
+connector's deadline (``deadline_s``: the ``timeout_s`` the store runs under).
+``kvconn validate`` runs the connector checks on top.
 """
 
 from __future__ import annotations
 
 import itertools
+import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
-from ..store import BlockStore, PartsStore, ScatterStore
+from ..store import BlockStore, PartsStore, ScatterStore, StoreConfig
 
 __all__ = ["StoreConformance"]
 
@@ -34,13 +38,32 @@ class StoreConformance:
 
     #: bytes per test value
     value_size = 4096
+    #: The connector's deadline of one store call (``timeout_s`` of the config the store runs under): a call on
+    #: an unreachable store must raise sooner, so that its own timeout (a socket's, a lock's), not the deadline,
+    #: ends it and frees the store thread.
+    deadline_s: float = StoreConfig().timeout_s
 
     def make_store(self) -> BlockStore:
         raise NotImplementedError("define make_store(self) -> BlockStore in your StoreConformance subclass")
 
     def make_unreachable(self, store: BlockStore) -> None:
-        """Make ``store`` unable to answer (stop its server, say); the default skips the error checks."""
+        """Make ``store``, holding values already, unable to answer; the default skips the error checks.
+
+        Stop its server, close its connection or point its client where nothing answers: afterwards every
+        ``contains``, ``put`` and ``get`` on ``store`` must raise within :attr:`deadline_s`. Whatever it
+        changes is the test's: ``store.close()`` still follows (it may raise nothing or anything).
+        """
         pytest.skip("define make_unreachable(self, store) to check how the store fails (errors and timeouts)")
+
+    #: An empty directory of the running test's own, removed after it (``tmp_path`` without pytest's
+    #: kept base directories): where a store in files keeps them, so that a test run leaves nothing behind.
+    directory: Path
+
+    @pytest.fixture(autouse=True)
+    def _kvconn_directory(self) -> Iterator[None]:
+        with tempfile.TemporaryDirectory(prefix="kvconn-store-") as directory:
+            self.directory = Path(directory)
+            yield
 
     @pytest.fixture
     def store(self) -> Iterator[BlockStore]:
@@ -178,12 +201,19 @@ class StoreConformance:
         ):
             outcome: list[object] = []
             thread = threading.Thread(target=_catch, args=(call, outcome), daemon=True)
+            started = time.monotonic()
             thread.start()
             thread.join(HUNG_AFTER_S)
+            took = time.monotonic() - started
             assert outcome, f"{name}() on an unreachable store hung: give the client a socket/operation timeout"
             assert isinstance(outcome[0], Exception), (
                 f"{name}() on an unreachable store answered {outcome[0]!r}: it must raise (the connector then "
                 "degrades); answering 'missing' hides an outage"
+            )
+            assert took < self.deadline_s, (
+                f"{name}() on an unreachable store raised after {took:.2f} s, past the connector's deadline "
+                f"(deadline_s = timeout_s = {self.deadline_s} s): give the client a timeout shorter than timeout_s "
+                "(a call past the deadline keeps a store thread until its own timeout ends it)"
             )
 
 

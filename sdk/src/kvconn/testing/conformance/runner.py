@@ -53,10 +53,12 @@ def run_conformance(
         on_result: called with each result as soon as it is known (progress).
         driver: the scheduler driver (``"reference"``, or one registered
             with :func:`~.driver.register_driver`).
-        config_factory: called with each scenario's and data run's name for
-            that run's config (``config`` when ``None``): give a connector whose
-            store outlives its instances (files, a server) a fresh namespace
-            per run.
+        config_factory: called with each scenario's and data run's name (and,
+            when it takes a second argument, a directory of the run's own,
+            removed when the run ends) for that run's config; ``None``: the
+            connector's ``fresh_store_config`` over ``config`` when it declares
+            one, else ``config``. Gives a connector whose store outlives its
+            instances (files, a server) a fresh store per run.
 
     Never raises for anything the connector does: a connector that cannot be
     loaded gives a report with ``load_error`` set and no results; a check that
@@ -65,7 +67,10 @@ def run_conformance(
     session = open_session(connector, config, driver, config_factory)
     if isinstance(session, str):
         return ConnectorReport(connector, [], load_error=session)
-    return run_session(session, select=select, on_result=on_result)
+    try:
+        return run_session(session, select=select, on_result=on_result)
+    finally:
+        session.close()
 
 
 def run_session(

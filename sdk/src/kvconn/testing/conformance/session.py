@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+import tempfile
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 from ..._plugins.registry import build_config, connector_roles, load_connector_class
+from ...connector import KVConnector
 from ...errors import BlockStateSerializationError, ConnectorConfigError, ConnectorError, WireError
 from ...host import BadHookAnswer
 from ...store import StoreConnector
@@ -20,8 +24,9 @@ T = TypeVar("T")
 
 #: The check that reports a connector that does not configure with no config.
 CONFIG_DEFAULTS_CHECK = "KV004"
-#: Called with the name of each scenario or data run; returns the config of the connector for that run.
-ConfigFactory = Callable[[str], Mapping[str, Any] | None]
+#: Called with the name of each scenario or data run, and (when it takes a second argument) a directory of that
+#: run's own that the suite removes afterwards; returns the connector's config for that run.
+ConfigFactory = Callable[..., Mapping[str, Any] | None]
 
 METADATA_FIX = (
     "build metadata from plain data only, as an instance of your Metadata class (a KVConnectorMetadata Struct): "
@@ -73,14 +78,20 @@ class Session:
     scenario reports it; later checks meeting one are not run.
 
     ``config_factory``, when given, is called with each scenario's (or data
-    run's) name for that run's config: a connector with a persistent store
-    gets a fresh namespace for every run. ``config`` serves everything else.
+    run's) name (and a directory of the run's own, when it takes two
+    arguments) for that run's config: a connector with a persistent store
+    gets a fresh namespace for every run. Without one, the connector's own
+    ``fresh_store_config`` (laid over ``config``) serves, when it declares one.
+    ``config`` serves everything else. The run directories live in one
+    temporary directory that :meth:`close` removes.
     """
 
     #: Whether every data run must load something (a kvconn plugin that saves and loads reuses any shared full
     #: block); a vLLM connector may reuse only whole prompts (``ExampleConnector``), so its runs that claim
     #: nothing are judged on their tokens alone, and a round trip must still load.
     every_data_run_loads = True
+    #: Holds the run directories, made on the first one (a class default: subclasses need not set it).
+    _workdir: tempfile.TemporaryDirectory[str] | None = None
 
     def __init__(
         self,
@@ -91,10 +102,10 @@ class Session:
     ) -> None:
         self.connector = connector
         self.config = dict(config) if config is not None else None
-        self.config_factory = config_factory
         self.driver_name = driver
         self.factory: DriverFactory = get_driver(driver)
         self.cls = load_connector_class(connector)
+        self.config_factory = config_factory if config_factory is not None else self._declared_factory()
         #: Why the connector does not configure with no config (KV004 reports it; the other checks skip).
         self.config_error: str | None = None
         try:
@@ -125,8 +136,35 @@ class Session:
         """The connector's config for the scenario or data run named ``run``."""
         if self.config_factory is None:
             return self.config
-        config = self.config_factory(run)
+        factory = self.config_factory
+        takes_directory = len(inspect.signature(factory).parameters) >= 2
+        config = factory(run, self.run_directory(run)) if takes_directory else factory(run)
         return dict(config) if config is not None else None
+
+    def run_directory(self, run: str) -> Path:
+        """A new, empty directory for ``run`` under the session's temporary directory (removed by :meth:`close`)."""
+        if self._workdir is None:
+            self._workdir = tempfile.TemporaryDirectory(prefix="kvconn-conformance-")
+        return Path(tempfile.mkdtemp(prefix=f"{run}-", dir=self._workdir.name))
+
+    def close(self) -> None:
+        """Remove the run directories (a store the connector kept there goes with them)."""
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
+
+    def _declared_factory(self) -> ConfigFactory | None:
+        """The connector's ``fresh_store_config`` laid over ``config``, when the connector declares one."""
+        declared = getattr(self.cls, "fresh_store_config", None)
+        inherited = KVConnector.fresh_store_config.__func__  # type: ignore[attr-defined]
+        if declared is None or getattr(declared, "__func__", None) is inherited:  # declared by no class but the base
+            return None
+
+        def fresh(run: str, directory: Path) -> dict[str, Any] | None:
+            fields = declared(run, directory)
+            return self.config if fields is None else {**(self.config or {}), **fields}
+
+        return fresh
 
     def _play(self, scenario: Scenario) -> Trace:
         return self.memo(

@@ -312,9 +312,10 @@ def freed_blocks(session: Session) -> None:
 @check(
     "KV045",
     "fresh-store",
-    fix="give every run a store of its own: a namespace (or directory) from the config, and a config factory "
-    "returning a fresh one per run: kvconn validate --config-factory pkg.mod:function, or in pytest override "
-    "ConnectorConformance.config_factory(run)",
+    fix="give every run a store of its own: a namespace (or directory) from the config, and a fresh one per run "
+    "from the connector's fresh_store_config(run, directory) classmethod (a StoreConnector has one), or a config "
+    "factory: kvconn validate --config-factory pkg.mod:function, or in pytest override "
+    "ConnectorConformance.config_factory(run, directory)",
     **UNTIDY_DATA_CHECK,
 )
 def fresh_store(session: Session) -> None:

@@ -226,6 +226,8 @@ def config_defaults(session: Session) -> None:
 
     Catches required config fields and defaults that fail at start-up: engines
     and ``kvconn validate`` load a connector by name first, with no options.
+    With a fresh-store factory the instances start on the factory's store once
+    the defaults configure, so that validating never writes the default store.
     """
     try:
         config = build_config(session.cls, None, name=session.connector)
@@ -242,8 +244,9 @@ def config_defaults(session: Session) -> None:
             f"connector {session.connector} needs option{'s' if len(required) > 1 else ''} {options}; give "
             f"{default} (engines load connectors with no options){or_pass}"
         ) from None
+    start = None if session.config_factory is not None else config  # None: on the run's store (_instantiate)
     for role in connector_roles(session.cls):
-        instance = _instantiate(session, role, config)
+        instance = _instantiate(session, role, start)
         shutdown = getattr(hook_object(instance), "shutdown", None)
         if callable(shutdown):
             shutdown()
@@ -292,7 +295,9 @@ def _expect_rejected(cls: type, name: str, config: dict[str, Any], what: str) ->
 
 def _instantiate(session: Session, role: KVConnectorRole, config: Any = None) -> Any:
     cls = session.cls
-    config = config if config is not None else build_config(cls, session.config, name=session.connector)
+    if config is None:  # with a fresh-store factory, a store of its own: checks never write the default store
+        start = session.memo("config:start", lambda: session.config_for("start"))  # one run: asked for once
+        config = build_config(cls, start, name=session.connector)
     try:
         return cls(config, role=role, context=ConnectorContext())
     except Exception as exc:
