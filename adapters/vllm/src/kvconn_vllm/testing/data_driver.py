@@ -31,7 +31,7 @@ from typing import Any
 from kvconn.host import CallOutcome, LoadPlan
 from kvconn.reference.model import ReferenceModel, adapter_seed, position_weights, prefix_hashes
 from kvconn.reference.stats import EngineStats
-from kvconn.testing.conformance.driver import DriverSpec, StepRecord
+from kvconn.testing.conformance.driver import NO_KEYS, DriverSpec, RequestKeys, StepRecord
 from kvconn.testing.conformance.failures import FailureMode, watch_data_run
 
 from .driver import VllmDriver
@@ -170,18 +170,10 @@ class DataRunMethods:
         start = request.num_computed_tokens
         self.stats.prompt_tokens_loaded += max(0, min(start + tokens, len(request.prompt_token_ids)) - start)
 
-    def add_request(
-        self,
-        req_id: str,
-        prompt: Sequence[int],
-        max_tokens: int,
-        *,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-    ) -> None:
-        keys = {"adapter": adapter, "cache_salt": cache_salt}
-        request = self._requests[req_id] = make_request(req_id, prompt, max_tokens, self.block_size, **keys)
+    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int, keys: RequestKeys = NO_KEYS) -> None:
+        request = make_request(req_id, prompt, max_tokens, self.block_size, **keys._asdict())
         self.scheduler.add_request(request)
+        self._requests[req_id] = request
 
     def step(self, *, withhold: Iterable[str] = ()) -> StepRecord:
         self._loaded = {}

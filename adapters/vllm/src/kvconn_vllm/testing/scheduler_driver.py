@@ -13,6 +13,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from kvconn.block_state import BlockIds
+from kvconn.testing.conformance.driver import NO_KEYS, RequestKeys
 
 __all__ = ["Built", "VllmSchedulerMethods"]
 
@@ -33,19 +34,10 @@ class VllmSchedulerMethods:
     _built: Built | None
     _withhold: frozenset[str]
 
-    def add_request(
-        self,
-        req_id: str,
-        prompt: Sequence[int],
-        max_tokens: int,
-        *,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-    ) -> None:
+    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int, keys: RequestKeys = NO_KEYS) -> None:
         from .harness import make_request
 
-        request = make_request(req_id, prompt, max_tokens, self.block_size, adapter=adapter, cache_salt=cache_salt)
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(make_request(req_id, prompt, max_tokens, self.block_size, **keys._asdict()))
 
     def abort(self, req_id: str) -> None:
         from vllm.v1.request import RequestStatus

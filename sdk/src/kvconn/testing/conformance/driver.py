@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from ...block_state import BlockIds, KVConnectorBlockState
 from ...errors import ConnectorLoadError
@@ -33,6 +33,8 @@ __all__ = [
     "StepRecord",
     "available_drivers",
     "HandedTable",
+    "NO_KEYS",
+    "RequestKeys",
     "freeze",
     "get_driver",
     "mutated_tables",
@@ -101,27 +103,29 @@ class StepRecord:
         return self.output.step
 
 
+class RequestKeys(NamedTuple):
+    """What a request adds to its block hashes as vLLM's extra keys (:func:`kvconn.hashing.block_extra_keys`).
+
+    ``adapter``: the LoRA adapter it runs under (its KV differs); ``cache_salt``: its tenant (its cached
+    prefixes are its own).
+    """
+
+    adapter: str | None = None
+    cache_salt: str | None = None
+
+
+#: A request with no adapter and no tenant.
+NO_KEYS = RequestKeys()
+
+
 class SchedulerDriver(Protocol):
     """One engine with the connector under test loaded (see the package docstring)."""
 
     block_size: int
     num_blocks: int
 
-    def add_request(
-        self,
-        req_id: str,
-        prompt: Sequence[int],
-        max_tokens: int,
-        *,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-    ) -> None:
-        """Queue a request (it is scheduled on a later ``step``).
-
-        ``adapter`` and ``cache_salt`` go into its block hashes as vLLM's extra keys
-        (:func:`kvconn.hashing.block_extra_keys`); a driver whose engine has neither raises
-        :class:`ScenarioUnsupported` for a request that names one.
-        """
+    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int, keys: RequestKeys = NO_KEYS) -> None:
+        """Queue a request (it is scheduled on a later ``step``); ``keys``: its adapter and tenant."""
 
     def abort(self, req_id: str) -> None:
         """Abort a request, waiting or running; the connector's ``request_finished`` follows."""

@@ -24,7 +24,17 @@ from ...reference.request import Request
 from ...reference.stats import EngineStats
 from ..utils import assert_scheduler_empty
 from .diagnose import Awaited
-from .driver import DriverSpec, HandedTable, StepRecord, freeze, mutated_tables, observe_block_state, tracked_by_role
+from .driver import (
+    NO_KEYS,
+    DriverSpec,
+    HandedTable,
+    RequestKeys,
+    StepRecord,
+    freeze,
+    mutated_tables,
+    observe_block_state,
+    tracked_by_role,
+)
 from .failures import FailureMode, watch_data_run
 from .kv_audit import LoadedBlock, audit_load, freed_value
 from .worker_process import WorkerProcess
@@ -319,18 +329,8 @@ class ReferenceDriver:
 
     # ---------------------------------------------------------------- protocol
 
-    def add_request(
-        self,
-        req_id: str,
-        prompt: Sequence[int],
-        max_tokens: int,
-        *,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-    ) -> None:
-        self.requests[req_id] = self.engine.add_request(
-            prompt, max_tokens, request_id=req_id, adapter=adapter, cache_salt=cache_salt
-        )
+    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int, keys: RequestKeys = NO_KEYS) -> None:
+        self.requests[req_id] = self.engine.add_request(prompt, max_tokens, req_id, **keys._asdict())
 
     def abort(self, req_id: str) -> None:
         self.engine.abort(req_id)

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 from ...reference import Engine, EngineShape
 from .diagnose import Diagnosis, capture_warnings, diagnose_error, stall
-from .driver import DataDriver, DriverSpec, ScenarioUnsupported, StepRecord
+from .driver import NO_KEYS, DataDriver, DriverSpec, RequestKeys, ScenarioUnsupported, StepRecord
 from .failures import FailureMode
 from .reference import ReferenceDriver
 from .results import ScenarioBroken
@@ -74,13 +74,12 @@ class Follow:
 
 @dataclass(frozen=True)
 class Req:
-    """A request of a data run; ``adapter`` and ``cache_salt`` go into its block hashes as vLLM's extra keys."""
+    """A request of a data run; ``keys`` go into its block hashes as vLLM's extra keys."""
 
     req_id: str
     prompt: tuple[int, ...] | Follow
     max_tokens: int
-    adapter: str | None = None
-    cache_salt: str | None = None
+    keys: RequestKeys = NO_KEYS
 
 
 @dataclass(frozen=True)
@@ -173,6 +172,14 @@ FILL_STEP_ENDS = DataRun(
 LOST_BLOCKS = DataRun("lost-blocks", {}, ((Req("a", prompt(70, 40), 3),), (Req("b", Follow("a", 4, 5), 3),)), 40)
 
 
+def _salt(tenant: str) -> RequestKeys:
+    return RequestKeys(cache_salt=tenant)
+
+
+def _adapter(name: str) -> RequestKeys:
+    return RequestKeys(adapter=name)
+
+
 def _isolation() -> DataRun:
     """Two tenants (``cache_salt``) and two adapters, each computing a prefix; then the other tenant, or adapter,
     runs the same tokens (``b``, ``d``: nothing to load); then the first again (``a1``, ``c1``: a hit).
@@ -184,9 +191,9 @@ def _isolation() -> DataRun:
         "isolation",
         {},
         (
-            (Req("a", prompt(70, 50), 3, cache_salt="tenant-1"), Req("c", prompt(70, 51), 3, adapter="adapter-1")),
-            (Req("b", salted, 3, cache_salt="tenant-2"), Req("d", adapted, 3, adapter="adapter-2")),
-            (Req("a1", salted, 3, cache_salt="tenant-1"), Req("c1", adapted, 3, adapter="adapter-1")),
+            (Req("a", prompt(70, 50), 3, _salt("tenant-1")), Req("c", prompt(70, 51), 3, _adapter("adapter-1"))),
+            (Req("b", salted, 3, _salt("tenant-2")), Req("d", adapted, 3, _adapter("adapter-2"))),
+            (Req("a1", salted, 3, _salt("tenant-1")), Req("c1", adapted, 3, _adapter("adapter-1"))),
         ),
         50,
     )
@@ -277,8 +284,7 @@ def _baseline(case: DataRun, shape: EngineShape) -> dict[str, list[int]]:
     requests: dict[str, Any] = {}
 
     def add(req: Req, tokens: Sequence[int]) -> None:
-        keys = {"adapter": req.adapter, "cache_salt": req.cache_salt}
-        requests[req.req_id] = engine.add_request(tokens, req.max_tokens, request_id=req.req_id, **keys)
+        requests[req.req_id] = engine.add_request(tokens, req.max_tokens, req.req_id, **req.keys._asdict())
 
     run = _Player(add, engine.step, engine.scheduler.has_work)
     return _play(case, run, lambda r: list(requests[r].output_token_ids), engine.scheduler.block_size)
@@ -415,7 +421,7 @@ def _with_connector(
 
     def add(req: Req, tokens: Sequence[int]) -> None:
         owner[req.req_id] = current()
-        current().add_request(req.req_id, tokens, req.max_tokens, adapter=req.adapter, cache_salt=req.cache_salt)
+        current().add_request(req.req_id, tokens, req.max_tokens, req.keys)
 
     def next_phase() -> None:
         phase[0] += 1

@@ -360,8 +360,8 @@ def isolation(session: Session) -> None:
     for req_id, source in ISOLATED.items():
         loaded = sum(record.loaded.get(req_id, 0) for record in result.records)
         if loaded:
-            req = next(r for phase in ISOLATION.phases for r in phase if r.req_id == req_id)
-            other = ("adapter", req.adapter) if req.adapter else ("cache_salt", req.cache_salt)
+            keys = next(r.keys for phase in ISOLATION.phases for r in phase if r.req_id == req_id)
+            other = ("adapter", keys.adapter) if keys.adapter else ("cache_salt", keys.cache_salt)
             raise ConformanceFailure(
                 f"in the {ISOLATION.name!r} data run, request {req_id!r} ({other[0]} {other[1]!r}) loaded {loaded} "
                 f"tokens of the prefix {source!r} computed under another {other[0]}: a block hash carries the "
