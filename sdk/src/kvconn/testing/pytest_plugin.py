@@ -90,10 +90,11 @@ class ConnectorConformance:
         return type(self).config
 
     @pytest.fixture(scope="class", autouse=True)
-    def _kvconn_close_session(self) -> Iterator[None]:
+    @classmethod
+    def _kvconn_close_session(cls) -> Iterator[None]:
         """Close the class's session after its last test: its run directories go with it."""
         yield
-        session = _SESSIONS.pop(type(self), None)
+        session = _SESSIONS.pop(cls, None)
         if isinstance(session, Session):
             session.close()
 
