@@ -67,12 +67,10 @@ class TensorParallelWorkers:
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
         steps = [worker.forward(output) for worker in self.ranks]
-        sampled = {
-            req_id: [
-                self.model.next_token([sum(layer) for layer in zip(*(s.reads[req_id] for s in steps), strict=True)])
-            ]
-            for req_id in steps[0].reads
-        }
+        sampled = {}
+        for req_id in steps[0].reads:
+            per_layer = zip(*(step.reads[req_id] for step in steps), strict=True)  # each layer: every rank's read
+            sampled[req_id] = [self.model.next_token([sum(reads) for reads in per_layer])]
         return ModelRunnerOutput(
             req_ids=list(output.num_scheduled_tokens),
             sampled_token_ids=sampled,
