@@ -93,18 +93,16 @@ def explain_wrong_kv(
     if partial is not None:
         filled = partial.holds.split(":")[1]
         return Diagnosis(
-            f"the load of {partial.req_id!r} at step {partial.step}: block {partial.block_id} (position "
-            f"{partial.position}, layer {partial.layer!r}) holds the right KV for its first {filled} tokens only: "
-            "it was saved before it was full",
+            f"{_loaded(partial)} holds the right KV for its first {filled} tokens only: it was saved before it was "
+            "full",
             "save a block only once it is full: blocks below (num_computed_tokens + num_scheduled_tokens) // "
             "block_size; a prefill chunk may end in the middle of a block, which a later step completes",
         )
     garbage = next((w for w in wrong if w.holds == "garbage"), None)
     if garbage is not None:
         return Diagnosis(
-            f"the load of {garbage.req_id!r} at step {garbage.step}: block {garbage.block_id} (position "
-            f"{garbage.position}, layer {garbage.layer!r}) holds what a failed load left in a block: a block whose "
-            "load failed (reported in get_block_ids_with_load_errors) was saved and loaded back",
+            f"{_loaded(garbage)} holds what a failed load left in a block: a block whose load failed (reported in "
+            "get_block_ids_with_load_errors) was saved and loaded back",
             "never save a block that was loaded, or whose load failed: save only blocks the engine computed "
             "(from num_computed_tokens on, after any rollback)",
         )
@@ -112,17 +110,15 @@ def explain_wrong_kv(
     if shard is not None:
         other = shard.holds.split(":")[1]
         return Diagnosis(
-            f"the load of {shard.req_id!r} at step {shard.step}: on tensor-parallel rank {shard.rank}, block "
-            f"{shard.block_id} (position {shard.position}, layer {shard.layer!r}) holds rank {other}'s shard of it: "
-            f"rank {other}'s value under rank {shard.rank}'s key (the store key misses the rank)",
+            f"{_loaded(shard)} holds rank {other}'s shard of it: rank {other}'s value under rank {shard.rank}'s key "
+            "(the store key misses the rank)",
             RANK_KEY_FIX,
         )
     rearranged = next((w for w in wrong if w.holds.startswith("rearranged:")), None)
     if rearranged is not None:
         observed, fix = _REARRANGED[rearranged.holds.split(":")[1]]
         return Diagnosis(
-            f"the load of {rearranged.req_id!r} at step {rearranged.step}: block {rearranged.block_id} (position "
-            f"{rearranged.position}, layer {rearranged.layer!r}) holds the right bytes in the wrong places: {observed}",
+            f"{_loaded(rearranged)} holds the right bytes in the wrong places: {observed}",
             f"{fix}, in the engine's layout (context.kv_layout): a model reads every element in its place",
         )
     layers = [layer for group in groups for layer in group]
@@ -174,6 +170,15 @@ _REARRANGED = {
     "slots": ("its token slots in another order", "copy token slot j of a saved block into slot j"),
     "heads": ("its heads in another order", "copy head h of a saved block into head h"),
 }
+
+
+def _loaded(wrong: LoadedBlock) -> str:
+    """Where a wrong layer-block landed: the load, its step, the rank (when there are several), block and layer."""
+    rank = f"on tensor-parallel rank {wrong.rank}, " if wrong.holds.startswith("rank:") else ""
+    return (
+        f"the load of {wrong.req_id!r} at step {wrong.step}: {rank}block {wrong.block_id} (position "
+        f"{wrong.position}, layer {wrong.layer!r})"
+    )
 
 
 def _freed_id(loaded: LoadedBlock) -> int | None:
