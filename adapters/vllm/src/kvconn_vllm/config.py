@@ -25,7 +25,7 @@ from kvconn.errors import ConnectorConfigError, ConnectorNotFoundError, KVConnEr
 from kvconn.host import ConnectorHost
 from kvconn.introspection import build_config
 
-from . import EXTRA_CONFIG_KEYS, route_logs_to_vllm
+from .registration import EXTRA_CONFIG_KEYS, route_logs_to_vllm
 from .translate import context_from_vllm
 
 __all__ = ["check_extra_config", "hosted_connectors"]

@@ -49,10 +49,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvconn.host import SchedulerHost, WorkerHost
 
-from . import route_logs_to_vllm
 from .compat import SupportsHMA
 from .config import check_extra_config, hosted_connectors
 from .metadata import IdleStep, KVConnVllmMetadata, KVConnVllmStats, KVConnVllmWorkerMetadata
+from .registration import route_logs_to_vllm
 from .scheduler import KVConnVllmScheduler
 from .telemetry import ConnectorTelemetry, prom_metrics_class
 from .worker import KVConnVllmWorker
