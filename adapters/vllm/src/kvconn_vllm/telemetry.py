@@ -12,7 +12,8 @@
 * :class:`StepStats`: what one role of the adapter gathers between vLLM's asks, in that layout.
 
 vLLM is imported only by the functions and class that need it (the module is
-imported by :mod:`.connector`, which vLLM imports only once it runs a connector).
+imported by the connector's two sides and :mod:`.metadata`, which vLLM imports
+only once it runs a connector).
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ class NativeDataDriver(VllmDataRunDriver):
             observer,
             lambda cls: observed_worker(cls, target.name, self._worker_point, self._owners if several_groups else None),
         )
-        loop = ModelLoop(scheduler, scrub_freed=scrub_freed, worker=worker)
+        loop = observer.loop = ModelLoop(scheduler, scrub_freed=scrub_freed, worker=worker)
         super().__init__(spec, shape, loop, observer)
         counted = ("update_state_after_alloc", "update_connector_output")
         self._scheduler_point.add_monitor(after=self._count, calls=counted)

@@ -24,4 +24,5 @@ class NativeDriver(VllmSchedulerDriver):
     def __init__(self, spec: DriverSpec, target: NativeTarget) -> None:
         observer = NativeObserver(target)
         shape, scheduler, worker = native_engine(spec, observer)
-        super().__init__(spec, shape, VllmLoop(scheduler, worker=worker), observer)
+        observer.loop = VllmLoop(scheduler, worker=worker)
+        super().__init__(spec, shape, observer.loop, observer)

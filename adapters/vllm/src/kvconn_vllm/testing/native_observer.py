@@ -132,6 +132,11 @@ class NativeObserver:
         self._finished_calls: Counter[str] = Counter()
         self._finishing: set[str] = set()  # requests inside an observed request_finished call
         self._engine_objects: list[str] = []
+        #: The loop the connector runs in, kept as long as the observed class (a module attribute: the whole
+        #: process). vLLM's own connectors may hold ZMQ contexts their shutdown leaves open (the scheduler role of
+        #: MooncakeStoreConnector keeps its LookupKeyClient's), and one finalised by the garbage collector while its
+        #: socket is open blocks the process forever in ``Context.term``; kept alive, none is ever finalised.
+        self.loop: VllmLoop | None = None
 
     def begin_step(self, withhold: frozenset[str]) -> None:
         self._withhold = withhold
