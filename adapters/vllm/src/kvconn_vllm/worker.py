@@ -175,7 +175,7 @@ class KVConnVllmWorker:
             # private gauges reach the connector's scheduler side only
             self._stats.add_reported(name, out.stats, self._telemetry[name].gauges, private=False)
         self._report = WorkerReport(outputs, set(failed_async)) if news else None
-        if self._per_request:  # vLLM takes these requests' failures, not blocks (see the module docstring)
+        if self._per_request:  # vLLM takes these requests' failures, not blocks (see .connector's docstring)
             self._failed_recving, self._invalid = failed_async, NO_BLOCKS
         return outputs, failed_async
 
