@@ -28,6 +28,7 @@ def stats_of(engine_core_outputs: dict[int, Any]) -> Any:
 def publishing(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM configs built from now on publish KV-cache events (to vLLM's null publisher)."""
     import vllm.config
+    import vllm.v1.executor  # imported first: its modules annotate with VllmConfig | None
     from vllm.config import KVEventsConfig
 
     config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
@@ -189,6 +190,37 @@ def test_events_of_what_offload_stores_and_evicts_reach_vllms_publisher() -> Non
     events = [e for batch in published for e in batch.events if e.medium == "CPU"]
     removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert removed == hashes[:2]
+
+
+@pytest.mark.usefixtures("publishing")
+def test_events_of_what_redis_stores_and_fails_to_load_reach_vllms_publisher(redis_server: Any) -> None:
+    """A store connector (a real redis-server): stored once the store holds the values, removed once a load fails."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    scheduler = make_scheduler("redis", {"url": redis_server.url, "save_async": False}, num_blocks=64)
+    published: list[Any] = []
+    scheduler.kv_event_publisher.publish = published.append  # what vLLM would send its subscribers
+    loop = VllmLoop(scheduler)
+    request = make_request("a", [*PREFIX, 1, 2, 3], max_tokens=2)
+    scheduler.add_request(request)
+    loop.run()
+
+    def remote(kind: type) -> list[Any]:
+        return [e for batch in published for e in batch.events if isinstance(e, kind) and e.medium == "STORAGE"]
+
+    hashes = [maybe_convert_block_hash(h) for h in request.block_hashes]
+    stored = remote(BlockStored)
+    assert [h for e in stored for h in e.block_hashes] == hashes[:4] and {e.block_size for e in stored} == {16}
+    assert remote(BlockRemoved) == []
+    client = redis_server.client()
+    for key in client.keys("kvconn/*"):  # every value damaged: each fails verification when loaded
+        value = client.get(key)
+        client.set(key, value[:-1] + bytes([value[-1] ^ 1]))
+    assert scheduler.reset_prefix_cache()
+    scheduler.add_request(make_request("b", [*PREFIX, 7, 8, 9], max_tokens=2))
+    loop.run()
+    assert sorted(h for e in remote(BlockRemoved) for h in e.block_hashes) == sorted(hashes[:4])
 
 
 def test_events_fit_a_vllm_whose_event_structs_lack_the_newer_fields(monkeypatch: pytest.MonkeyPatch) -> None:
