@@ -282,6 +282,36 @@ def test_a_bad_extra_config_is_refused_by_the_first_call_vllm_makes_with_it(
         assert word in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("extra", "error", "word"),
+    [
+        ({"kvconn_connector": "ofload"}, ConnectorNotFoundError, "kvconn validate ofload"),
+        ({"kvconn_connector": "offload", "kvconn_config": {"pool_blockz": 4}}, ConnectorConfigError, "pool_blockz"),
+        ({"kvconn_connector": "offload", "kvconn_confg": {}}, ConnectorConfigError, "kvconn_confg"),
+    ],
+)
+def test_a_bad_extra_config_stops_vllms_kv_cache_layout_resolution(
+    extra: dict[str, Any], error: type[Exception], word: str
+) -> None:
+    """Without full CUDA graphs (a CPU engine) vLLM's engine core first hands over the config here, once.
+
+    vLLM's own helper resolves the connector class through its factory and asks the class, as the engine
+    core's ``resolve_kv_cache_layout`` does before memory profiling and before any worker builds a connector.
+    """
+    import types
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+
+    transfer = KVTransferConfig(kv_connector="KVConnVllmConnector", kv_connector_module_path="kvconn_vllm",
+                                kv_role="kv_both", kv_connector_extra_config=extra)  # fmt: skip
+    with pytest.raises(error, match=word):
+        get_kv_connector_cache_layout(types.SimpleNamespace(kv_transfer_config=transfer))
+    good = KVTransferConfig(kv_connector="KVConnVllmConnector", kv_connector_module_path="kvconn_vllm",
+                            kv_role="kv_both", kv_connector_extra_config={"kvconn_connector": "offload"})  # fmt: skip
+    assert get_kv_connector_cache_layout(types.SimpleNamespace(kv_transfer_config=good)) is None  # no layout asked
+
+
 def test_a_misspelt_key_stops_the_connector_and_a_good_config_passes_the_early_check() -> None:
     from kvconn_vllm import KVConnVllmConnector
 
