@@ -164,17 +164,24 @@ def test_prometheus_series_per_connector_from_vllms_own_logger() -> None:
     assert value("vllm:kvconn_save_seconds_count", connector="mooncake", model_name=model) >= 1
 
 
-@pytest.mark.usefixtures("publishing")
-def test_events_of_what_offload_stores_and_evicts_reach_vllms_publisher() -> None:
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored
-
-    scheduler = make_scheduler("offload", {"pool_blocks": 4}, num_blocks=64)
+def publish_prefix(connector: str, config: Any) -> tuple[Any, Any, list[Any], Any]:
+    """vLLM's scheduler with ``connector``, one request of PREFIX run: the scheduler, its loop, what vLLM
+    published (its batches of events) and the request."""
+    scheduler = make_scheduler(connector, config, num_blocks=64)
     published: list[Any] = []
     scheduler.kv_event_publisher.publish = published.append  # what vLLM would send its subscribers
     loop = VllmLoop(scheduler)
     request = make_request("a", [*PREFIX, 1, 2, 3], max_tokens=2)
     scheduler.add_request(request)
     loop.run()
+    return scheduler, loop, published, request
+
+
+@pytest.mark.usefixtures("publishing")
+def test_events_of_what_offload_stores_and_evicts_reach_vllms_publisher() -> None:
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    scheduler, loop, published, request = publish_prefix("offload", {"pool_blocks": 4})
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     events = [e for batch in published for e in batch.events]
@@ -198,13 +205,7 @@ def test_events_of_what_redis_stores_and_fails_to_load_reach_vllms_publisher(red
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    scheduler = make_scheduler("redis", {"url": redis_server.url, "save_async": False}, num_blocks=64)
-    published: list[Any] = []
-    scheduler.kv_event_publisher.publish = published.append  # what vLLM would send its subscribers
-    loop = VllmLoop(scheduler)
-    request = make_request("a", [*PREFIX, 1, 2, 3], max_tokens=2)
-    scheduler.add_request(request)
-    loop.run()
+    scheduler, loop, published, request = publish_prefix("redis", {"url": redis_server.url, "save_async": False})
 
     def remote(kind: type) -> list[Any]:
         return [e for batch in published for e in batch.events if isinstance(e, kind) and e.medium == "STORAGE"]
