@@ -60,7 +60,7 @@ def _measure(store: str, config: dict[str, Any], raw_store: Any, host: Any, page
     saved = host.alloc(pages * page_size)
     target = host.alloc(pages * page_size)
     views = backend.tier.views
-    page_bytes = [b"".join(bytes(p) for p in parts) for parts in views.pages(saved)]
+    page_bytes = [memoryview(bytearray(b"".join(parts))) for parts in views.pages(saved)]  # writable: no copy on put
     buffers = [memoryview(bytearray(len(b))) for b in page_bytes]
     ratios: dict[str, list] = {"save": [], "load": [], "raw_save_s": [], "kvconn_save_s": [], "raw_load_s": [],
                                "kvconn_load_s": []}  # fmt: skip
