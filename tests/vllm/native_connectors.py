@@ -290,6 +290,17 @@ class ClaimsWholePromptConnector(HashedBlocksConnector):
         return hits * bs, False
 
 
+class ClaimsPromptOnResumeConnector(HashedBlocksConnector):
+    """Claims the whole prompt of a request it saw before (resumed after preemption), sure that a preempted request
+    had computed, and saved, its prompt: true of a decode, not of a request preempted mid-prefill, whose later
+    blocks it never held. With a block-aligned prompt vLLM's scheduler is then left no token to compute."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if request.request_id in self.requests:  # scheduled before: resumed after preemption
+            return len(request.prompt_token_ids) // self.block_size * self.block_size - num_computed_tokens, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
 class AppendsAfterPreemptionConnector(HashedBlocksConnector):
     """Keeps each request's table from its first step and appends what later steps add, a resumed request's
     table included (a request tracker that outlives preemption): after a resume it saves other blocks' bytes."""

@@ -242,6 +242,26 @@ def test_a_vllm_connector_claiming_a_whole_block_aligned_prompt_fails_with_the_e
 
 
 @pytest.mark.usefixtures("runner")
+def test_a_vllm_connector_claiming_a_resumed_prompt_it_never_saved_kills_the_engine_after_a_mid_prefill_preemption(
+    fixtures: str,
+) -> None:
+    """Preempted with 46 of its 64 prompt tokens computed, r1 comes back (V1: resumed_req_ids; V2: a new request)
+    and the connector claims its whole prompt: vLLM's scheduler asserts, under both runners. The same connector
+    is right about a request preempted while decoding (the 'preemption' scenario): only mid-prefill shows it."""
+    from kvconn.testing.conformance.scenarios import STANDARD
+
+    name = f"{fixtures}:ClaimsPromptOnResumeConnector"
+    session = NativeSession(native_target(name), {"store": uuid.uuid4().hex})
+    traces = {s.name: session.trace(s) for s in STANDARD if s.name in ("preemption", "preempted-prefill")}
+    assert traces["preemption"].error is None, traces["preemption"].error
+    error = traces["preempted-prefill"].error
+    assert error is not None and error.startswith("the engine raised in scenario 'preempted-prefill', step "), error
+    assert "vllm/v1/core/sched/scheduler.py" in error and "assert num_new_tokens > 0" in error
+    assert "get_num_new_matched_tokens claimed every token of a prompt" in error
+    assert traces["preempted-prefill"].fix.startswith("leave at least one prompt token to compute")
+
+
+@pytest.mark.usefixtures("runner")
 def test_a_vllm_connector_appending_a_resumed_requests_table_fails_preempted_saves(fixtures: str) -> None:
     """LMCache's request-tracker pattern: a table kept across preemption, the resumed request's blocks appended
     (V1: resumed_req_ids with the whole new table; V2: the request comes back as new). Its metadata names no
