@@ -211,7 +211,20 @@ def test_a_correct_vllm_connector_whose_metadata_names_no_request_passes_every_c
     report = run_native_conformance(f"{fixtures}:HashedBlocksConnector", config={"store": uuid.uuid4().hex})
     assert report.load_error is None and report.failed == 0, _failed(report)
     statuses = {r.id: r.status for r in report.results}
-    assert all(statuses[c] == "passed" for c in ("KV011", "KV012", "KV014", "KV040", "KV041", "KV046", "KV047"))
+    passing = ("KV011", "KV012", "KV014", "KV040", "KV041", "KV046", "KV047", "KV048")
+    assert all(statuses[c] == "passed" for c in passing), statuses
+
+
+def test_a_vllm_connector_whose_keys_leave_out_the_tensor_parallel_rank_fails_kv048(fixtures: str) -> None:
+    """Two ranks, each the connector's own worker built with its rank (parallel_config.rank), share its store."""
+    report = run_native_conformance(
+        f"{fixtures}:RankBlindHashedConnector", config={"store": uuid.uuid4().hex}, select="KV04[08]"
+    )
+    assert report.result("KV040").status == "passed"  # right with one rank
+    result = report.result("KV048")
+    assert result.status == "failed" and "holds rank 0's shard of it: rank 0's value under rank 1's key" in (
+        result.message
+    ), result.message
 
 
 def test_the_seeds_bug_in_a_vllm_connector_whose_metadata_names_no_request_fails_block_fill(fixtures: str) -> None:
