@@ -75,7 +75,7 @@ def test_a_load_into_the_wrong_layer_changes_the_tokens_under_vllm() -> None:
         ("RankBlindKeys", "KV048", "on tensor-parallel rank 0, block 4 (position 0, layer 'layer.0') holds rank 1's "
          "shard of it: rank 1's value under rank 0's key (the store key misses the rank)"),
     ],
-)
+)  # fmt: skip
 def test_a_broken_connector_fails_its_check_under_vllm(connector: str, check_id: str, observed: str) -> None:
     report = run_conformance(f"kvconn_conformance_fixtures.broken:{connector}", driver="vllm", select=check_id)
     (result,) = report.results

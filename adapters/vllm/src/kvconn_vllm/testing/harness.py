@@ -455,7 +455,7 @@ def tp_group(rank: int, size: int) -> Iterator[None]:
     from vllm.distributed import parallel_state
 
     previous = parallel_state._TP
-    parallel_state._TP = SimpleNamespace(rank_in_group=rank, world_size=size)  # type: ignore[assignment]
+    parallel_state._TP = SimpleNamespace(rank_in_group=rank, world_size=size)
     try:
         yield
     finally:
@@ -463,7 +463,7 @@ def tp_group(rank: int, size: int) -> Iterator[None]:
 
 
 def _rank_config(vllm_config: Any, rank: int) -> Any:
-    """A shallow copy of ``vllm_config`` whose ``parallel_config.rank`` is ``rank``, as vLLM's ``WorkerBase`` sets it."""
+    """A shallow copy of ``vllm_config`` whose ``parallel_config.rank`` is ``rank`` (as vLLM's ``WorkerBase`` sets)."""
     import copy
 
     if vllm_config.parallel_config.world_size == 1:
@@ -525,7 +525,8 @@ class VllmLoop:
         for index in range(self.tp_size):
             rank_config = _rank_config(config, index)
             with tp_group(index, self.tp_size):
-                rank = Rank(index, make_worker(rank_config), fake_kv_caches(num_blocks, self.block_size, layer_names, heads))
+                kv_caches = fake_kv_caches(num_blocks, self.block_size, layer_names, heads)
+                rank = Rank(index, make_worker(rank_config), kv_caches)
             self.ranks.append(rank)
             with self._agent(rank):
                 if self.runner == "v2":  # V2's runner registers the caches through its ActiveKVConnector
