@@ -163,7 +163,9 @@ def make_scheduler(
     (``num_blocks=``... any :class:`~kvconn.reference.EngineShape` field) size
     it; ``kv_cache_groups`` lays out the KV cache (layer names; a sliding
     window makes a sliding-window group), and the KV shape must be the tiny
-    model's. With several groups vLLM's hybrid KV cache manager runs: vLLM
+    model's; ``tp_size`` ranks split its heads (the KV-cache config holds one
+    rank's, as vLLM's does), and :class:`VllmLoop` runs a worker per rank. With
+    several groups vLLM's hybrid KV cache manager runs: vLLM
     turns it off on CPU platforms only because its GPU kernels need it, so it
     is switched back on here, where only the scheduler runs.
 
