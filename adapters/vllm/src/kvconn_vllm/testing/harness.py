@@ -446,8 +446,10 @@ def tp_group(rank: int, size: int) -> Iterator[None]:
     """vLLM's tensor-parallel group as rank ``rank`` of ``size`` sees it (``get_tensor_model_parallel_rank()``).
 
     vLLM's workers each initialise their own process group; the harness runs every rank in one process, so
-    the group vLLM's code reads (``parallel_state._TP``) is this rank's for the duration. With one rank
-    nothing is set: connectors then see no distributed state, as in a single-process vLLM without one.
+    the group vLLM's code reads (``parallel_state._TP``) is this rank's for the duration: its
+    ``rank_in_group`` and ``world_size`` only (no communicator: a connector that exchanges tensors between
+    ranks cannot run here). With one rank nothing is set: connectors then see no distributed state, as in a
+    single-process vLLM without one.
     """
     if size == 1:
         yield
