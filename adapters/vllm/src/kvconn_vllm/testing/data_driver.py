@@ -10,7 +10,11 @@ model on those tensors: each computed token writes KV that depends on its
 whole prefix, and each sampled token is a function of the KV read back
 through the live block table (the reference model's digest, every element
 weighted by its place), so its tokens are the reference engine's for the same
-KV shape, and a wrong, stale, missing or rearranged load changes them.
+KV shape, and a wrong, stale, missing or rearranged load changes them. With
+``tp_size`` 2 (KV048) every rank runs its shard of the model beside its own
+worker-side connector. Each load that lands is compared with the KV the model
+computes (:func:`~kvconn.testing.conformance.kv_audit.audit_load`, on every
+rank), so a wrong token is traced as on the reference engine.
 
 Everything that recovers from a failed load is vLLM's (invalid blocks,
 ``_update_waiting_for_remote_kv`` re-asking the connector); the driver only
