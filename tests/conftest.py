@@ -9,6 +9,12 @@ from pathlib import Path
 import pytest
 
 import kvconn
+from kvconn.testing.conformance.waits import WAIT_ENV
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite's wait bound: a broken connector's stall waits all of it (``kvconn validate``'s default is 10 s)."""
+    os.environ.setdefault(WAIT_ENV, "2")
 
 
 def installed(*names: str) -> list[str]:
