@@ -6,8 +6,8 @@ store is merely slow: one behind a socket, on a loaded machine. Every wait of
 the conformance runs (a scenario's idle steps, its drain after the last
 request, an async load in flight in a data run) is therefore bounded by both
 a number of steps *and* :func:`wait_seconds` of wall time, and each idle step
-sleeps a little (:class:`IdleSteps`), backing off, so that the connector's own
-threads get the time and the step limits are not spent on spinning.
+sleeps a little (:class:`IdleSteps`), longer once the wait is long, so that the
+connector's own threads get the time and the step limits are not spent on spinning.
 
 The bound defaults to :data:`DEFAULT_WAIT_S`; ``kvconn validate --wait-s``
 (or the :data:`WAIT_ENV` environment variable, which worker processes
@@ -26,9 +26,11 @@ __all__ = ["DEFAULT_WAIT_S", "WAIT_ENV", "IdleSteps", "raise_hint", "wait_second
 WAIT_ENV = "KVCONN_VALIDATE_WAIT_S"
 #: Seconds a run waits without progress by default: ample for a store on this host, short enough for a broken one.
 DEFAULT_WAIT_S = 10.0
-#: The first idle step's sleep, doubled per idle step in a row up to :data:`MAX_IDLE_SLEEP_S`.
-FIRST_IDLE_SLEEP_S = 0.002
-MAX_IDLE_SLEEP_S = 0.02
+#: An idle step's sleep for the first :data:`QUICK_IDLE_STEPS` in a row (a load a few steps long waits no longer
+#: than it did), then :data:`SLOW_IDLE_SLEEP_S` (a long wait spends a few hundred steps, not thousands).
+QUICK_IDLE_SLEEP_S = 0.002
+QUICK_IDLE_STEPS = 32
+SLOW_IDLE_SLEEP_S = 0.02
 
 
 def wait_seconds() -> float:
@@ -54,7 +56,7 @@ def raise_hint() -> str:
 
 
 class IdleSteps:
-    """Counts the idle steps in a row and the wall time since the first of them; sleeps at each (backing off)."""
+    """Counts the idle steps in a row and the wall time since the first of them; sleeps at each."""
 
     def __init__(self) -> None:
         self.steps = 0
@@ -69,7 +71,7 @@ class IdleSteps:
         if not self.steps:
             self._since = time.monotonic()
         self.steps += 1
-        time.sleep(min(FIRST_IDLE_SLEEP_S * 2 ** (self.steps - 1), MAX_IDLE_SLEEP_S))
+        time.sleep(QUICK_IDLE_SLEEP_S if self.steps <= QUICK_IDLE_STEPS else SLOW_IDLE_SLEEP_S)
 
     @property
     def seconds(self) -> float:
