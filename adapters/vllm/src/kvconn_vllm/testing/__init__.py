@@ -10,7 +10,7 @@ A driver is composed, not inherited from a grid of mixins: :class:`.scheduler_dr
 scheduler and a :class:`.harness.VllmLoop`) plus an observer of the connector, either the adapter's kvconn hosts
 (:class:`.host_observer.HostObserver`) or the connector's class (:class:`.native_observer.NativeObserver`); the data
 drivers add a model (:class:`.model_loop.ModelLoop`) and what the data checks read
-(:class:`.scheduler_driver.VllmDataRunDriver`). Its modules, each importing only those below it (import-linter's
+(:class:`.data_run.VllmDataRunDriver`). Its modules, each importing only those below it (import-linter's
 ``layers`` contract in pyproject.toml):
 
 * :mod:`.native` | :mod:`.driver`: the entry points, for vLLM's own connectors and for kvconn plugins;
@@ -18,13 +18,14 @@ drivers add a model (:class:`.model_loop.ModelLoop`) and what the data checks re
   plugins' data driver;
 * :mod:`.native_driver` | :mod:`.native_data` | :mod:`.host_observer`: a vLLM connector's drivers (scheduler checks,
   data checks, with the monitors of its calls); the observer of a kvconn plugin;
-* :mod:`.native_observer` | :mod:`.model_loop`: the observer of a vLLM connector and the engine it runs in; the
-  reference model on vLLM's KV caches;
-* :mod:`.scheduler_driver` | :mod:`.stand_ins` | :mod:`.native_target` | :mod:`.wire` | :mod:`.plain_view`: the
-  composed driver; stand-ins for workers that cannot run here; which vLLM connector is judged; what pickling its
-  metadata meets; its metadata as plain data;
-* :mod:`.harness` | :mod:`.offloading_standin`: vLLM's ``Scheduler`` on the CPU and ``VllmLoop``; the CPU stand-in
-  of vLLM's offloading spec.
+* :mod:`.native_observer` | :mod:`.data_run`: the observer of a vLLM connector and the engine it runs in; what
+  the data drivers add to the composed driver;
+* :mod:`.scheduler_driver` | :mod:`.model_loop` | :mod:`.stand_ins` | :mod:`.native_target` | :mod:`.wire` |
+  :mod:`.plain_view`: the composed driver; the reference model on vLLM's KV caches (a worker per rank); stand-ins
+  for workers that cannot run here; which vLLM connector is judged; what pickling its metadata meets; its metadata
+  as plain data;
+* :mod:`.harness` | :mod:`.offloading_standin`: vLLM's ``Scheduler`` on the CPU and ``VllmLoop`` (a worker per
+  tensor-parallel rank); the CPU stand-in of vLLM's offloading spec.
 
 Nothing is re-exported here: importing this package imports neither vLLM nor its modules; import the module
 that holds what you need. A change here must update docs/vllm.md and docs/checks.md where they name a module, the

@@ -12,7 +12,11 @@ Everything that recovers from a failed load is vLLM's (invalid blocks,
 ``_update_waiting_for_remote_kv`` re-asking the connector); the driver only
 injects failures (:class:`~kvconn.testing.conformance.failures.LoadFailures`,
 at the hosts) and stops a connector that would never converge
-(:class:`~kvconn.testing.conformance.convergence.ConvergenceWatch`).
+(:class:`~kvconn.testing.conformance.convergence.ConvergenceWatch`). With
+``tp_size`` 2 (KV048) every rank runs its shard of the model beside its own
+worker-side connector, and each load that lands is audited on every rank
+(:class:`~.data_run.VllmDataRunDriver`), so a wrong token is traced as on the
+reference engine.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from kvconn.host import CallOutcome
 from kvconn.testing.conformance.driver import DriverSpec
 from kvconn.testing.conformance.failures import FailureMode, watch_data_run
 
+from .data_run import VllmDataRunDriver
 from .harness import make_scheduler
 from .host_observer import HostObserver
 from .model_loop import ModelLoop
-from .scheduler_driver import VllmDataRunDriver, vllm_shape
+from .scheduler_driver import vllm_shape
 
 __all__ = ["VllmDataDriver"]
 

@@ -86,4 +86,4 @@ class HostObserver:
 
     def close(self, loop: VllmLoop) -> None:
         self.adapter.shutdown()
-        loop.worker.shutdown()
+        loop.shutdown()

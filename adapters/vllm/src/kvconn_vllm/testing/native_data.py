@@ -1,6 +1,6 @@
 """The data checks (KV040-KV048) for vLLM's own connectors: their worker, vLLM's scheduler, a model that reads KV.
 
-:class:`NativeDataDriver` is a :class:`~.scheduler_driver.VllmDataRunDriver` over the native drivers' engine
+:class:`NativeDataDriver` is a :class:`~.data_run.VllmDataRunDriver` over the native drivers' engine
 (:func:`~.native_observer.native_engine`) with the data drivers' model (:class:`~.model_loop.ModelLoop`): the
 connector's own worker runs through vLLM's model-runner code on the CPU KV caches the model writes and reads, so
 a wrong, stale or missing load changes the tokens, which must be the reference engine's. vLLM recovers from failed
@@ -27,10 +27,10 @@ from kvconn.testing.conformance.driver import DriverSpec
 from kvconn.testing.conformance.failures import FailureMode, watch_data_run
 
 from ..translate import VllmRequestView, to_block_ids
+from .data_run import VllmDataRunDriver
 from .model_loop import ModelLoop
 from .native_observer import NativeObserver, native_engine
 from .native_target import NativeTarget
-from .scheduler_driver import VllmDataRunDriver
 
 __all__ = ["MonitorPoint", "NativeDataDriver", "SchedulerCalls", "observed_worker"]
 
@@ -167,12 +167,12 @@ class NativeDataDriver(VllmDataRunDriver):
         self.calls = SchedulerCalls(target.name, self._scheduler_point)
         observer = NativeObserver(target, self.calls)
         several_groups = len(spec.shape.kv_cache_groups) > 1
-        shape, scheduler, worker = native_engine(
+        shape, scheduler, make_worker = native_engine(
             spec,
             observer,
             lambda cls: observed_worker(cls, target.name, self._worker_point, self._owners if several_groups else None),
         )
-        loop = observer.loop = ModelLoop(scheduler, scrub_freed=scrub_freed, worker=worker)
+        loop = observer.loop = ModelLoop(scheduler, scrub_freed=scrub_freed, make_worker=make_worker)
         super().__init__(spec, shape, loop, observer)
         counted = ("update_state_after_alloc", "update_connector_output")
         self._scheduler_point.add_monitor(after=self._count, calls=counted)

@@ -23,6 +23,6 @@ class NativeDriver(VllmSchedulerDriver):
 
     def __init__(self, spec: DriverSpec, target: NativeTarget) -> None:
         observer = NativeObserver(target)
-        shape, scheduler, worker = native_engine(spec, observer)
-        observer.loop = VllmLoop(scheduler, worker=worker)
+        shape, scheduler, make_worker = native_engine(spec, observer)
+        observer.loop = VllmLoop(scheduler, make_worker=make_worker)
         super().__init__(spec, shape, observer.loop, observer)

@@ -212,19 +212,20 @@ class NativeObserver:
         """Nothing to add: a vLLM connector's holdings are the engine's (its requests and blocks)."""
 
     def close(self, loop: VllmLoop) -> None:
-        for connector in (loop.scheduler.connector, loop.worker):
-            shutdown = getattr(connector, "shutdown", None)
-            if callable(shutdown):
-                shutdown()
+        shutdown = getattr(loop.scheduler.connector, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        loop.shutdown()
 
 
 def native_engine(
     spec: DriverSpec, observer: NativeObserver, worker_class: Callable[[type], type] = lambda cls: cls
-) -> tuple[EngineShape, Any, Any]:
-    """vLLM's scheduler running ``observer``'s connector as its observed class, and the worker connector.
+) -> tuple[EngineShape, Any, Callable[[Any], Any]]:
+    """vLLM's scheduler running ``observer``'s connector as its observed class, and how to build its workers.
 
-    Returns the engine's shape, the scheduler and the worker (of ``worker_class(cls)``, where ``cls`` is the
-    connector's class or its stand-in worker's). A shape with several KV-cache groups is refused
+    Returns the engine's shape, the scheduler and ``make_worker(config)``, which builds a rank's worker connector
+    from that rank's vLLM config (of ``worker_class(cls)``, where ``cls`` is the connector's class or its stand-in
+    worker's), as :class:`~.harness.VllmLoop` takes it. A shape with several KV-cache groups is refused
     (:class:`~kvconn.testing.conformance.driver.ScenarioUnsupported`) for a connector that is not SupportsHMA.
     """
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
@@ -245,5 +246,5 @@ def native_engine(
     scheduler = make_scheduler(None, shape=shape, transfer_fields=transfer)
     stand_in_worker = stand_in.worker if stand_in is not None else None
     worker_cls = worker_class(stand_in_worker() if stand_in_worker is not None else target.cls)
-    worker = worker_cls(scheduler.vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
-    return shape, scheduler, worker
+    kv_cache_config = scheduler.kv_cache_config
+    return shape, scheduler, lambda config: worker_cls(config, KVConnectorRole.WORKER, kv_cache_config)

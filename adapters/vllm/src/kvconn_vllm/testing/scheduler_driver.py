@@ -4,9 +4,8 @@
 ``Scheduler`` and a :class:`~.harness.VllmLoop` (the worker side of each step): requests in, steps, tables and
 emptiness out. What it sees of the connector comes from a :class:`StepObserver`, of which there are two: the
 adapter's kvconn hosts, for a kvconn plugin (:class:`~.host_observer.HostObserver`), and the connector's class,
-for one of vLLM's own (:class:`~.native_observer.NativeObserver`). :class:`VllmDataRunDriver` adds what the data
-checks read (a :class:`~kvconn.testing.conformance.driver.DataDriver`): the requests' tokens, the loads counted,
-the failures injected.
+for one of vLLM's own (:class:`~.native_observer.NativeObserver`). The data drivers add what the data checks
+read (:class:`~.data_run.VllmDataRunDriver`).
 
 Read by the four drivers (:mod:`.driver`, :mod:`.data_driver`, :mod:`.native_driver`, :mod:`.native_data`); a
 change to the protocol's side here changes all four.
@@ -14,19 +13,16 @@ change to the protocol's side here changes all four.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 from kvconn.block_state import BlockIds
-from kvconn.host import LoadPlan
 from kvconn.reference.shape import EngineShape
-from kvconn.reference.stats import EngineStats
 from kvconn.testing.conformance.driver import NO_KEYS, DriverSpec, RequestKeys, StepRecord
-from kvconn.testing.conformance.failures import LoadFailures
 
-from .harness import VLLM_TEST_SHAPE, VllmLoop, make_request, one_rank
+from .harness import VLLM_TEST_SHAPE, VllmLoop, check_ranks, make_request
 
-__all__ = ["Built", "StepObserver", "VllmDataRunDriver", "VllmSchedulerDriver", "vllm_shape"]
+__all__ = ["Built", "StepObserver", "VllmSchedulerDriver", "vllm_shape"]
 
 #: What a driver's observed ``build_connector_meta`` saw: the step's output, the connector's metadata (as
 #: built), the requests the block state offered, and those it resolved.
@@ -34,8 +30,9 @@ Built = tuple[Any, Any, frozenset[str], list[str]]
 
 
 def vllm_shape(shape: EngineShape) -> EngineShape:
-    """A scenario's ``shape`` on the tiny model's KV shape (``max_model_len``: its positions); one rank only."""
-    one_rank(shape)
+    """A scenario's ``shape`` on the tiny model's KV shape (``max_model_len``: its positions), if its ranks can
+    split the tiny model's heads."""
+    check_ranks(shape)
     return shape.replace(
         max_model_len=2048, num_kv_heads=VLLM_TEST_SHAPE.num_kv_heads, head_dim=VLLM_TEST_SHAPE.head_dim
     )
@@ -133,46 +130,3 @@ class VllmSchedulerDriver:
 
     def close(self) -> None:
         self.observer.close(self.loop)
-
-
-class VllmDataRunDriver(VllmSchedulerDriver):
-    """A :class:`VllmSchedulerDriver` the data checks run on: requests kept for their tokens, loads counted.
-
-    Whoever watches the connector calls :meth:`committed` for each load it commits and adds its failed blocks to
-    ``stats.failed_load_blocks``; ``failures`` is the run's
-    :class:`~kvconn.testing.conformance.failures.LoadFailures`, if any.
-    """
-
-    def __init__(self, spec: DriverSpec, shape: EngineShape, loop: VllmLoop, observer: StepObserver) -> None:
-        super().__init__(spec, shape, loop, observer)
-        self.stats = EngineStats()
-        self.failures: LoadFailures | None = None
-        self._requests: dict[str, Any] = {}
-        self._loaded: dict[str, int] = {}
-
-    def committed(self, request: Any, plan: LoadPlan) -> None:
-        """A load the connector committed: ``plan.num_tokens`` from ``request``'s computed tokens."""
-        tokens = plan.num_tokens or 0
-        self._loaded[request.request_id] = tokens
-        start = request.num_computed_tokens
-        self.stats.prompt_tokens_loaded += max(0, min(start + tokens, len(request.prompt_token_ids)) - start)
-
-    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int, keys: RequestKeys = NO_KEYS) -> None:
-        request = make_request(req_id, prompt, max_tokens, self.block_size, **keys._asdict())
-        self.scheduler.add_request(request)
-        self._requests[req_id] = request
-
-    def step(self, *, withhold: Iterable[str] = ()) -> StepRecord:
-        self._loaded = {}
-        record = super().step(withhold=frozenset(withhold))
-        record.loaded = self._loaded
-        return record
-
-    def generated(self, req_id: str) -> list[int]:
-        """The tokens ``req_id`` generated so far."""
-        return list(self._requests[req_id].output_token_ids)
-
-    @property
-    def injected_failure(self) -> bool:
-        """Whether a load was made to fail (``fail_loads``)."""
-        return self.failures is not None and self.failures.failed > 0
