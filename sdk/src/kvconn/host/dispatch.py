@@ -45,8 +45,7 @@ from typing import Any, ClassVar, Literal
 
 import pluggy
 
-from .._plugins.manager import KVConnPluginManager
-from .._plugins.sides import check_side
+from .._plugins.manager import KVConnPluginManager, check_side
 from ..connector import KVConnectorRole
 from ..context import ConnectorContext
 from ..errors import ConnectorError, ConnectorLoadError

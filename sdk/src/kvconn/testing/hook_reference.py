@@ -47,8 +47,8 @@ from .. import (
     filled_blocks,
     iter_block_ids,
 )
-from .._plugins.manager import HOOK_NAMES
 from ..hashing import namespace_key
+from ..hookspecs import HOOK_NAMES
 
 __all__ = [
     "STORE",

@@ -38,8 +38,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from .._plugins.manager import HOOK_NAMES
-from .._plugins.sides import ROLE_HOOKS
+from ..hookspecs import HOOK_NAMES, ROLE_HOOKS
 from ..store import BlockStore, LoadAsync
 from .memory_store import MemoryStore, MemoryStoreConfig, MemoryStoreConnector
 from .memory_store import fresh_store as fresh_namespace

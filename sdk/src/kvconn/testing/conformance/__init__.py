@@ -67,16 +67,8 @@ from __future__ import annotations
 
 from . import checks as _checks  # noqa: F401  (registers every check)
 from .catalog import CAPABILITIES, Check, list_checks
-from .driver import (
-    DriverFactory,
-    DriverSpec,
-    ScenarioUnsupported,
-    SchedulerDriver,
-    StepRecord,
-    available_drivers,
-    get_driver,
-    register_driver,
-)
+from .driver import DriverFactory, DriverSpec, ScenarioUnsupported, SchedulerDriver, StepRecord
+from .driver_registry import available_drivers, get_driver, register_driver
 from .observe import INTROSPECTION_METHOD
 from .reference import ReferenceDriver
 from .results import CheckResult, CheckSkipped, ConformanceFailure, ConnectorReport, Status
