@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .answers import BadHookAnswer
 from .connector_host import ConnectorHost
-from .dispatch import DEFAULT_HOOK_BUDGET_S, DEFAULT_MAX_SLOW_CALLS, DEFAULT_STALL_STEPS, OnError
+from .dispatch import DEFAULT_HOOK_BUDGET_S, DEFAULT_MAX_SLOW_CALLS, DEFAULT_STALL_STEPS, HostOptions, OnError
 from .monitors import MONITORED_CALLS, STEP_CALLS, CallOutcome, MonitorAfter, MonitorBefore
 from .scheduler_host import NO_LOAD, LoadPlan, LoadSpec, SchedulerHost, StepUpdate
 from .worker_host import WorkerHost
@@ -31,6 +31,7 @@ __all__ = [
     "BadHookAnswer",
     "CallOutcome",
     "ConnectorHost",
+    "HostOptions",
     "LoadPlan",
     "LoadSpec",
     "MonitorAfter",
