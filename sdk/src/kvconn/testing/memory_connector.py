@@ -27,7 +27,7 @@ Fault injection for recovery tests:
 
 The conformance suite's deliberately broken connectors, and tests of a
 connector misbehaving in one hook, subclass the hook-level
-:class:`kvconn.testing.hook_reference.HookReferenceConnector` instead: a
+:class:`kvconn.testing.raw_hook_connector.HookReferenceConnector` instead: a
 store connector's hooks live on its sides.
 """
 

@@ -1,8 +1,8 @@
-"""``HookReferenceConnector``: the conformance suite's hook-level reference connector.
+"""``HookReferenceConnector``: a connector written on the raw hooks, the suite's hook-level reference.
 
 A correct in-process saving and loading connector written on the raw hooks
 (no :mod:`kvconn.store`), loaded as
-``"kvconn.testing.hook_reference:HookReferenceConnector"``. It is the base the
+``"kvconn.testing.raw_hook_connector:HookReferenceConnector"``. It is the base the
 suite's deliberately broken connectors change one hook in, and that tests of
 the host against a connector misbehaving in one hook subclass: its hooks are
 its own methods, so overriding one changes exactly that hook. The connector

@@ -14,7 +14,7 @@ KV shape, and a wrong, stale, missing or rearranged load changes them.
 
 Everything that recovers from a failed load is vLLM's (invalid blocks,
 ``_update_waiting_for_remote_kv`` re-asking the connector); the driver only
-injects failures (:class:`~kvconn.testing.conformance.failures.LoadFailures`,
+injects failures (:class:`~kvconn.testing.conformance.fault_injection.LoadFailures`,
 at the hosts) and stops a connector that would never converge
 (:class:`~kvconn.testing.conformance.convergence.ConvergenceWatch`). Freed
 blocks are overwritten between vLLM's calls (a block whose reference count
@@ -32,7 +32,7 @@ from kvconn.host import CallOutcome, LoadPlan
 from kvconn.reference.model import ReferenceModel, adapter_seed, position_weights, prefix_hashes
 from kvconn.reference.stats import EngineStats
 from kvconn.testing.conformance.driver import NO_KEYS, DriverSpec, RequestKeys, StepRecord
-from kvconn.testing.conformance.failures import FailureMode, watch_data_run
+from kvconn.testing.conformance.fault_injection import FailureMode, watch_data_run
 
 from .driver import VllmDriver
 from .harness import EOS_TOKEN_ID, HEAD_SIZE, NUM_KV_HEADS, VllmLoop, make_request
@@ -154,7 +154,7 @@ class DataRunMethods:
     """What both vLLM data drivers add to their scheduler driver: requests kept for their tokens, load counts.
 
     ``_committed`` counts a load the connector committed (``plan.num_tokens`` from ``request``'s computed
-    tokens); ``failures`` is the run's :class:`~kvconn.testing.conformance.failures.LoadFailures`, if any.
+    tokens); ``failures`` is the run's :class:`~kvconn.testing.conformance.fault_injection.LoadFailures`, if any.
     """
 
     block_size: int
@@ -195,7 +195,7 @@ class VllmDataDriver(DataRunMethods, VllmDriver):
     """vLLM's scheduler and model-runner code with a model: the data checks' driver (see the module docstring).
 
     Keywords as :class:`~kvconn.testing.conformance.ReferenceDriver`'s:
-    ``fail_loads`` (a :class:`~kvconn.testing.conformance.failures.LoadFailures`
+    ``fail_loads`` (a :class:`~kvconn.testing.conformance.fault_injection.LoadFailures`
     mode), ``scrub_freed``, ``worker_config`` (the worker side's own config).
     """
 

@@ -19,7 +19,7 @@ blocks, many requests sharing prefixes) run through an engine with errors
 raised (``on_error="raise"``). Each step records the connector's metadata, the
 live block tables, the offered requests and every call of the block state's
 resolver. What the metadata *acts on* is read from it: see
-:mod:`kvconn.testing.conformance.observe` for the optional
+:mod:`kvconn.testing.conformance.metadata_blocks` for the optional
 ``Metadata.block_ids_by_request()`` convention and the fallback walk.
 
 The driver protocol
@@ -52,7 +52,7 @@ The data checks (KV040-KV048) need a worker side and a model: they play data
 runs (:mod:`.runs`, phases of requests judged on their tokens) on
 the factory's ``data_driver`` (a :class:`~.driver.DataDriver`; the reference
 engine for a factory without one), with every freed block overwritten.
-Injected load failures (:mod:`.failures`) and a bound on connectors that keep
+Injected load failures (:mod:`.fault_injection`) and a bound on connectors that keep
 a request from finishing (:mod:`.convergence`) work at the hosts, in any engine.
 
 Each scenario and data run builds new connector instances; a
@@ -69,8 +69,8 @@ from . import checks as _checks  # noqa: F401  (registers every check)
 from .catalog import CAPABILITIES, Check, list_checks
 from .driver import DriverFactory, DriverSpec, ScenarioUnsupported, SchedulerDriver, StepRecord
 from .driver_registry import available_drivers, get_driver, register_driver
-from .observe import INTROSPECTION_METHOD
-from .reference import ReferenceDriver
+from .metadata_blocks import INTROSPECTION_METHOD
+from .reference_driver import ReferenceDriver
 from .results import CheckResult, CheckSkipped, ConformanceFailure, ConnectorReport, Status
 from .runner import matches, run_conformance, run_session
 from .session import ConfigFactory, Session

@@ -155,7 +155,7 @@ class DataDriver(SchedulerDriver, Protocol):
     Built as ``factory.data_driver(spec, fail_loads=None, scrub_freed=False,
     worker_config=None)`` by a driver factory that has one (the reference
     driver's is :class:`~.reference.ReferenceDriver` itself): ``fail_loads``
-    injects failed loads (:mod:`.failures`), ``scrub_freed`` overwrites every
+    injects failed loads (:mod:`.fault_injection`), ``scrub_freed`` overwrites every
     block once it is freed, ``worker_config`` configures the worker side
     alone. Its model writes the reference model's KV and samples from the KV
     it reads, so its tokens are those of the reference engine with the same

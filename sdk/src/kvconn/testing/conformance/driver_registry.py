@@ -13,7 +13,7 @@ from importlib.metadata import entry_points
 from ...errors import ConnectorLoadError
 from ...install import install_project
 from .driver import DriverFactory
-from .reference import ReferenceDriver
+from .reference_driver import ReferenceDriver
 
 __all__ = ["DRIVER_ENTRY_POINT_GROUP", "available_drivers", "get_driver", "register_driver"]
 
