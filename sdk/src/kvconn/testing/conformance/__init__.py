@@ -61,6 +61,22 @@ override of ``ConnectorConformance.config_factory``) gives each its own
 config, e.g. a fresh namespace for a store that outlives its instances.
 A check that depends on a failed check is skipped as ``"not run: ..."``:
 the root cause is reported once.
+
+Layout
+------
+Top to bottom, each module importing only those below it (the
+``kvconn.testing.conformance`` layers contract in ``pyproject.toml``):
+:mod:`.runner` (``run_conformance``); :mod:`.checks`; :mod:`.runs` (data runs)
+and :mod:`.trace_steps` (a trace read step by step); :mod:`.session` (one
+connector under test); :mod:`.driver_registry` (drivers by name);
+:mod:`.reference_driver` (the reference engine's driver); :mod:`.scenarios` and
+:mod:`.worker_process`; :mod:`.diagnose`; :mod:`.driver` (the protocol),
+:mod:`.loaded_kv` (what a load landed in the KV cache) and
+:mod:`.metadata_blocks` (what the metadata acts on); :mod:`.fault_injection`;
+:mod:`.convergence`; :mod:`.catalog` (the check registry) and :mod:`.results`.
+Read by: ``kvconn validate``, the pytest plugin, the adapters' drivers. Public:
+``__all__`` below. A new check updates ``docs/checks.md``; a new module takes
+its place in the contract.
 """
 
 from __future__ import annotations
