@@ -51,7 +51,7 @@ from .._plugins.registry import connector_roles, instantiate_connector, load_con
 from ..connector import KVConnectorRole
 from ..context import ConnectorContext
 from .answers import count
-from .dispatch import DEFAULT_HOOK_BUDGET_S, DEFAULT_MAX_SLOW_CALLS, DEFAULT_STALL_STEPS, HostCore, HostOptions, OnError
+from .dispatch import HostCore, HostOptions, OnError
 from .monitors import Monitored, _Monitor
 
 __all__ = ["ConnectorHost"]
@@ -94,10 +94,11 @@ class ConnectorHost(HostCore, Monitored):
         *,
         role: KVConnectorRole | str | None = None,
         context: ConnectorContext | None = None,
-        on_error: OnError = "degrade",
-        stall_steps: int = DEFAULT_STALL_STEPS,
-        hook_budget_s: float | None = DEFAULT_HOOK_BUDGET_S,
-        max_slow_calls: int | None = DEFAULT_MAX_SLOW_CALLS,
+        # The defaults are HostOptions' own: its fields hold them as class attributes.
+        on_error: OnError = HostOptions.on_error,
+        stall_steps: int = HostOptions.stall_steps,
+        hook_budget_s: float | None = HostOptions.hook_budget_s,
+        max_slow_calls: int | None = HostOptions.max_slow_calls,
     ) -> None:
         options = HostOptions(on_error, stall_steps, hook_budget_s, max_slow_calls)
         super().__init__(connectors, role=self._role(role), context=context, options=options)
