@@ -174,6 +174,13 @@ STANDARD: tuple[Scenario, ...] = (
         options={"enable_prefix_caching": False},
     ),
     Scenario(
+        "preempted-prefill",
+        "r1's block-aligned 64-token prompt, chunked beside r0 in a 6-block pool, is preempted with 45 of its tokens "
+        "computed (r0 needs a block) and resumed from scratch: the engine must not die, and r1 finishes",
+        (Arrival("r0", prompt(31, 670), 6), Arrival("r1", prompt(64, 671), 3, at_step=2)),
+        options={"num_blocks": 7, "max_num_batched_tokens": 16, "enable_prefix_caching": False},
+    ),
+    Scenario(
         "shared-prefixes",
         "eight concurrent requests sharing a 40-token prefix; the later four hit the prefix cache",
         tuple(Arrival(f"r{i}", prompt(49, 700 + i, _SHARED), 6, 0 if i < 4 else 3) for i in range(8)),
