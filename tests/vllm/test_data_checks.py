@@ -92,7 +92,7 @@ def test_the_livelocking_store_fails_under_vllm_and_its_correct_version_passes(
     assert {r.id for r in report.results if r.status == "failed"} == failed, report.results
     if failed:
         (result,) = (r for r in report.results if r.id == "KV046")
-        assert "request 'b' never finishes" in result.message and "answering (64, True)" in result.message
+        assert "request 'b' never finishes" in result.message and "answering (272, True)" in result.message
         assert "vLLM 0.33.0 scheduler asks the connector again" in result.message
         assert "fix: stop claiming a block whose load failed" in result.message
 
@@ -109,7 +109,7 @@ def test_a_sync_store_claiming_a_failed_block_livelocks_vllm_with_two_groups_and
     if failed:
         (result,) = (r for r in report.results if r.id == "KV046")
         assert "'persistent-failure-two-groups', request 'b' never finishes" in result.message, result.message
-        assert "answering (64, False)" in result.message
+        assert "answering (272, False)" in result.message
 
 
 def _embedded_store(run: str) -> dict[str, str]:

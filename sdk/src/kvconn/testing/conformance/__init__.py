@@ -73,7 +73,8 @@ connector under test); :mod:`.driver_registry` (drivers by name);
 :mod:`.worker_process`; :mod:`.diagnose`; :mod:`.driver` (the protocol),
 :mod:`.loaded_kv` (what a load landed in the KV cache) and
 :mod:`.metadata_blocks` (what the metadata acts on); :mod:`.fault_injection`;
-:mod:`.convergence`; :mod:`.catalog` (the check registry) and :mod:`.results`.
+:mod:`.convergence`; :mod:`.catalog` (the check registry), :mod:`.results` and
+:mod:`.waits` (the wall-clock bound on a run's waits).
 Read by: ``kvconn validate``, the pytest plugin, the adapters' drivers. Public:
 ``__all__`` below. A new check updates ``docs/checks.md``; a new module takes
 its place in the contract.

@@ -13,7 +13,7 @@ from ..catalog import IMPORTED, check
 from ..diagnose import RANK_KEY_FIX, Diagnosis, explain_wrong_kv, lost_saves, store_refusals, store_trouble
 from ..driver import ScenarioUnsupported
 from ..reference_driver import ReferenceDriver
-from ..results import CheckSkipped, ConformanceFailure
+from ..results import CheckSkipped, ConformanceFailure, nothing_preempted
 from ..runs import (
     FAILED_LOAD,
     FAILED_LOAD_ELSEWHERE,
@@ -291,7 +291,7 @@ def preempted_saves(session: Session) -> None:
     """
     result = data_run(session, PREEMPTED_SAVES)
     if not any(record.preempted for record in result.records):
-        raise RuntimeError("the preempted-saves data run preempted nothing: the conformance suite is misconfigured")
+        raise nothing_preempted(f"the {PREEMPTED_SAVES.name!r} data run")
     _exact(session, PREEMPTED_SAVES)
 
 
