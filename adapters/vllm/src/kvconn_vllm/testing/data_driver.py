@@ -13,12 +13,12 @@ weighted by its place), so its tokens are the reference engine's for the same
 KV shape, and a wrong, stale, missing or rearranged load changes them. With
 ``tp_size`` 2 (KV048) every rank runs its shard of the model beside its own
 worker-side connector. Each load that lands is compared with the KV the model
-computes (:func:`~kvconn.testing.conformance.kv_audit.audit_load`, on every
+computes (:func:`~kvconn.testing.conformance.loaded_kv.audit_load`, on every
 rank), so a wrong token is traced as on the reference engine.
 
 Everything that recovers from a failed load is vLLM's (invalid blocks,
 ``_update_waiting_for_remote_kv`` re-asking the connector); the driver only
-injects failures (:class:`~kvconn.testing.conformance.failures.LoadFailures`,
+injects failures (:class:`~kvconn.testing.conformance.fault_injection.LoadFailures`,
 at the hosts) and stops a connector that would never converge
 (:class:`~kvconn.testing.conformance.convergence.ConvergenceWatch`). Freed
 blocks are overwritten between vLLM's calls (a block whose reference count
@@ -37,8 +37,8 @@ from kvconn.reference.model import ReferenceModel, adapter_seed, position_weight
 from kvconn.reference.stats import EngineStats
 from kvconn.testing.conformance.diagnose import Diagnosis, explain_wrong_kv
 from kvconn.testing.conformance.driver import NO_KEYS, DriverSpec, RequestKeys, StepRecord
-from kvconn.testing.conformance.failures import FailureMode, watch_data_run
-from kvconn.testing.conformance.kv_audit import LoadedBlock, audit_load
+from kvconn.testing.conformance.fault_injection import FailureMode, watch_data_run
+from kvconn.testing.conformance.loaded_kv import LoadedBlock, audit_load
 
 from .driver import VllmDriver
 from .harness import EOS_TOKEN_ID, HEAD_SIZE, NUM_KV_HEADS, VllmLoop, make_request
@@ -200,7 +200,7 @@ class ModelLoop(VllmLoop):
 
     def audit(self, step: int, skip: set[int]) -> list[LoadedBlock]:
         """The layer-blocks of this step's landed loads that hold other KV than the model computes, on every rank
-        (:func:`~kvconn.testing.conformance.kv_audit.audit_load`); blocks in ``skip`` (reported failed) are not
+        (:func:`~kvconn.testing.conformance.loaded_kv.audit_load`); blocks in ``skip`` (reported failed) are not
         audited."""
         layers = [(name, self._group_of[name]) for name in self._layer_index]
         found = []
@@ -245,7 +245,7 @@ class DataRunMethods:
     """What both vLLM data drivers add to their scheduler driver: requests kept for their tokens, load counts.
 
     ``_committed`` counts a load the connector committed (``plan.num_tokens`` from ``request``'s computed
-    tokens); ``failures`` is the run's :class:`~kvconn.testing.conformance.failures.LoadFailures`, if any.
+    tokens); ``failures`` is the run's :class:`~kvconn.testing.conformance.fault_injection.LoadFailures`, if any.
     """
 
     block_size: int
@@ -300,7 +300,7 @@ class VllmDataDriver(DataRunMethods, VllmDriver):
     """vLLM's scheduler and model-runner code with a model: the data checks' driver (see the module docstring).
 
     Keywords as :class:`~kvconn.testing.conformance.ReferenceDriver`'s:
-    ``fail_loads`` (a :class:`~kvconn.testing.conformance.failures.LoadFailures`
+    ``fail_loads`` (a :class:`~kvconn.testing.conformance.fault_injection.LoadFailures`
     mode), ``scrub_freed``, ``worker_config`` (the worker side's own config).
     """
 

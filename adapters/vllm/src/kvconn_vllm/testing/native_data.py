@@ -11,7 +11,7 @@ vLLM itself offers, the connector class: subclasses made here
 (:func:`observed_worker` and the scheduler-side class of
 :mod:`.native`) call the connector's own methods and report each call to a
 :class:`MonitorPoint`, which takes the monitors of
-:mod:`kvconn.testing.conformance.failures` (injected failed loads, reported
+:mod:`kvconn.testing.conformance.fault_injection` (injected failed loads, reported
 through the worker's ``get_block_ids_with_load_errors``) and
 :mod:`~kvconn.testing.conformance.convergence` as a ``ConnectorHost`` does,
 the vLLM calls translated into kvconn's shapes.
@@ -26,8 +26,8 @@ from kvconn.host import CallOutcome, LoadPlan, MonitorAfter
 from kvconn.outputs import KVConnectorOutput
 from kvconn.reference.stats import EngineStats
 from kvconn.testing.conformance.driver import DriverSpec
-from kvconn.testing.conformance.failures import FailureMode, watch_data_run
-from kvconn.testing.conformance.kv_audit import LoadedBlock
+from kvconn.testing.conformance.fault_injection import FailureMode, watch_data_run
+from kvconn.testing.conformance.loaded_kv import LoadedBlock
 
 from ..translate import VllmRequestView, to_block_ids
 from .data_driver import DataRunMethods, ModelLoop
