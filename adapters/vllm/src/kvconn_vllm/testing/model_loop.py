@@ -7,7 +7,7 @@ live block table (the reference model's digest, every element weighted by its pl
 reference engine's for the same KV shape, and a wrong, stale, missing or rearranged load changes them. With
 ``tp_size`` 2 (KV048) every rank runs its shard of the model beside its own worker-side connector. Each load that
 lands is compared with the KV the model computes (:meth:`ModelLoop.audit`, with
-:func:`~kvconn.testing.conformance.kv_audit.audit_load`, on every rank), so a wrong token is traced as on the
+:func:`~kvconn.testing.conformance.loaded_kv.audit_load`, on every rank), so a wrong token is traced as on the
 reference engine. Freed blocks
 are overwritten between vLLM's calls when asked (``scrub_freed``: a block whose reference count is 0 after
 ``schedule()`` and after ``update_from_output``), as a busy GPU cache reuses them: vLLM's block pool has no free
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from kvconn.reference.model import ReferenceModel, adapter_seed, position_weights, prefix_hashes
-from kvconn.testing.conformance.kv_audit import LoadedBlock, audit_load
+from kvconn.testing.conformance.loaded_kv import LoadedBlock, audit_load
 
 from .harness import EOS_TOKEN_ID, HEAD_SIZE, NUM_KV_HEADS, VllmLoop
 
@@ -184,7 +184,7 @@ class ModelLoop(VllmLoop):
 
     def audit(self, step: int, skip: set[int]) -> list[LoadedBlock]:
         """The layer-blocks of this step's landed loads that hold other KV than the model computes, on every rank
-        (:func:`~kvconn.testing.conformance.kv_audit.audit_load`); blocks in ``skip`` (reported failed) are not
+        (:func:`~kvconn.testing.conformance.loaded_kv.audit_load`); blocks in ``skip`` (reported failed) are not
         audited."""
         layers = [(name, self._group_of[name]) for name in self._layer_index]
         found = []

@@ -10,7 +10,7 @@ A vLLM connector has no kvconn host, so the driver watches it at the seam
 vLLM itself offers, the connector class: subclasses made here
 (:func:`observed_worker`) and in :mod:`.native_observer` call the connector's own methods and report each call to
 a :class:`MonitorPoint`, which takes the monitors of
-:mod:`kvconn.testing.conformance.failures` (injected failed loads, reported
+:mod:`kvconn.testing.conformance.fault_injection` (injected failed loads, reported
 through the worker's ``get_block_ids_with_load_errors``) and
 :mod:`~kvconn.testing.conformance.convergence` as a ``ConnectorHost`` does,
 the vLLM calls translated into kvconn's shapes (:class:`SchedulerCalls`).
@@ -24,7 +24,7 @@ from typing import Any
 from kvconn.host import CallOutcome, LoadPlan, MonitorAfter
 from kvconn.outputs import KVConnectorOutput
 from kvconn.testing.conformance.driver import DriverSpec
-from kvconn.testing.conformance.failures import FailureMode, watch_data_run
+from kvconn.testing.conformance.fault_injection import FailureMode, watch_data_run
 
 from ..translate import VllmRequestView, to_block_ids
 from .data_run import VllmDataRunDriver
