@@ -8,9 +8,11 @@ ever: a real engine livelocks on it. :class:`ConvergenceWatch` watches the
 scheduler-side host and raises :class:`NotConverging` once a request's load of
 a block failed and the connector claimed that block again
 :data:`REPEATS` times, or once an async load stays in flight for
-:data:`LOAD_STEPS` steps and the wall-clock wait bound
+:data:`LOAD_STEPS` steps and twice the wall-clock wait bound
 (:func:`~.waits.wait_seconds`), instead of letting a data run spin to its step
-limit. Both bounds, because an idle step takes microseconds: a store behind a
+limit. Twice: in a scenario, whose own stall check (a bound's worth of idle
+steps) names the answer that started the wait, that check must come first on
+any machine, and a load in flight starts no later than the idle steps it causes. Both bounds, because an idle step takes microseconds: a store behind a
 socket on a loaded machine may need far more than :data:`LOAD_STEPS` of them
 to finish a load that is merely slow.
 (Frees never reported are bounded by the host's ``stall_steps``.)
@@ -31,7 +33,7 @@ __all__ = ["LIVELOCK_FIX", "LOAD_STEPS", "REPEATS", "ConvergenceWatch", "NotConv
 
 #: Failed loads of one block a request may claim again before the run is stopped (an engine would loop forever).
 REPEATS = 3
-#: Steps an async load may stay in flight, once the wait bound has passed too (vLLM waits for ever).
+#: Steps an async load may stay in flight, once twice the wait bound has passed too (vLLM waits for ever).
 LOAD_STEPS = 64
 
 LIVELOCK_FIX = (
@@ -116,7 +118,7 @@ class ConvergenceWatch:
                 self._failed[req_id] = min(hit)
             if not load.is_async or req_id in recving or (out is not None and out.failed):
                 del self._loads[req_id]
-            elif self._step - load.step > LOAD_STEPS and time.monotonic() - load.since > wait_seconds():
+            elif self._step - load.step > LOAD_STEPS and time.monotonic() - load.since > 2 * wait_seconds():
                 raise NotConverging(
                     f"request {req_id!r} never finishes: its async load of {len(load.blocks)} block(s) has not been "
                     f"reported in finished_recving for {self._step - load.step} steps and "
