@@ -22,7 +22,7 @@ Two comparisons, each interleaved round by round in one process:
   CPU time (which a loaded machine's preemptions do not inflate). Target: the
   in-process store connector within 1.2x of the raw-hook connector's.
 
-Usage: ``python benchmarks/store_overhead.py [--blocks N] [--layers L] [--rounds R] [--engine-rounds R]
+Usage: ``python benchmarks/studies/store_overhead.py [--blocks N] [--layers L] [--rounds R] [--engine-rounds R]
 [--engine-only] [--quick] [--json FILE]``.
 """
 

@@ -13,7 +13,7 @@ Target: adapter throughput >= 0.9 of raw, each store and direction (the median
 of the per-round ratios).
 
 Needs SGLang (``.venv-sglang``): ``kvconn bench sglang`` from that venv.
-Usage: ``python benchmarks/sglang_tier.py [--pages N] [--rounds R] [--quick] [--json FILE]``.
+Usage: ``python benchmarks/suite/sglang_tier.py [--pages N] [--rounds R] [--quick] [--json FILE]``.
 """
 
 from __future__ import annotations

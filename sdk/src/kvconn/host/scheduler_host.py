@@ -190,7 +190,7 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
                 self._notify("on_block_state", (block_state, scheduler_output))
             metadata: dict[str, KVConnectorMetadata] = {}
             # Called here, not through _each, as the worker's start_load_kv: the one scheduler hook of every step, and
-            # the calls around a hook cost 2-3x their warm time in an engine's step (benchmarks/RESULTS.md).
+            # the calls around a hook cost 2-3x their warm time in an engine's step (benchmarks/history/2026-log.md).
             for name, call in self._impls["build_connector_meta"]:
                 if name in self._skip:
                     continue
