@@ -34,18 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib import CANNOT_RUN, Bench, parse_args
-from benchlib.vllm_engine import (
-    BLOCK_SIZE,
-    FULL_SHAPE,
-    QUICK_SHAPE,
-    RUN_TIMEOUT_S,
-    build_llm,
-    build_model,
-    child_env,
-    engine_python,
-    random_tokens,
-    transfer_config,
-)
+from benchlib import vllm_engine as rig
 
 BACKGROUND = 3  # requests decoding when the hit arrives (vllm_e2e's engines run at most 4)
 MODES = {"async": {"load_async": True}, "default": {}}
@@ -63,9 +52,9 @@ def child(spec: dict[str, Any]) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sizes, shape = spec["sizes"], QUICK_SHAPE if spec["quick"] else FULL_SHAPE
-    transfer = transfer_config("offload", {"pool_blocks": 256, **MODES[spec["mode"]]}, None)
-    engine = build_llm(spec["model"], shape, sizes["blocks"], transfer, max_model_len=sizes["max_len"],
+    sizes, shape = spec["sizes"], rig.QUICK_SHAPE if spec["quick"] else rig.FULL_SHAPE
+    transfer = rig.transfer_config("offload", {"pool_blocks": 256, **MODES[spec["mode"]]}, None)
+    engine = rig.build_llm(spec["model"], shape, sizes["blocks"], transfer, max_model_len=sizes["max_len"],
                            max_num_seqs=BACKGROUND + 1, max_num_batched_tokens=sizes["max_len"]).llm_engine  # fmt: skip
     ids = itertools.count()
     first_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -76,24 +65,24 @@ def child(spec: dict[str, Any]) -> None:
         while engine.has_unfinished_requests():
             engine.step()
 
-    system = random_tokens(0, sizes["system"], shape.vocab)
+    system = rig.random_tokens(0, sizes["system"], shape.vocab)
     results = []
     for rep in range(sizes["reps"]):
-        saved = system + random_tokens(100 + rep, sizes["document"], shape.vocab)
+        saved = system + rig.random_tokens(100 + rep, sizes["document"], shape.vocab)
         run_alone(saved)  # offload saves it
         for k in range(2):  # vLLM's own cache evicts it
-            run_alone(random_tokens(1000 + 10 * rep + k, sizes["evict"], shape.vocab))
+            run_alone(rig.random_tokens(1000 + 10 * rep + k, sizes["evict"], shape.vocab))
         background = [f"bg{rep}.{b}" for b in range(BACKGROUND)]
         for b, rid in enumerate(background):
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=random_tokens(2000 + 10 * rep + b, 32, shape.vocab)),
-                               decode)  # fmt: skip
+            tokens = rig.random_tokens(2000 + 10 * rep + b, 32, shape.vocab)
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens), decode)
         steps = []
         for _ in range(6):  # their prefill, then decode steps
             began = time.perf_counter()
             engine.step()
             steps.append(time.perf_counter() - began)
         hit = f"hit{rep}"
-        prompt = saved + random_tokens(3000 + rep, sizes["new"], shape.vocab)
+        prompt = saved + rig.random_tokens(3000 + rep, sizes["new"], shape.vocab)
         engine.add_request(hit, TokensPrompt(prompt_token_ids=prompt), first_only)
         began, count, reply = time.perf_counter(), 0, None
         while reply is None:
@@ -110,22 +99,22 @@ def child(spec: dict[str, Any]) -> None:
 
 def main() -> int:
     args = parse_args(__doc__)
-    python, why = engine_python(None)
+    python, why = rig.engine_python(None)
     if python is None:
         print(f"cannot run: {why}; run with .venv-vllm-cpu/bin/python or set KVCONN_VLLM_PYTHON", file=sys.stderr)
         return CANNOT_RUN
     sizes = scenario(args.quick)
-    shape = QUICK_SHAPE if args.quick else FULL_SHAPE
+    shape = rig.QUICK_SHAPE if args.quick else rig.FULL_SHAPE
     order = ["async", "default", "default", "async"]
     runs: dict[str, list[list[dict[str, Any]]]] = {mode: [] for mode in MODES}
-    env = child_env(multiprocess=False)
+    env = rig.child_env(multiprocess=False)
     with tempfile.TemporaryDirectory(prefix="kvconn-hit-") as tmp:
         model = f"{tmp}/model"
-        build_model(python, model, shape, env)
+        rig.build_model(python, model, shape, env)
         for i, mode in enumerate(order):
             spec = {"mode": mode, "model": model, "sizes": sizes, "quick": args.quick, "out": f"{tmp}/{i}.json"}
             proc = subprocess.run([python, __file__, "--child", json.dumps(spec)], env=env, capture_output=True,
-                                  text=True, timeout=RUN_TIMEOUT_S)  # fmt: skip
+                                  text=True, timeout=rig.RUN_TIMEOUT_S)  # fmt: skip
             if proc.returncode != 0:
                 raise SystemExit(f"engine {i} ({mode}) failed:\n{proc.stderr[-4000:]}")
             runs[mode].append(json.loads(Path(spec["out"]).read_text()))
@@ -149,7 +138,7 @@ def main() -> int:
     bench.target("a hit on host KV caches is no slower by default than async", ratio >= 1.0,
                  f"async TTFT / default TTFT {ratio:.2f}")  # fmt: skip
     bench.target("every hit loaded its prefix, and gave the same first token in both modes",
-                 same and cached >= sizes["system"] + sizes["document"] - BLOCK_SIZE,
+                 same and cached >= sizes["system"] + sizes["document"] - rig.BLOCK_SIZE,
                  f"fewest cached tokens {cached}; first tokens {'equal' if same else 'DIFFER'}")  # fmt: skip
     bench.notes.append(f"engines in order: {', '.join(order)}; load average {os.getloadavg()[0]:.1f} at the end")
     bench.extra.update({"runs": runs, "sizes": sizes})
