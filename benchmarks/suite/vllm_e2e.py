@@ -148,7 +148,7 @@ class Sizes:
         return self.prompt_len(self.turns - 1) + self.output
 
     @property
-    def working_setrandom_tokens(self) -> int:
+    def working_set_tokens(self) -> int:
         return self.system + self.conversations * (self.max_model_len - self.system)
 
     @property
