@@ -39,9 +39,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from benchlib import Bench, arg_parser, redis_server
-
-CANNOT_RUN = 2
+from benchlib import CANNOT_RUN, Bench, arg_parser, redis_server
 
 
 def _timed(fn: Callable[[], object]) -> float:

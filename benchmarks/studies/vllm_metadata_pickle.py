@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from benchlib import Bench, parse_args, round_times
+from benchlib import CANNOT_RUN, Bench, parse_args, round_times
 
 __all__ = ["forms", "main"]
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         import vllm  # noqa: F401
     except ImportError as exc:
         print(f"cannot run: vLLM is not installed here ({exc}); use .venv-vllm/bin/python", file=sys.stderr)
-        return 2
+        return CANNOT_RUN
     protocol = pickle.HIGHEST_PROTOCOL
     table = forms()
     fns: list[Callable[[], Any]] = []
