@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import kvconn
+
+REDIS_SERVER = Path(__file__).parent.parent / "plugins" / "redis" / "tests" / "redis_server.py"
 
 
 def installed(*names: str) -> list[str]:
@@ -37,3 +41,16 @@ def guard_tier(
                     item.add_marker(skip)
 
     return pytest_collection_modifyitems
+
+
+@pytest.fixture
+def redis_server() -> Iterator[Any]:
+    """A real redis-server on 127.0.0.1 (the Redis plugin's test harness), stopped by PID afterwards."""
+    spec = importlib.util.spec_from_file_location("redis_server", REDIS_SERVER)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.require_redis_server()
+    server = module.RedisServer().start()
+    yield server
+    server.stop()

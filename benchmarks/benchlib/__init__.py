@@ -35,12 +35,16 @@ from typing import Any
 from kvconn_cli.rounds import interleaved_rounds
 
 __all__ = [
-    "CANNOT_RUN", "REPO", "Bench", "arg_parser", "machine", "median_times", "mooncake_netns", "parse_args",
+    "CANNOT_RUN", "REPO", "SOURCES", "Bench", "arg_parser", "machine", "median_times", "mooncake_netns", "parse_args",
     "percentile", "redis_server", "round_times",
 ]  # fmt: skip
 
 #: The repository's root (the link a script's folder has to this package resolved).
 REPO = Path(__file__).resolve().parents[2]
+#: Where each distribution of a checkout keeps its sources: put first on ``PYTHONPATH`` (this checkout's, or an
+#: earlier one's for a before/after), they shadow the installed packages.
+SOURCES = ("sdk/src", "cli/src", "adapters/vllm/src", "plugins/dummy/src", "plugins/offload/src",
+           "plugins/mooncake/src", "plugins/redis/src")  # fmt: skip
 #: Exit status of a benchmark that cannot run on this machine; it says why on stderr (no vLLM, no root...).
 CANNOT_RUN = 2
 

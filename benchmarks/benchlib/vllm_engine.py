@@ -18,16 +18,13 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import REPO
+from . import REPO, SOURCES
 
 __all__ = [
-    "BLOCK_SIZE", "FULL_BLOCK_SHAPE", "FULL_SHAPE", "PLATFORMS", "QUICK_SHAPE", "RUN_TIMEOUT_S", "SOURCES", "Shape",
+    "BLOCK_SIZE", "FULL_BLOCK_SHAPE", "FULL_SHAPE", "PLATFORMS", "QUICK_SHAPE", "RUN_TIMEOUT_S", "Shape",
     "build_llm", "build_model", "child_env", "engine_python", "random_tokens", "transfer_config",
 ]  # fmt: skip
 
-#: This checkout's sources, first on the engine's ``PYTHONPATH``.
-SOURCES = ("sdk/src", "adapters/vllm/src", "cli/src", "plugins/dummy/src", "plugins/offload/src",
-           "plugins/mooncake/src")  # fmt: skip
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 FP32 = 4
 #: Building the model, and all engines' start-ups at once (each tens of seconds on busy cores).

@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 
 from kvconn import CachedRequestData, KVCacheGroupSpec, SaveCursor, SchedulerOutput, loadable_hit
+from kvconn.hashing import hash_blocks
 from kvconn.reference import Engine
 from kvconn.store import HEADER_BYTES, BlockStore, Integrity, StoreGuard, StoreScheduler, StoreUnavailable
+from kvconn.telemetry import BlockRemoved, BlockStored
 from kvconn.testing import memory_connector, memory_store, run_conformance
 from kvconn.testing.store_conformance import StoreConformance
 
@@ -372,3 +374,32 @@ def test_store_stats_report_degraded_events_by_reason_and_the_scheduler_side_rep
     assert stats.take() == {}
     assert StoreConnector.cache_tier == "remote" and KVConnector.cache_tier is None
     assert callable(StoreScheduler.scheduler_stats)
+
+
+def test_events_announce_only_what_the_store_holds_and_the_blocks_whose_load_failed() -> None:
+    """Stored: confirmed by the store, never on a save that did not land. Removed: a load that failed."""
+    with Engine(STORE, FAST, num_blocks=128, enable_prefix_caching=False) as engine:
+        assert engine.scheduler_host is not None
+        side = engine.scheduler_host.connectors[STORE].side
+        assert side.take_events() == []  # an engine that publishes events asks first
+        first, other = prompts(2)
+        size = engine.context.block_size
+
+        def blocks(prompt: list[int]) -> list[bytes]:
+            return hash_blocks(prompt, size)[: (len(prompt) - 1) // size]  # saved: full blocks before the last token
+
+        def taken(kind: type) -> list[bytes]:
+            return [h for e in side.take_events() if isinstance(e, kind) for h in e.block_hashes]
+
+        engine.generate([first], max_tokens=4)
+        stored = taken(BlockStored)  # the prompt's full blocks first (then any a generated token filled)
+        assert stored[: len(blocks(first))] == blocks(first) and len(set(stored)) == len(stored)
+        memory_store.faults().corrupt = True
+        engine.generate([first], max_tokens=4)
+        assert engine.stats.failed_load_blocks > 0
+        removed = taken(BlockRemoved)
+        assert removed and set(removed) <= set(blocks(first))
+        memory_store.faults().corrupt = False
+        memory_store.faults().down = True
+        engine.generate([other[-40:]], max_tokens=4)  # no prefix shared with first
+        assert taken(BlockStored) == []  # nothing landed: nothing announced

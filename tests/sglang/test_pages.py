@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import pytest
 import torch
 
 from kvconn.store import HEADER_BYTES
+from kvconn.store.values import seal_parts
 from kvconn_sglang.testing.rig import (
     MHA_LAYOUTS,
     MLA_LAYOUTS,
@@ -17,6 +19,7 @@ from kvconn_sglang.testing.rig import (
     make_pools,
     page,
     storage_config,
+    swap_store_class,
 )
 
 LAYOUTS = [("mha", layout) for layout in MHA_LAYOUTS] + [("mla", layout) for layout in MLA_LAYOUTS]
@@ -103,3 +106,106 @@ def test_a_call_that_raises_inside_the_tier_is_a_miss_never_an_exception(store: 
     stats = backend.get_stats()
     assert stats["batch_set_v1_raised"] == 1 and stats["batch_get_v1_raised"] == 1
     backend.close()
+
+
+# ---------------------------------------------------------------- loads in place (a store called inline)
+
+
+class _RecordingStore:
+    """The store ``inner`` (a ScatterStore), recording which read served each load: ``get`` (staged) or
+    ``get_parts`` (in place)."""
+
+    def __init__(self, inner: Any, reads: list[str]) -> None:
+        self.inner, self.reads = inner, reads
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def get(self, keys: Any, buffers: Any) -> Any:
+        self.reads.append("get")
+        return self.inner.get(keys, buffers)
+
+    def get_parts(self, keys: Any, parts: Any) -> Any:
+        self.reads.append("get_parts")
+        return self.inner.get_parts(keys, parts)
+
+
+def _recording(inline: bool, reads: list[str]) -> type:
+    """Mooncake's connector (embedded), its store recorded, declared called inline or not."""
+    from kvconn_mooncake import MooncakeConnector
+
+    def open_store(self: Any) -> Any:
+        return _RecordingStore(MooncakeConnector.open_store(self), reads)
+
+    return type("RecordingMooncake", (MooncakeConnector,), {"open_store": open_store, "inline_calls": inline})
+
+
+def _damage(backend: Any, keys: list[str], saved: Any, how: str) -> None:
+    """Put a damaged value under ``keys[1]`` before SGLang saves it (write-once keeps it): sealed by kvconn for
+    page 1's bytes, then its tag broken (``checksum``), sealed for ``keys[0]`` (``other_key``) or cut by a byte
+    (``short``)."""
+    tier = backend.tier
+    sealed_for = tier.key(keys[0] if how == "other_key" else keys[1])
+    value = bytearray(
+        b"".join(seal_parts(tier.integrity, [sealed_for], tier.views.digest, [tier.views.pages(saved)[1]])[0])
+    )
+    if how == "checksum":
+        value[-1] ^= 0xFF
+    data = bytes(value[:-1] if how == "short" else value)
+    assert list(tier.guard.call("put", lambda s: s.put([tier.key(keys[1])], [data]))) == [True]
+
+
+@pytest.mark.parametrize("how", ["checksum", "other_key", "short"])
+@pytest.mark.parametrize(("kind", "layout"), [("mha", "page_first"), ("mha", "layer_first"), ("mla", "page_first")])
+def test_a_damaged_value_loaded_in_place_is_a_miss_and_its_page_zeroed(
+    namespace: str, how: str, kind: str, layout: str
+) -> None:
+    backend, host = _backend(("mooncake", {"namespace": namespace}), kind, layout, seed=17)
+    reads: list[str] = []
+    swap_store_class(backend, host, _recording(True, reads))
+    keys = [f"{i + 700:064x}" for i in range(3)]
+    saved = host.alloc(3 * PAGE)
+    _damage(backend, keys, saved, how)
+    assert backend.batch_set_v1(keys, saved) == [True] * 3
+    target = host.alloc(3 * PAGE)
+    assert page(host, target, 1).any()  # known bytes there: the zeroing below can fail
+    assert backend.batch_get_v1(keys, target) == [True, False, True]
+    assert reads == ["get_parts"]  # in place: one read, straight into the pool's pages
+    assert not page(host, target, 1).any(), "a page that failed verification kept bytes in the pool"
+    assert torch.equal(page(host, saved, 0), page(host, target, 0))
+    assert torch.equal(page(host, saved, 2), page(host, target, 2))
+    assert backend.get_stats()[f"load_failed_integrity_{how}"] == 1
+    assert backend.get_stats()["pages_loaded"] == 2
+    backend.close()
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_only_a_store_declared_inline_is_read_in_place(namespace: str, inline: bool) -> None:
+    backend, host = _backend(("mooncake", {"namespace": namespace}), "mha", "page_head", seed=19)
+    reads: list[str] = []
+    swap_store_class(backend, host, _recording(inline, reads))
+    assert backend.tier.guard.inline is inline
+    keys = [f"{i + 800:064x}" for i in range(2)]
+    saved = host.alloc(2 * PAGE)
+    _damage(backend, keys, saved, "checksum")
+    assert backend.batch_set_v1(keys, saved) == [True, True]
+    target = host.alloc(2 * PAGE)
+    before = page(host, target, 1)
+    assert backend.batch_get_v1(keys, target) == [True, False]
+    assert torch.equal(page(host, saved, 0), page(host, target, 0))
+    # In place, the failed page is zeroed; staged, it was never written: the pool keeps what it held.
+    assert reads == (["get_parts"] if inline else ["get"])
+    assert not page(host, target, 1).any() if inline else torch.equal(page(host, target, 1), before)
+    backend.close()
+
+
+def test_mooncake_is_called_inline_only_for_its_embedded_store(namespace: str) -> None:
+    from kvconn_mooncake import MooncakeConnector
+    from kvconn_mooncake.config import MooncakeConfig
+
+    backend, _ = _backend(("mooncake", {"namespace": namespace}), "mha", "page_first", seed=23)
+    assert backend.tier.guard.inline is True
+    backend.close()
+    # The real store (a master over the network) keeps its deadline: the same property, on its config.
+    config = MooncakeConfig(backend="mooncake", master_server_address="127.0.0.1:1", metadata_server="http://m/x")
+    assert MooncakeConnector.inline_calls.fget(types.SimpleNamespace(config=config)) is False  # type: ignore[attr-defined]

@@ -28,6 +28,7 @@ def stats_of(engine_core_outputs: dict[int, Any]) -> Any:
 def publishing(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM configs built from now on publish KV-cache events (to vLLM's null publisher)."""
     import vllm.config
+    import vllm.v1.executor  # imported first: its modules annotate with VllmConfig | None
     from vllm.config import KVEventsConfig
 
     config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
@@ -163,17 +164,24 @@ def test_prometheus_series_per_connector_from_vllms_own_logger() -> None:
     assert value("vllm:kvconn_save_seconds_count", connector="mooncake", model_name=model) >= 1
 
 
-@pytest.mark.usefixtures("publishing")
-def test_events_of_what_offload_stores_and_evicts_reach_vllms_publisher() -> None:
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored
-
-    scheduler = make_scheduler("offload", {"pool_blocks": 4}, num_blocks=64)
+def publish_prefix(connector: str, config: Any) -> tuple[Any, Any, list[Any], Any]:
+    """vLLM's scheduler with ``connector``, one request of PREFIX run: the scheduler, its loop, what vLLM
+    published (its batches of events) and the request."""
+    scheduler = make_scheduler(connector, config, num_blocks=64)
     published: list[Any] = []
     scheduler.kv_event_publisher.publish = published.append  # what vLLM would send its subscribers
     loop = VllmLoop(scheduler)
     request = make_request("a", [*PREFIX, 1, 2, 3], max_tokens=2)
     scheduler.add_request(request)
     loop.run()
+    return scheduler, loop, published, request
+
+
+@pytest.mark.usefixtures("publishing")
+def test_events_of_what_offload_stores_and_evicts_reach_vllms_publisher() -> None:
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    scheduler, loop, published, request = publish_prefix("offload", {"pool_blocks": 4})
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     events = [e for batch in published for e in batch.events]
@@ -189,6 +197,31 @@ def test_events_of_what_offload_stores_and_evicts_reach_vllms_publisher() -> Non
     events = [e for batch in published for e in batch.events if e.medium == "CPU"]
     removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert removed == hashes[:2]
+
+
+@pytest.mark.usefixtures("publishing")
+def test_events_of_what_redis_stores_and_fails_to_load_reach_vllms_publisher(redis_server: Any) -> None:
+    """A store connector (a real redis-server): stored once the store holds the values, removed once a load fails."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    scheduler, loop, published, request = publish_prefix("redis", {"url": redis_server.url, "save_async": False})
+
+    def remote(kind: type) -> list[Any]:
+        return [e for batch in published for e in batch.events if isinstance(e, kind) and e.medium == "STORAGE"]
+
+    hashes = [maybe_convert_block_hash(h) for h in request.block_hashes]
+    stored = remote(BlockStored)
+    assert [h for e in stored for h in e.block_hashes] == hashes[:4] and {e.block_size for e in stored} == {16}
+    assert remote(BlockRemoved) == []
+    client = redis_server.client()
+    for key in client.keys("kvconn/*"):  # every value damaged: each fails verification when loaded
+        value = client.get(key)
+        client.set(key, value[:-1] + bytes([value[-1] ^ 1]))
+    assert scheduler.reset_prefix_cache()
+    scheduler.add_request(make_request("b", [*PREFIX, 7, 8, 9], max_tokens=2))
+    loop.run()
+    assert sorted(h for e in remote(BlockRemoved) for h in e.block_hashes) == sorted(hashes[:4])
 
 
 def test_events_fit_a_vllm_whose_event_structs_lack_the_newer_fields(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -248,6 +281,36 @@ def test_a_bad_extra_config_is_refused_by_the_first_call_vllm_makes_with_it(
         KVConnVllmConnector.requires_piecewise_for_cudagraph(extra)
     for word in words:
         assert word in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "error", "word"),
+    [
+        ({"kvconn_connector": "ofload"}, ConnectorNotFoundError, "kvconn validate ofload"),
+        ({"kvconn_connector": "offload", "kvconn_config": {"pool_blockz": 4}}, ConnectorConfigError, "pool_blockz"),
+        ({"kvconn_connector": "offload", "kvconn_confg": {}}, ConnectorConfigError, "kvconn_confg"),
+    ],
+)
+def test_a_bad_extra_config_stops_vllms_kv_cache_layout_resolution(
+    extra: dict[str, Any], error: type[Exception], word: str
+) -> None:
+    """Without full CUDA graphs (a CPU engine) vLLM's engine core first hands over the config here, once.
+
+    vLLM's own helper resolves the connector class through its factory and asks the class, as the engine
+    core's ``resolve_kv_cache_layout`` does before memory profiling and before any worker builds a connector.
+    """
+    import types
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+
+    transfer = KVTransferConfig(kv_connector="KVConnVllmConnector", kv_connector_module_path="kvconn_vllm",
+                                kv_role="kv_both", kv_connector_extra_config=extra)  # fmt: skip
+    with pytest.raises(error, match=word):
+        get_kv_connector_cache_layout(types.SimpleNamespace(kv_transfer_config=transfer))
+    good = KVTransferConfig(kv_connector="KVConnVllmConnector", kv_connector_module_path="kvconn_vllm",
+                            kv_role="kv_both", kv_connector_extra_config={"kvconn_connector": "offload"})  # fmt: skip
+    assert get_kv_connector_cache_layout(types.SimpleNamespace(kv_transfer_config=good)) is None  # no layout asked
 
 
 def test_a_misspelt_key_stops_the_connector_and_a_good_config_passes_the_early_check() -> None:

@@ -28,7 +28,6 @@ HERE = Path(__file__).parent
 SCRIPT = HERE / "engine_run.py"
 EXAMPLE = HERE.parent.parent / "examples" / "vllm_offline.py"
 NETNS_HARNESS = HERE.parent.parent / "plugins" / "mooncake" / "tests" / "mooncake_netns.py"
-REDIS_SERVER = HERE.parent.parent / "plugins" / "redis" / "tests" / "redis_server.py"
 #: Per engine run: start-up (tens of seconds for a multiprocess engine on 2 busy cores) and the workload.
 RUN_TIMEOUT_S = 420
 
@@ -124,16 +123,3 @@ def netns_harness() -> types.ModuleType:
             pytest.fail(f"the real Mooncake master cannot run under CI: {reason}")
         pytest.skip(reason)
     return module
-
-
-@pytest.fixture
-def redis_server() -> Any:
-    """A real redis-server on 127.0.0.1 (the Redis plugin's test harness), stopped by PID afterwards."""
-    spec = importlib.util.spec_from_file_location("redis_server", REDIS_SERVER)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.require_redis_server()
-    server = module.RedisServer().start()
-    yield server
-    server.stop()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -239,3 +240,25 @@ def test_a_misspelt_kvconn_key_stops_the_server_naming_it(
     print(
         f"misspelt key: the server exited after {seconds:.1f} s; the message appears {log.count('kvconn_confg')} times"
     )
+
+
+@pytest.mark.slow
+def test_a_misspelt_connector_name_stops_the_engine_core_before_any_worker_builds_a_connector(
+    chat_model: str, tmp_path: Path, servers: list[Server]
+) -> None:
+    """On a CPU engine vLLM first hands the adapter its config in the engine core, resolving the KV-cache layout.
+
+    kvconn refuses the name there, in that one process, before memory profiling and warm-up: no worker builds
+    a connector (before, each worker's connector raised it, and vLLM repeated it in four tracebacks).
+    """
+    server = serve(tmp_path, chat_model, "misnamed", connector="ofload")
+    servers.append(server)
+    seconds = server.wait_exit()
+    log = server.log()
+    assert server.proc.returncode != 0
+    message = "no connector named 'ofload' is installed"
+    raised = [line for line in log.splitlines() if f"ConnectorNotFoundError: {message}" in line]
+    assert raised and not any(line.startswith("(Worker") for line in raised)
+    adapter_frames = set(re.findall(r'kvconn_vllm/connector.py", line \d+, in (\w+)', log))
+    assert adapter_frames == {"get_required_kvcache_layout", "check_extra_config"}  # never a connector's __init__
+    print(f"misspelt name: the server exited after {seconds:.1f} s; kvconn's error was raised {len(raised)} times")

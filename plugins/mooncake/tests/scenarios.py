@@ -27,6 +27,7 @@ from kvconn import KVCacheGroupSpec, KVConnectorOutput, StepUpdate
 from kvconn.hashing import hash_blocks
 from kvconn.reference import Engine
 from kvconn.store import HEADER_BYTES, Integrity
+from kvconn.telemetry import BlockStored
 from kvconn_mooncake import MooncakeConfig, MooncakeConnector, open_store, resolve_backend
 
 Config = dict[str, Any]
@@ -463,6 +464,23 @@ def _wait_for(path: str, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def events(config: Config) -> dict[str, Any]:
+    """The scheduler side's KV events on a real store: the prompt's full blocks, stored once the master holds them."""
+    work = prompts(1, prefix_len=64, suffix_len=3, seed=9)
+    with Engine("mooncake", config, block_size=16, num_blocks=64) as engine:
+        side = connector(engine, "scheduler").side
+        first = side.take_events()  # an engine that publishes events asks before any step
+        engine.generate(work, max_tokens=2)
+        connector(engine).side.settle_saves()  # save_async: the last put may still be running
+        taken = side.take_events()
+    return {
+        "first": [repr(e) for e in first],
+        "kinds": [type(e).__name__ for e in taken],
+        "stored": [h.hex() for e in taken if isinstance(e, BlockStored) for h in e.block_hashes],
+        "expected": [h.hex() for h in hash_blocks(work[0], 16)],
+    }
+
+
 SCENARIOS: dict[str, Callable[..., Any]] = {
     "save_then_load": save_then_load,
     "fill_steps": fill_steps,
@@ -477,6 +495,7 @@ SCENARIOS: dict[str, Callable[..., Any]] = {
     "wedged_master": wedged_master,
     "late_master": late_master,
     "poisoned": poisoned,
+    "events": events,
 }
 
 

@@ -60,6 +60,15 @@ def test_save_load_fill_steps_and_isolation(real_store: types.ModuleType, scenar
     scenarios.check_isolation(results["isolation"])
 
 
+def test_events_name_the_blocks_the_master_holds(real_store: types.ModuleType) -> None:
+    """Mooncake declares a remote tier: vLLM's adapter publishes these with medium STORAGE (tests/vllm, Redis)."""
+    h = real_store
+    with h.netns() as ns, h.mooncake_master(ns) as m:
+        r = _run(h, ns, m.client_env(), {"namespace": "events"}, ("events", {}))["events"]
+    assert r["first"] == [] and r["kinds"] == ["BlockStored"]
+    assert r["stored"] == r["expected"] and len(r["expected"]) == 4
+
+
 def test_store_too_small_and_lease_expiry(real_store: types.ModuleType, scenarios: types.ModuleType) -> None:
     """A 1 ms lease: whether a load meets an expired lease depends on the master's timing, so the load run is
     repeated (up to 4 times) until one does; every run must keep the tokens exact."""

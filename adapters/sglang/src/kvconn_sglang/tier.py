@@ -11,11 +11,15 @@ maps SGLang's calls onto them:
   one batched call, from the pool's memory when the store is a
   :class:`~kvconn.store.PartsStore`;
 * loads read into staging, verify every value, and copy only verified pages
-  into the pool; only a store in this process whose calls never wait
-  (``in_process_store``, never late) reads straight into the pages, and a page
-  that fails verification there is zeroed before the call returns. A remote
-  store always stages: a get past its deadline may still write after SGLang
-  has freed and reused the pages.
+  into the pool, when the store keeps a deadline: a get past its deadline may
+  still write after SGLang has freed and reused the pages. A store called
+  inline (:attr:`~kvconn.store.StoreConnector.inline_calls`: in this process,
+  no call outlives its caller) that reads into parts
+  (:class:`~kvconn.store.ScatterStore`) reads straight into the pages, each
+  verified there before the call returns; a page that fails is zeroed and
+  answered not loaded. SGLang's controller counts only the leading pages
+  answered loaded and inserts only those into its tree (the rest of the slots
+  go back to the host pool), so a failed page is never read.
 
 Nothing raises into SGLang: a store that is down, late or raising gives misses
 and skipped saves, counted in :attr:`stats` (logged once per kind).
@@ -224,12 +228,18 @@ class PageTier:
         return verdicts
 
     def _get_in_place(self, keys: list[bytes], pages: list[list[memoryview]], digest: bytes) -> list[str | None] | None:
-        """Read straight into the pages (an in-process store: never late); zero each page that fails."""
+        """Read straight into the pages (a store called inline: no call outlives this one); zero each that fails.
+
+        What the store wrote is verified where it landed (the tag pass reads bytes the copy just wrote, from
+        cache); a call that raises or answers the wrong count leaves every page zeroed and none loaded.
+        """
         headers = memoryview(bytearray(len(keys) * HEADER_BYTES))
         parts = [[headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES], *page] for i, page in enumerate(pages)]
         try:
             lengths = list(self._call("get", lambda store: store.get_parts(keys, parts)))  # type: ignore[attr-defined]
         except StoreUnavailable:
+            lengths = []
+        if len(lengths) != len(keys):
             for page in pages:
                 _zero(page)
             return None

@@ -850,6 +850,20 @@ class KVConnVllmConnector(KVConnectorBase_V1, SupportsHMA):
         check_extra_config(dict(extra_config or {}))
         return bool(super().requires_piecewise_for_cudagraph(extra_config))
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """vLLM's first call with the config where no front-end call has it (a CPU engine; no full CUDA graphs).
+
+        vLLM 0.32 and 0.33 ask it once, in the engine core, when they resolve the
+        KV-cache layout: after the weights load, before memory profiling, warm-up,
+        and before any worker builds a connector. kvconn checks
+        ``kv_connector_extra_config`` here too, so a mistake stops the engine
+        there, in one process, instead of in every worker's connector.
+        """
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        check_extra_config(dict(getattr(transfer, "kv_connector_extra_config", None) or {}))
+        return super().get_required_kvcache_layout(vllm_config)
+
     def build_connector_worker_meta(self) -> KVConnVllmWorkerMetadata | None:
         report, self._report = self._report, None
         return KVConnVllmWorkerMetadata([encode_report(report)]) if report is not None else None

@@ -52,6 +52,13 @@ class MooncakeConnector(StoreConnector):
         """The embedded store lives in this process: its scheduler and workers must share it."""
         return self.settings is None
 
+    @property
+    def inline_calls(self) -> bool:  # type: ignore[override]
+        """The embedded store is memory of this process whose calls never wait (a lock held only for a copy):
+        it is called inline, with no hand-off to a store thread, and engines may read into their memory in
+        place (no late write can follow a call). The real store goes over the network: it keeps its deadline."""
+        return resolve_backend(self.config) is None
+
     def open_store(self) -> BlockStore:
         if self._embedded is not None:
             return MooncakeBlockStore.embedded(self._embedded)

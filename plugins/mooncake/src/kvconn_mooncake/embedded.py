@@ -63,26 +63,25 @@ class EmbeddedStore:
             return [int(key in self._values) for key in keys]
 
     def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        with self._lock:
-            return [self._put(key, p, s) for key, p, s in zip(keys, ptrs, sizes, strict=True)]
+        return self._put_each(keys, [[p] for p in ptrs], [[s] for s in sizes])
 
     def batch_put_from_multi_buffers(
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
-        """Each value the concatenation of its parts (gathered into one buffer first, as the real client sends it)."""
-        values = []
-        for p, n in zip(ptrs, sizes, strict=True):
-            value = bytearray(sum(n))
-            offset = _address(value)
-            for ptr, size in zip(p, n, strict=True):
-                ctypes.memmove(offset, ptr, size)
-                offset += size
-            values.append(value)
-        return self.batch_put_from(keys, [_address(v) for v in values], [len(v) for v in values])
+        """Each value the concatenation of its parts."""
+        return self._put_each(keys, ptrs, sizes)
 
-    def _put(self, key: str, ptr: int, total: int) -> int:
+    def _put_each(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
+        with self._lock:
+            return [self._put(key, p, n) for key, p, n in zip(keys, ptrs, sizes, strict=True)]
+
+    def _put(self, key: str, ptrs: Sequence[int], sizes: Sequence[int]) -> int:
+        """Store the value gathered from ``ptrs`` (one copy, straight into the value kept)."""
         if key in self._values:
             return OK  # write-once, like Mooncake's put
+        total = sum(sizes)
         if total <= 0:
             return INVALID_PARAMS
         if total > self.capacity_bytes:
@@ -92,7 +91,10 @@ class EmbeddedStore:
             self.used_bytes -= len(evicted)
             self.evictions += 1
         value = bytearray(total)
-        ctypes.memmove(_address(value), ptr, total)
+        offset = _address(value)
+        for ptr, size in zip(ptrs, sizes, strict=True):
+            ctypes.memmove(offset, ptr, size)
+            offset += size
         self._values[key] = value
         self.used_bytes += total
         return OK

@@ -51,9 +51,10 @@ class StoreConnector(KVConnector):
     #: ``True`` only for a store in this process whose calls never wait (no I/O, no lock held while
     #: waiting, e.g. a dict): it is then called inline, on the engine's thread, with no hand-off to the
     #: store thread and no deadline. A store that can hang (a server, a file system) must leave it
-    #: ``False``: the deadline is what bounds a hang. (Formerly ``in_process_store``, a name too close to
+    #: ``False``: the deadline is what bounds a hang. A property may decide it from the config (read once,
+    #: when the connector is built). (Formerly ``in_process_store``, a name too close to
     #: ``in_process_state``, which says where the two sides may run, not how the store is called.)
-    inline_calls: ClassVar[bool] = False
+    inline_calls: bool = False
     config: StoreConfig
     side: StoreSide
 

@@ -17,6 +17,13 @@
   passed, a lookup counts what it saves as stored (the worker settles its put
   in flight before any load, so it reads its own writes; a put that failed
   makes that load fail, and the block is recomputed like an evicted one).
+* Events (:meth:`StoreScheduler.take_events`), once an engine asks for them:
+  a block is stored once the store confirms every value its save sent (one
+  batched ``contains`` per call, over the saves not confirmed yet; a save
+  the store still lacks when its put's deadline has passed twice over is
+  given up without an event), and removed once a load of it failed (the
+  value is gone, failed verification, or the store was off: it is not
+  loadable now, and is not offered during its cool-down).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from ..cursor import SaveCursor
 from ..filled import FilledBlocks, iter_block_ids
 from ..outputs import KVConnectorOutput, SchedulerOutput
 from ..request import ConnectorRequest
+from ..telemetry import BlockRemoved, BlockStored, KVEvent
 from ..window import loadable_hit
 from .config import StoreConfig
 from .guard import StoreUnavailable
@@ -59,10 +67,54 @@ class StoreScheduler(StoreSide):
         #: save_async: (group, block hash) -> when its save went out, oldest first (a lookup counts it stored)
         self._in_flight: dict[tuple[int, bytes], float] = {}
         self._step = 0
+        #: once an engine takes events: (group, block hash) -> until when a save sent is awaited in the store
+        self._unconfirmed: dict[tuple[int, bytes], float] | None = None
+        self._removed: list[bytes] = []  # blocks whose load failed since the last take_events
 
     def scheduler_stats(self) -> dict[str, float]:
         """What degraded on this side since the last call (failed lookups, saves never sent), for engine telemetry."""
         return self.stats.take()
+
+    def take_events(self) -> list[KVEvent]:
+        """The blocks the store confirmed stored, and those whose load failed, since the last call.
+
+        Only an engine that publishes events calls it; this side records nothing
+        (no cost, no store call) until its first call, which returns no event.
+        """
+        if self._unconfirmed is None:
+            self._unconfirmed = {}
+            return []
+        events: list[KVEvent] = []
+        if self._unconfirmed and (stored := self._confirm_saves()):
+            events.append(BlockStored(stored, self.block_size))
+        if self._removed:
+            events.append(BlockRemoved(list(dict.fromkeys(self._removed))))  # one per block, not per group
+            self._removed = []
+        return events
+
+    def _confirm_saves(self) -> list[bytes]:
+        """The blocks whose every value sent for saving the store now holds; forget those given up.
+
+        A store that cannot answer confirms nothing: its saves are asked again on the next call, until their
+        deadline.
+        """
+        pending = self._unconfirmed
+        assert pending is not None
+        sent = list(pending)
+        keys = [self.keys.key(group, block_hash) for group, block_hash in sent]
+        try:
+            present = self.guard.call("contains", lambda store: list(store.contains(keys)))
+        except StoreUnavailable:
+            present = [False] * len(keys)
+        now = time.monotonic()
+        waiting: set[bytes] = set()
+        given_up: set[bytes] = set()
+        for key, held in zip(sent, present, strict=True):
+            if not held:
+                (waiting if pending[key] > now else given_up).add(key[1])
+        waiting -= given_up
+        self._unconfirmed = {key: until for key, until in pending.items() if key[1] in waiting}
+        return [h for h in dict.fromkeys(h for _, h in sent) if h not in waiting and h not in given_up]
 
     # ---------------------------------------------------------------- lookup
 
@@ -160,6 +212,10 @@ class StoreScheduler(StoreSide):
             for b in meta.saves:
                 self._in_flight.pop((b.group, b.block_hash), None)  # re-inserted last: oldest first
                 self._in_flight[(b.group, b.block_hash)] = now
+        if self._unconfirmed is not None and meta.saves:
+            # a put may wait for the one before it (save_async), each within timeout_s
+            until = time.monotonic() + 2 * self.config.timeout_s
+            self._unconfirmed.update(((b.group, b.block_hash), until) for b in meta.saves)
         return meta
 
     def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> bool:
@@ -210,6 +266,8 @@ class StoreScheduler(StoreSide):
             for block_id in (blocks.keys() & failed) if not connector_output.failed else blocks:
                 self._cooling.pop(blocks[block_id], None)  # re-inserted last: the dict stays in cool-down order
                 self._cooling[blocks[block_id]] = until
+                if self._unconfirmed is not None and not connector_output.failed:  # the store's answer, not a crash
+                    self._removed.append(blocks[block_id])
             if req_id in done or not self.config.load_async:
                 del self._loading[req_id]
 

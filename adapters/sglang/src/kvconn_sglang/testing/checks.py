@@ -190,7 +190,7 @@ def _faulty(run: _Run, ctl: Any) -> FaultyStore:
 @check(
     "SG005",
     "a hung store costs the deadline, not SGLang's prefetch",
-    "leave in_process_store False for a store that can wait",
+    "leave inline_calls False for a store that can wait",
 )
 def check_deadline(run: _Run) -> None:
     ctl = _controller(run)

@@ -55,4 +55,4 @@ def faulty_class(cls: type[StoreConnector], stores: list[FaultyStore]) -> type[S
         stores.append(store)
         return store
 
-    return type(f"Faulty{cls.__name__}", (cls,), {"open_store": open_store, "in_process_store": False})
+    return type(f"Faulty{cls.__name__}", (cls,), {"open_store": open_store, "inline_calls": False})

@@ -34,6 +34,7 @@ __all__ = [
     "page",
     "same_pages",
     "storage_config",
+    "swap_store_class",
 ]
 
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
@@ -150,13 +151,7 @@ class Controller:
 
     def swap_store_class(self, store_class: Any) -> None:
         """Run the tier over ``store_class`` (a fault-injecting subclass) from now on, same spec and pool."""
-        from ..tier import PageTier
-
-        old = self.backend.tier
-        tier = PageTier(old.spec, old.storage_config, store_class)
-        tier.register(self.host)
-        self.backend.tier = tier
-        old.close()
+        swap_store_class(self.backend, self.host, store_class)
 
     def hashes(self, tokens: list[int]) -> list[str]:
         from sglang.srt.mem_cache.utils import get_storage_hash_str
@@ -189,6 +184,17 @@ class Controller:
 
     def close(self) -> None:
         self.cc.detach_storage_backend()
+
+
+def swap_store_class(backend: Any, host: Any, store_class: Any) -> None:
+    """Run ``backend``'s tier over ``store_class`` (a subclass of its connector) from now on, same spec and pool."""
+    from ..tier import PageTier
+
+    old = backend.tier
+    tier = PageTier(old.spec, old.storage_config, store_class)
+    tier.register(host)
+    backend.tier = tier
+    old.close()
 
 
 def extra(store: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
