@@ -23,7 +23,7 @@ SGLANG_VENV ?= .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.kvconn-installed
 
-.PHONY: install demo test lint typecheck pytest test-vllm test-sglang clean
+.PHONY: install demo test lint typecheck pytest test-vllm test-sglang test-lmcache clean
 
 install: $(STAMP)
 
@@ -81,6 +81,14 @@ test-vllm: $(VLLM_STAMP) $(VLLM029_STAMP) $(VLLM_ENGINE_STAMP)
 	$(VLLM_PY) -m pytest tests/vllm
 	$(VLLM029_PY) -m pytest tests/vllm_029
 	$(VLLM_ENGINE_PY) -m pytest tests/vllm_engine
+
+# LMCache 0.5.6's multi-process connector, judged against its own server on 127.0.0.1 (docs/vllm.md, "LMCache"):
+# not part of `make test` (a venv of its own, and a server process). KV040/KV041/KV046: a round trip and both
+# failure injections through a store that saves and loads 256-token chunks.
+LMCACHE_VENV ?= .venv-lmcache
+test-lmcache:
+	TORCH='$(TORCH)' scripts/install-lmcache-venv.sh $(LMCACHE_VENV)
+	scripts/validate-lmcache.sh $(LMCACHE_VENV) -- --check 'KV04[016]'
 
 # SGLang's HiCache code (host pools, storage factory, HiCacheController) on the CPU, in a fourth venv (about 2.4 GB,
 # 1 GB of it triton, which sglang.srt.utils imports). The .pth puts tests/sglang/standin (a stand-in for torchvision

@@ -11,6 +11,12 @@ from typing import Any
 import pytest
 
 import kvconn
+from kvconn.testing.conformance.waits import WAIT_ENV
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite's wait bound: a broken connector's stall waits all of it (``kvconn validate``'s default is 10 s)."""
+    os.environ.setdefault(WAIT_ENV, "2")
 
 REDIS_SERVER = Path(__file__).parent.parent / "plugins" / "redis" / "tests" / "redis_server.py"
 

@@ -208,3 +208,16 @@ def test_a_config_factory_lets_validate_catch_a_load_that_skips_missing_blocks(
         "kvconn: error: --config-factory 'kvconn.testing.memory_connector:nope': module "
         "'kvconn.testing.memory_connector' has no function 'nope'"
     ]
+
+
+def test_wait_s_is_the_bound_a_stalled_load_is_waited_for_and_the_message_names_it(
+    run_kvconn: RunKvconn, make_env: Callable[..., dict[str, str]]
+) -> None:
+    env = make_env(FIXTURES, KVCONN_PLUGINS="dummy")
+    never = ("validate", "--module", "kvconn_conformance_fixtures.livelock:NeverFinishesLoads", "--check", "KV040")
+    proc = run_kvconn(*never, "--wait-s", "0.5", "--json", env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (check,) = json.loads(proc.stdout)["connectors"][0]["checks"]
+    assert "the wait bound is 0.5 s: for a store that is merely slow, raise it with --wait-s" in check["message"]
+    proc = run_kvconn(*never, "--wait-s", "0", env=env)
+    assert proc.returncode == 2 and "--wait-s" in proc.stderr

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from importlib.metadata import PackageNotFoundError, distribution
 
 import pytest
 
+from kvconn.testing.conformance.waits import WAIT_ENV
+
+#: The wait bound of the suite's runs: a broken connector's stall waits all of it (``kvconn validate``: 10 s).
+SUITE_WAIT_S = "2"
+
 
 def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault(WAIT_ENV, SUITE_WAIT_S)
     try:
         distribution("kvconn-dummy")
     except PackageNotFoundError:

@@ -147,7 +147,7 @@ class RotatedLoadsOffloadingConnector(FailedLoadAwareOffloadingConnector):
 
 
 #: (store, block hash) -> {layer: one block of that layer}: what HashedBlocksConnector saved, in this process.
-HASHED_STORE: dict[tuple[str, bytes], dict[str, Any]] = {}
+HASHED_STORE: dict[tuple[str, int, bytes], dict[str, Any]] = {}
 
 
 class HashedBlocksMetadata(KVConnectorMetadata):
@@ -171,6 +171,8 @@ class HashedBlocksConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
         self.store = str(self._kv_transfer_config.get_from_extra_config("store", "default"))
+        # each tensor-parallel rank holds its own shard of a block: vLLM sets a worker's rank in its parallel config
+        self.rank, self.ranks = vllm_config.parallel_config.rank, vllm_config.parallel_config.tensor_parallel_size
         self.requests: dict[str, Any] = {}
         self.saved_upto: dict[str, int] = {}
         self.pending_loads: list[tuple[bytes, int]] = []
@@ -180,11 +182,19 @@ class HashedBlocksConnector(KVConnectorBase_V1):
         self.errors: set[int] = set()
         self.unsaved: dict[bytes, dict[str, Any]] = {}
 
+    def key(self, block_hash: bytes, rank: int | None = None) -> tuple[str, int, bytes]:
+        """Where this worker's shard of a block lives (``rank``: another rank's), in :data:`HASHED_STORE`."""
+        return self.store, self.rank if rank is None else rank, block_hash
+
+    def held(self, block_hash: bytes) -> bool:
+        """Whether every rank's shard of the block is in the store (the scheduler answers for all ranks)."""
+        return all(self.key(block_hash, rank) in HASHED_STORE for rank in range(self.ranks))
+
     # scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         bs, hits = self.block_size, 0
         for block_hash in request.block_hashes[num_computed_tokens // bs : (request.num_tokens - 1) // bs]:
-            if block_hash in self.failed_hashes or (self.store, block_hash) not in HASHED_STORE:
+            if block_hash in self.failed_hashes or not self.held(block_hash):
                 break
             hits += 1
         return hits * bs, False
@@ -241,7 +251,7 @@ class HashedBlocksConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, HashedBlocksMetadata)
         for block_hash, block_id in meta.loads:
-            saved = HASHED_STORE.get((self.store, block_hash))
+            saved = HASHED_STORE.get(self.key(block_hash))
             if saved is None:
                 self.errors.add(block_id)
                 continue
@@ -259,7 +269,7 @@ class HashedBlocksConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         for block_hash, layers in self.unsaved.items():
-            HASHED_STORE.setdefault((self.store, block_hash), layers)
+            HASHED_STORE.setdefault(self.key(block_hash), layers)
         self.unsaved = {}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -284,10 +294,28 @@ class ClaimsWholePromptConnector(HashedBlocksConnector):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         bs, hits = self.block_size, 0
         for block_hash in request.block_hashes[num_computed_tokens // bs :]:
-            if (self.store, block_hash) not in HASHED_STORE:
+            if not self.held(block_hash):
                 break
             hits += 1
         return hits * bs, False
+
+
+class RankBlindHashedConnector(HashedBlocksConnector):
+    """Keys a block by its hash alone: the tensor-parallel ranks' shards of a block land under one key."""
+
+    def key(self, block_hash: bytes, rank: int | None = None) -> tuple[str, int, bytes]:
+        return self.store, 0, block_hash
+
+
+class ClaimsPromptOnResumeConnector(HashedBlocksConnector):
+    """Claims the whole prompt of a request it saw before (resumed after preemption), sure that a preempted request
+    had computed, and saved, its prompt: true of a decode, not of a request preempted mid-prefill, whose later
+    blocks it never held. With a block-aligned prompt vLLM's scheduler is then left no token to compute."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if request.request_id in self.requests:  # scheduled before: resumed after preemption
+            return len(request.prompt_token_ids) // self.block_size * self.block_size - num_computed_tokens, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
 
 class AppendsAfterPreemptionConnector(HashedBlocksConnector):

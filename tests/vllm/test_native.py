@@ -87,7 +87,7 @@ def test_example_connector_with_the_fix_passes_the_data_checks_loading_through_i
     name = f"{fixtures}:ChunkedPrefillExampleConnector"
     report = run_native_conformance(name, config={"shared_storage_path": str(tmp_path)}, select="KV04*")
     statuses = {r.id: r.status for r in report.results}
-    assert statuses == {**{f"KV04{i}": "passed" for i in range(7)}, "KV047": "failed", "KV048": "skipped"}
+    assert statuses == {**{f"KV04{i}": "passed" for i in range(7)}, "KV047": "failed", "KV048": "passed"}
     runs = {case.name: result for case, result in data_runs(NativeSession(native_target(name), {
         "shared_storage_path": str(tmp_path / "again")
     }))}  # fmt: skip
@@ -211,7 +211,20 @@ def test_a_correct_vllm_connector_whose_metadata_names_no_request_passes_every_c
     report = run_native_conformance(f"{fixtures}:HashedBlocksConnector", config={"store": uuid.uuid4().hex})
     assert report.load_error is None and report.failed == 0, _failed(report)
     statuses = {r.id: r.status for r in report.results}
-    assert all(statuses[c] == "passed" for c in ("KV011", "KV012", "KV014", "KV040", "KV041", "KV046", "KV047"))
+    passing = ("KV011", "KV012", "KV014", "KV040", "KV041", "KV046", "KV047", "KV048")
+    assert all(statuses[c] == "passed" for c in passing), statuses
+
+
+def test_a_vllm_connector_whose_keys_leave_out_the_tensor_parallel_rank_fails_kv048(fixtures: str) -> None:
+    """Two ranks, each the connector's own worker built with its rank (parallel_config.rank), share its store."""
+    report = run_native_conformance(
+        f"{fixtures}:RankBlindHashedConnector", config={"store": uuid.uuid4().hex}, select="KV04[08]"
+    )
+    assert report.result("KV040").status == "passed"  # right with one rank
+    result = report.result("KV048")
+    assert result.status == "failed" and "holds rank 0's shard of it: rank 0's value under rank 1's key" in (
+        result.message
+    ), result.message
 
 
 def test_the_seeds_bug_in_a_vllm_connector_whose_metadata_names_no_request_fails_block_fill(fixtures: str) -> None:
@@ -239,6 +252,26 @@ def test_a_vllm_connector_claiming_a_whole_block_aligned_prompt_fails_with_the_e
     assert "vllm/v1/core/sched/scheduler.py" in observed and "assert num_new_tokens > 0" in observed
     assert "get_num_new_matched_tokens claimed every token of a prompt" in observed
     assert fix.startswith("leave at least one prompt token to compute")
+
+
+@pytest.mark.usefixtures("runner")
+def test_a_vllm_connector_claiming_a_resumed_prompt_it_never_saved_kills_the_engine_after_a_mid_prefill_preemption(
+    fixtures: str,
+) -> None:
+    """Preempted with 45 of its 64 prompt tokens computed, r1 comes back (V1: resumed_req_ids; V2: a new request)
+    and the connector claims its whole prompt: vLLM's scheduler asserts, under both runners. The same connector
+    is right about a request preempted while decoding (the 'preemption' scenario): only mid-prefill shows it."""
+    from kvconn.testing.conformance.scenarios import STANDARD
+
+    name = f"{fixtures}:ClaimsPromptOnResumeConnector"
+    session = NativeSession(native_target(name), {"store": uuid.uuid4().hex})
+    traces = {s.name: session.trace(s) for s in STANDARD if s.name in ("preemption", "preempted-prefill")}
+    assert traces["preemption"].error is None, traces["preemption"].error
+    error = traces["preempted-prefill"].error
+    assert error is not None and error.startswith("the engine raised in scenario 'preempted-prefill', step "), error
+    assert "vllm/v1/core/sched/scheduler.py" in error and "assert num_new_tokens > 0" in error
+    assert "get_num_new_matched_tokens claimed every token of a prompt" in error
+    assert traces["preempted-prefill"].fix.startswith("leave at least one prompt token to compute")
 
 
 @pytest.mark.usefixtures("runner")

@@ -9,6 +9,7 @@ from kvconn.reference import EngineShape
 from kvconn.testing.conformance import DriverSpec, ReferenceDriver, run_conformance
 from kvconn.testing.conformance.catalog import get_check
 from kvconn.testing.conformance.convergence import LIVELOCK_FIX, LOAD_FIX, LOAD_STEPS, REPEATS, NotConverging
+from kvconn.testing.conformance.waits import DEFAULT_WAIT_S, WAIT_ENV, wait_seconds
 from kvconn.testing.memory_connector import fresh_namespace
 
 LIVELOCK = "kvconn_conformance_fixtures.livelock:"
@@ -70,12 +71,43 @@ def test_validate_fails_the_livelocking_connector_and_passes_its_correct_version
         assert result.message.endswith(f"; fix: {get_check('KV046').fix}")
 
 
-def test_a_load_never_reported_finished_stops_the_run_within_a_bound() -> None:
+def test_a_load_never_reported_finished_stops_the_run_within_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(WAIT_ENV, "0.5")
     report = run_conformance(LIVELOCK + "NeverFinishesLoads", select="KV040")
     (result,) = report.results
     assert result.status == "failed"
-    assert (
-        f"request 'b' never finishes: its async load of 4 block(s) has not been reported in finished_recving "
-        f"for {LOAD_STEPS} steps" in result.message
-    )
+    steps = int(result.message.split("reported in finished_recving for ")[1].split(" steps")[0])
+    assert steps > LOAD_STEPS
+    assert "request 'b' never finishes: its async load of 4 block(s) has not been reported" in result.message
+    assert "the wait bound is 0.5 s: for a store that is merely slow, raise it with --wait-s" in result.message
     assert result.message.endswith(f"; fix: {LOAD_FIX}")
+
+
+def test_a_load_slower_than_the_old_step_bounds_passes_within_the_wall_clock_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each load takes 2.5 s: over 64 idle steps (and the 2 s kvconn allowed before), within the 10 s default."""
+    monkeypatch.delenv(WAIT_ENV, raising=False)
+    assert wait_seconds() == DEFAULT_WAIT_S == 10
+    report = run_conformance(LIVELOCK + "SlowLoads", select="KV040")
+    assert [r.status for r in report.results] == ["passed"], report.results
+
+
+def test_a_load_slower_than_the_wall_clock_bound_fails_naming_the_bound_and_how_to_raise_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(WAIT_ENV, "1")
+    report = run_conformance(LIVELOCK + "SlowLoads", config={"load_delay_s": 3.0}, select="KV040")
+    (result,) = report.results
+    assert result.status == "failed"
+    assert "request 'b' never finishes: its async load of 4 block(s)" in result.message
+    assert "the wait bound is 1 s: for a store that is merely slow, raise it with --wait-s" in result.message
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "nan", "inf"])
+def test_a_wait_bound_that_is_not_a_positive_number_of_seconds_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv(WAIT_ENV, value)
+    with pytest.raises(ValueError, match=f"{WAIT_ENV}={value!r} is not a positive number of seconds"):
+        wait_seconds()

@@ -45,3 +45,24 @@ def test_fail_first_load_is_still_the_first_mode() -> None:
     driver = ReferenceDriver(spec, fail_first_load=True)
     assert driver.failures is not None and driver.failures.mode == "first"
     driver.close()
+
+
+def test_the_preempted_prefill_scenario_preempts_a_prompt_mid_prefill_and_it_finishes_after_its_resume() -> None:
+    """What the liveness scenario claims to play, on the reference engine: r1 is preempted with part of its prompt
+    computed, resumed, and finishes, the connector (offload) in place."""
+    from kvconn.testing.conformance.scenarios import STANDARD, run_scenario
+
+    scenario = next(s for s in STANDARD if s.name == "preempted-prefill")
+    trace = run_scenario(ReferenceDriver, scenario, "offload", None)
+    assert trace.error is None and not trace.stuck, trace.error
+    computed = 0
+    for record in trace.records:
+        if "r1" in record.preempted:
+            break
+        computed += record.output.num_scheduled_tokens.get("r1", 0)
+    else:
+        raise AssertionError("r1 was never preempted")
+    assert 0 < computed < 64  # mid-prefill: part of its 64-token prompt computed
+    resumed = trace.records.index(record) + 1
+    assert any(r.output.num_scheduled_tokens.get("r1") for r in trace.records[resumed:])
+    assert trace.finished_calls.get("r1") == 1  # it finished (request_finished ran once)

@@ -7,6 +7,7 @@ connector cannot be loaded, 2 a usage error (found before any check runs).
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, cast
@@ -97,12 +98,24 @@ def validate(
             "'pkg.mod:Class' of a KVConnectorBase_V1 subclass); --config is its kv_connector_extra_config.",
         ),
     ] = None,
+    wait_s: Annotated[
+        float | None,
+        typer.Option(
+            "--wait-s",
+            metavar="SECONDS",
+            min=0.001,
+            help="How long a run waits for a connector's async loads and saves without progress before calling it "
+            "stuck (default 10; also KVCONN_VALIDATE_WAIT_S): raise it for a store behind a slow socket.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Run the conformance checks against connectors: a table of results, exit 1 if any fails.
 
     The config given applies to every connector validated.
     """
     from kvconn.testing.conformance import ConnectorReport, list_checks
+    from kvconn.testing.conformance.waits import WAIT_ENV
 
     from ..config_input import read_config
     from ..errors import EXIT_FAILURE
@@ -113,6 +126,8 @@ def validate(
     from ..validation import check_vllm_connectors, preflight, resolve_targets, select_checks
 
     debug = debug or debug_from_env()
+    if wait_s is not None:  # through the environment, so that worker processes the checks start get it too
+        os.environ[WAIT_ENV] = repr(wait_s)
     configure_logging(debug, verbose=verbose)
     config_map = read_config(config, config_file)
     native = check_vllm_connectors(vllm_connectors or [], engine.value, config_factory)

@@ -62,9 +62,9 @@ class VllmDriver(VllmSchedulerMethods):
     """A :class:`~kvconn.testing.conformance.SchedulerDriver` over vLLM's scheduler."""
 
     def __init__(self, spec: DriverSpec) -> None:
-        from .harness import VLLM_TEST_SHAPE, make_scheduler, one_rank
+        from .harness import VLLM_TEST_SHAPE, check_ranks, make_scheduler
 
-        one_rank(spec.shape)
+        check_ranks(spec.shape)
         self.block_size, self.num_blocks = spec.shape.block_size, spec.shape.num_blocks
         self.name = spec.connector
         # the scenario's shape, on the tiny model's KV shape; max_model_len: the tiny model's positions
@@ -143,4 +143,4 @@ class VllmDriver(VllmSchedulerMethods):
 
     def close(self) -> None:
         self.adapter.shutdown()
-        self.loop.worker.shutdown()
+        self.loop.shutdown()

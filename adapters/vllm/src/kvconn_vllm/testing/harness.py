@@ -22,6 +22,7 @@ import json
 import os
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from .. import CONNECTOR_CLASS, SHORT_NAME
 
 __all__ = [
     "EOS_TOKEN_ID",
+    "Rank",
     "RUNNERS",
     "RUNNER_VARIABLE",
     "VLLM_TEST_SHAPE",
@@ -40,7 +42,7 @@ __all__ = [
     "kvconn_transfer_config",
     "make_model_runner_output",
     "make_request",
-    "one_rank",
+    "check_ranks",
     "make_scheduler",
     "model_runner",
     "prepare_environment",
@@ -161,7 +163,9 @@ def make_scheduler(
     (``num_blocks=``... any :class:`~kvconn.reference.EngineShape` field) size
     it; ``kv_cache_groups`` lays out the KV cache (layer names; a sliding
     window makes a sliding-window group), and the KV shape must be the tiny
-    model's. With several groups vLLM's hybrid KV cache manager runs: vLLM
+    model's; ``tp_size`` ranks split its heads (the KV-cache config holds one
+    rank's, as vLLM's does), and :class:`VllmLoop` runs a worker per rank. With
+    several groups vLLM's hybrid KV cache manager runs: vLLM
     turns it off on CPU platforms only because its GPU kernels need it, so it
     is switched back on here, where only the scheduler runs.
 
@@ -181,7 +185,15 @@ def make_scheduler(
         )
     block_size, num_blocks, max_model_len = shape.block_size, shape.num_blocks, shape.max_model_len
     model_dir = prepare_environment(workdir)
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.structured_output import StructuredOutputManager
@@ -219,6 +231,11 @@ def make_scheduler(
                 ),
             ),
             device_config=DeviceConfig("cpu"),
+            # every rank's worker runs in this process (VllmLoop), as under vLLM's external launcher
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=shape.tp_size,
+                distributed_executor_backend="external_launcher" if shape.tp_size > 1 else None,
+            ),
         )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     _record_kv_cache_layout(vllm_config)
@@ -227,7 +244,7 @@ def make_scheduler(
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[_vllm_group(group, block_size) for group in shape.kv_cache_groups],
+        kv_cache_groups=[_vllm_group(group, block_size, shape.heads_per_rank) for group in shape.kv_cache_groups],
     )
     _init_hashing()
     with model_runner(runner):  # and the scheduler keeps the runner it reads now (use_v2_model_runner)
@@ -259,14 +276,17 @@ def model_runner(runner: str | None) -> Iterator[None]:
             os.environ[RUNNER_VARIABLE] = previous
 
 
-def _vllm_group(group: KVCacheGroupSpec, block_size: int) -> Any:
-    """vLLM's ``KVCacheGroupSpec`` for a kvconn one: full attention, or a sliding window."""
+def _vllm_group(group: KVCacheGroupSpec, block_size: int, num_kv_heads: int) -> Any:
+    """vLLM's ``KVCacheGroupSpec`` for a kvconn one: full attention, or a sliding window.
+
+    ``num_kv_heads``: one rank's heads (vLLM's specs, and the scheduler's KV-cache config, are per rank).
+    """
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec as VllmGroupSpec
 
     shape: dict[str, Any] = {
-        "block_size": block_size, "num_kv_heads": NUM_KV_HEADS, "head_size": HEAD_SIZE, "dtype": torch.float16,
+        "block_size": block_size, "num_kv_heads": num_kv_heads, "head_size": HEAD_SIZE, "dtype": torch.float16,
     }  # fmt: skip
     if group.sliding_window is None:
         return VllmGroupSpec(list(group.layer_names), FullAttentionSpec(**shape))
@@ -288,19 +308,18 @@ def _record_kv_cache_layout(vllm_config: Any) -> None:
     record_kv_cache_layout(vllm_config.cache_config, "LBHNC")
 
 
-def one_rank(shape: EngineShape) -> None:
-    """Refuse a tensor-parallel shape (``ScenarioUnsupported``): the harness runs one worker, rank 0.
+def check_ranks(shape: EngineShape) -> None:
+    """Refuse (``ScenarioUnsupported``) a tensor-parallel shape whose ranks cannot split the tiny model's heads.
 
-    What a TP check would need here: one worker per rank, each with its shard of the heads and a connector
-    worker side of its own, and their outputs combined as vLLM's ``KVOutputAggregator`` does; the reference
-    engine has that (``kvconn.reference.ranks``).
+    :class:`VllmLoop` runs one worker per rank, each with its shard of the tiny model's
+    :data:`NUM_KV_HEADS` heads, so ``tp_size`` must divide them.
     """
     from kvconn.testing.conformance import ScenarioUnsupported
 
-    if shape.tp_size != 1:
+    if NUM_KV_HEADS % shape.tp_size:
         raise ScenarioUnsupported(
-            f"vLLM's test harness runs one worker rank, not tp_size={shape.tp_size}: tensor parallelism is checked "
-            "on the reference engine (kvconn validate NAME)"
+            f"vLLM's test harness has a model of {NUM_KV_HEADS} KV heads, which tp_size={shape.tp_size} ranks "
+            "cannot split: tensor parallelism beyond that is checked on the reference engine (kvconn validate NAME)"
         )
 
 
@@ -387,16 +406,81 @@ def _with_kvconn_config(vllm_config: Any, config: Any) -> Any:
     return copied
 
 
-def fake_kv_caches(num_blocks: int, block_size: int = 16, layers: Iterable[str] = LAYERS) -> dict[str, Any]:
-    """Per-layer tensors shaped as vLLM 0.33 registers them: ``[blocks, heads, block_size, 2 * head]``."""
+def _kvconn_worker(vllm_config: Any, *, kv_cache_config: Any) -> Any:
+    """kvconn's adapter on the worker side, built from one rank's config."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from ..connector import KVConnVllmConnector
+
+    return KVConnVllmConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+
+
+def fake_kv_caches(
+    num_blocks: int, block_size: int = 16, layers: Iterable[str] = LAYERS, num_kv_heads: int = NUM_KV_HEADS
+) -> dict[str, Any]:
+    """Per-layer tensors shaped as vLLM 0.33 registers them: ``[blocks, heads, block_size, 2 * head]``.
+
+    ``num_kv_heads``: the heads of one rank (all of them with one rank).
+    """
     import torch
 
-    shape = (num_blocks, NUM_KV_HEADS, block_size, 2 * HEAD_SIZE)
+    shape = (num_blocks, num_kv_heads, block_size, 2 * HEAD_SIZE)
     return {name: torch.zeros(shape, dtype=torch.float16) for name in layers}
 
 
+@dataclass
+class Rank:
+    """One tensor-parallel worker of :class:`VllmLoop`: its connector worker side, its shard of the KV caches."""
+
+    index: int
+    #: the worker-side connector, built with this rank's config (``parallel_config.rank``) and TP group
+    worker: Any
+    #: per layer, ``[blocks, heads of this rank, block_size, 2 * head]``
+    kv_caches: dict[str, Any]
+    #: V2's ``ActiveKVConnector`` of this rank (``None`` under V1)
+    active: Any = None
+
+
+@contextlib.contextmanager
+def tp_group(rank: int, size: int) -> Iterator[None]:
+    """vLLM's tensor-parallel group as rank ``rank`` of ``size`` sees it (``get_tensor_model_parallel_rank()``).
+
+    vLLM's workers each initialise their own process group; the harness runs every rank in one process, so
+    the group vLLM's code reads (``parallel_state._TP``) is this rank's for the duration: its
+    ``rank_in_group`` and ``world_size`` only (no communicator: a connector that exchanges tensors between
+    ranks cannot run here). With one rank nothing is set: connectors then see no distributed state, as in a
+    single-process vLLM without one.
+    """
+    if size == 1:
+        yield
+        return
+    from types import SimpleNamespace
+
+    from vllm.distributed import parallel_state
+
+    previous = parallel_state._TP
+    parallel_state._TP = SimpleNamespace(rank_in_group=rank, world_size=size)
+    try:
+        yield
+    finally:
+        parallel_state._TP = previous
+
+
+def _rank_config(vllm_config: Any, rank: int) -> Any:
+    """A shallow copy of ``vllm_config`` whose ``parallel_config.rank`` is ``rank`` (as vLLM's ``WorkerBase`` sets)."""
+    import copy
+
+    if vllm_config.parallel_config.world_size == 1:
+        return vllm_config
+    parallel = copy.copy(vllm_config.parallel_config)
+    parallel.rank = rank
+    copied = copy.copy(vllm_config)
+    copied.parallel_config = parallel
+    return copied
+
+
 class VllmLoop:
-    """vLLM's scheduler plus a real worker-side adapter instance on fake KV caches.
+    """vLLM's scheduler plus a real worker-side adapter instance per tensor-parallel rank on fake KV caches.
 
     Each :meth:`step` does what vLLM's engine core and model runner do around
     a connector: ``schedule()``, pickle the output (the multiprocess
@@ -405,17 +489,21 @@ class VllmLoop:
     ``update_from_output``. The "model" writes, for each computed token, a
     value derived from the token ids up to it, so a block's bytes depend on
     its whole prefix and a load can be checked against a save.
+
+    With ``tensor_parallel_size`` > 1 in the scheduler's config, every rank
+    (:class:`Rank`) runs the step in turn, each with its own worker-side
+    connector built as vLLM builds one (its ``parallel_config.rank`` and TP
+    group, :func:`tp_group`) on its shard of the heads, and their outputs are
+    combined by vLLM's ``KVOutputAggregator``, as vLLM's executor combines its
+    workers' for the scheduler.
     """
 
-    def __init__(self, scheduler: Any, *, worker_config: Any = None, worker: Any = None) -> None:
-        """``worker``: the worker-side connector (default: a kvconn adapter for the scheduler's config, with
-        ``worker_config`` as its kvconn config when given)."""
-        from types import SimpleNamespace
-
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    def __init__(
+        self, scheduler: Any, *, worker_config: Any = None, make_worker: Callable[[Any], Any] | None = None
+    ) -> None:
+        """``make_worker(vllm_config)``: a rank's worker-side connector, from that rank's config (default: a kvconn
+        adapter, with ``worker_config`` as its kvconn config when given)."""
         from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
-
-        from ..connector import KVConnVllmConnector
 
         self.scheduler = scheduler
         self.block_size = scheduler.block_size
@@ -423,28 +511,42 @@ class VllmLoop:
         config = scheduler.vllm_config
         if worker_config is not None:
             config = _with_kvconn_config(config, worker_config)
-        if worker is None:
-            worker = KVConnVllmConnector(config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
-        self.worker = worker
+        if make_worker is None:
+            make_worker = functools.partial(_kvconn_worker, kv_cache_config=scheduler.kv_cache_config)
         #: per KV-cache group, the names of its layers
         self.group_layers = [tuple(g.layer_names) for g in scheduler.kv_cache_config.kv_cache_groups]
-        self.kv_caches = fake_kv_caches(num_blocks, self.block_size, [n for g in self.group_layers for n in g])
         self._group_of = {layer: i for i, layers in enumerate(self.group_layers) for layer in layers}
-        # What vLLM's attention layers expose to its KV-transfer decorator: each layer's cache.
-        layers = scheduler.vllm_config.compilation_config.static_forward_context
-        layers.update({name: SimpleNamespace(kv_cache=kv) for name, kv in self.kv_caches.items()})
+        layer_names = [n for g in self.group_layers for n in g]
+        heads = scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads  # one rank's (vLLM's spec)
+        self.tp_size = int(config.parallel_config.tensor_parallel_size)
+        # What vLLM's attention layers expose to its KV-transfer decorator: each layer's cache (the running rank's).
+        self._layers = scheduler.vllm_config.compilation_config.static_forward_context
         self._attention = maybe_transfer_kv_layer(self._layer_forward)
         self._step_writes: list[list[tuple[int, int, float]]] = []
         #: the model runner whose worker code drives the connector: the one the scheduler builds outputs for
         self.runner = "v2" if scheduler.use_v2_model_runner else "v1"
-        self._active: Any = None  # V2's ActiveKVConnector
-        if self.runner == "v2":  # V2's runner registers the caches through its ActiveKVConnector
-            from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+        self.ranks: list[Rank] = []
+        for index in range(self.tp_size):
+            rank_config = _rank_config(config, index)
+            with tp_group(index, self.tp_size):
+                kv_caches = fake_kv_caches(num_blocks, self.block_size, layer_names, heads)
+                rank = Rank(index, make_worker(rank_config), kv_caches)
+            self.ranks.append(rank)
+            with self._agent(rank):
+                if self.runner == "v2":  # V2's runner registers the caches through its ActiveKVConnector
+                    from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
-            with self._agent():
-                self._active = ActiveKVConnector(config, self.kv_caches)
-        else:  # V1's (initialize_kv_cache) registers them with the transfer group itself
-            self.worker.register_kv_caches(self.kv_caches)
+                    rank.active = ActiveKVConnector(rank_config, rank.kv_caches)
+                else:  # V1's (initialize_kv_cache) registers them with the transfer group itself
+                    rank.worker.register_kv_caches(rank.kv_caches)
+        self._rank = self.ranks[0]  # the rank whose step is running
+        #: rank 0's worker-side connector and KV caches (the only ones with one rank)
+        self.worker, self.kv_caches = self._rank.worker, self._rank.kv_caches
+        self._aggregator: Any = None
+        if self.tp_size > 1:
+            from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+            self._aggregator = KVOutputAggregator.from_connector(self.worker, self.tp_size)
         self.outputs: list[Any] = []
         self.last_kv_output: Any = None
 
@@ -470,7 +572,7 @@ class VllmLoop:
 
     def _layer_forward(self, layer_name: str) -> None:
         """One attention layer of the fake model: write this step's KV into ``layer_name``'s cache."""
-        kv = self.kv_caches[layer_name]
+        kv = self._rank.kv_caches[layer_name]
         for block, offset, value in self._step_writes[self._group_of[layer_name]]:
             kv[block, :, offset, :] = value
 
@@ -495,18 +597,41 @@ class VllmLoop:
         return make_model_runner_output(output, self.scheduler, eos_req_ids=eos_req_ids, kv_connector_output=kv_output)
 
     @contextlib.contextmanager
-    def _agent(self) -> Iterator[None]:
-        """The worker-side adapter as vLLM's KV-transfer group (what its model-runner code reads)."""
+    def _agent(self, rank: Rank) -> Iterator[None]:
+        """``rank`` as vLLM's worker sees itself: its connector as the KV-transfer group (what vLLM's model-runner
+        code reads), its TP group, its KV caches on the attention layers."""
+        from types import SimpleNamespace
+
         from vllm.distributed.kv_transfer import kv_transfer_state
 
-        previous, kv_transfer_state._KV_CONNECTOR_AGENT = kv_transfer_state._KV_CONNECTOR_AGENT, self.worker
+        self._rank = rank
+        self._layers.update({name: SimpleNamespace(kv_cache=kv) for name, kv in rank.kv_caches.items()})
+        previous, kv_transfer_state._KV_CONNECTOR_AGENT = kv_transfer_state._KV_CONNECTOR_AGENT, rank.worker
         try:
-            yield
+            with tp_group(rank.index, self.tp_size):
+                yield
         finally:
             kv_transfer_state._KV_CONNECTOR_AGENT = previous
 
     def run_worker(self, output: Any) -> Any:
-        """The worker side of one step, driven by vLLM's own model-runner code, not by an order written here.
+        """The worker side of one step on every rank, as vLLM's executor runs its workers (:meth:`run_rank`).
+
+        With several ranks, their outputs are combined by vLLM's ``KVOutputAggregator`` (a transfer is finished
+        once every rank reported it; invalid blocks and worker metadata of all ranks).
+        """
+        if self._aggregator is None:
+            return self.run_rank(self.ranks[0], output)
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        outputs = [
+            ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=self.run_rank(rank, output))
+            for rank in self.ranks
+        ]
+        return self._aggregator.aggregate(outputs).kv_connector_output
+
+    def run_rank(self, rank: Rank, output: Any) -> Any:
+        """The worker side of one step on ``rank``, driven by vLLM's own model-runner code, not by an order written
+        here.
 
         Under V2 (:attr:`runner`), vLLM's ``ActiveKVConnector`` (what
         ``GPUModelRunner`` calls): ``pre_forward`` inside the forward context
@@ -529,26 +654,34 @@ class VllmLoop:
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin as Runner
 
         config = self.scheduler.vllm_config
-        attn_metadata = dict.fromkeys(self.kv_caches, output)  # any non-None per-layer metadata
-        with self._agent():
-            if self._active is not None:
+        attn_metadata = dict.fromkeys(rank.kv_caches, output)  # any non-None per-layer metadata
+        with self._agent(rank):
+            if rank.active is not None:
                 if not output.total_num_scheduled_tokens:
-                    return self._active.no_forward(output).kv_connector_output
+                    return rank.active.no_forward(output).kv_connector_output
                 with set_forward_context(attn_metadata, config, slot_mapping={}):
-                    self._active.pre_forward(output)
-                    for layer in self.kv_caches:
+                    rank.active.pre_forward(output)
+                    for layer in rank.kv_caches:
                         self._attention(layer)
-                self._active.finish_forward()
-                return self._active.post_forward(output.finished_req_ids)
+                rank.active.finish_forward()
+                return rank.active.post_forward(output.finished_req_ids)
             if not output.total_num_scheduled_tokens:
                 return Runner.kv_connector_no_forward(output, config).kv_connector_output
             with (
                 set_forward_context(attn_metadata, config, slot_mapping={}),
                 Runner.maybe_get_kv_connector_output(output) as kv_output,
             ):
-                for layer in self.kv_caches:
+                for layer in rank.kv_caches:
                     self._attention(layer)
             return kv_output
+
+    def shutdown(self) -> None:
+        """Shut every rank's worker-side connector down (a vLLM connector without ``shutdown`` has nothing to)."""
+        for rank in self.ranks:
+            shutdown = getattr(rank.worker, "shutdown", None)
+            if callable(shutdown):
+                with self._agent(rank):
+                    shutdown()
 
     def run(self, *, max_steps: int = 1000, inspect: Callable[[Any], None] | None = None) -> None:
         """Step until the scheduler has nothing left (requests or held blocks)."""

@@ -438,9 +438,9 @@ class NativeDriver(VllmSchedulerMethods):
     def __init__(self, spec: DriverSpec, target: NativeTarget) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
 
-        from .harness import VLLM_TEST_SHAPE, make_scheduler, one_rank
+        from .harness import VLLM_TEST_SHAPE, check_ranks, make_scheduler
 
-        one_rank(spec.shape)
+        check_ranks(spec.shape)
         if len(spec.shape.kv_cache_groups) > 1 and not supports_hma(target.cls):
             raise ScenarioUnsupported(
                 f"{target.cls.__name__} is not SupportsHMA: vLLM runs it only with one KV-cache group"
@@ -466,19 +466,19 @@ class NativeDriver(VllmSchedulerMethods):
         self.scheduler = make_scheduler(None, shape=self.shape, transfer_fields=transfer)
         stand_in_worker = stand_in.worker if stand_in is not None else None
         worker_cls = self._worker_class(stand_in_worker() if stand_in_worker is not None else target.cls)
-        config = self.scheduler.vllm_config
-        worker = worker_cls(config, KVConnectorRole.WORKER, self.scheduler.kv_cache_config)
-        self.loop = self._make_loop(worker)
+        kv_cache_config = self.scheduler.kv_cache_config
+        self.loop = self._make_loop(lambda config: worker_cls(config, KVConnectorRole.WORKER, kv_cache_config))
 
     def _worker_class(self, cls: type) -> type:
         """The worker-side class to run (the data driver's watches its calls)."""
         return cls
 
-    def _make_loop(self, worker: Any) -> Any:
-        """The loop that runs the worker side of each step (the data driver's has a model)."""
+    def _make_loop(self, make_worker: Callable[[Any], Any]) -> Any:
+        """The loop that runs the worker side of each step (the data driver's has a model); ``make_worker(config)``
+        builds a rank's worker from that rank's vLLM config."""
         from .harness import VllmLoop
 
-        return VllmLoop(self.scheduler, worker=worker)
+        return VllmLoop(self.scheduler, make_worker=make_worker)
 
     # ---------------------------------------------------------------- observation (from the connector subclass)
 
@@ -550,10 +550,10 @@ class NativeDriver(VllmSchedulerMethods):
         return {}  # vLLM connectors have no such count; KV032 reads the engine's own state
 
     def close(self) -> None:
-        for connector in (self.scheduler.connector, self.loop.worker):
-            shutdown = getattr(connector, "shutdown", None)
-            if callable(shutdown):
-                shutdown()
+        shutdown = getattr(self.scheduler.connector, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        self.loop.shutdown()
 
 
 # ------------------------------------------------------------------ the session

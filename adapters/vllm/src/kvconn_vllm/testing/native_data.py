@@ -27,6 +27,7 @@ from kvconn.outputs import KVConnectorOutput
 from kvconn.reference.stats import EngineStats
 from kvconn.testing.conformance.driver import DriverSpec
 from kvconn.testing.conformance.failures import FailureMode, watch_data_run
+from kvconn.testing.conformance.kv_audit import LoadedBlock
 
 from ..translate import VllmRequestView, to_block_ids
 from .data_driver import DataRunMethods, ModelLoop
@@ -170,6 +171,7 @@ class NativeDataDriver(DataRunMethods, NativeDriver):
         self.stats = EngineStats()
         self._requests: dict[str, Any] = {}
         self._loaded: dict[str, int] = {}
+        self.wrong_loads: list[LoadedBlock] = []
         counted = ("update_state_after_alloc", "update_connector_output")
         self._scheduler_point.add_monitor(after=self._count, calls=counted)
         self.failures = watch_data_run(
@@ -194,8 +196,8 @@ class NativeDataDriver(DataRunMethods, NativeDriver):
         manager = self.scheduler.kv_cache_manager
         return {r for r in req_ids if any(blocks & set(table) for table in manager.get_block_ids(r))}
 
-    def _make_loop(self, worker: Any) -> Any:
-        return ModelLoop(self.scheduler, scrub_freed=self._scrub_freed, worker=worker)
+    def _make_loop(self, make_worker: Callable[[Any], Any]) -> Any:
+        return ModelLoop(self.scheduler, scrub_freed=self._scrub_freed, make_worker=make_worker)
 
     def _count(self, call: str, args: tuple[Any, ...], outcome: CallOutcome) -> None:
         """The stats the data checks read: prompt tokens the connector set out to load, blocks that failed."""

@@ -8,10 +8,11 @@ ever: a real engine livelocks on it. :class:`ConvergenceWatch` watches the
 scheduler-side host and raises :class:`NotConverging` once a request's load of
 a block failed and the connector claimed that block again
 :data:`REPEATS` times, or once an async load stays in flight for
-:data:`LOAD_STEPS` steps and :data:`LOAD_SECONDS` seconds, instead of letting a
-data run spin to its step limit. Both bounds, because an idle step takes
-microseconds: on a loaded machine a store's I/O thread may need more than
-:data:`LOAD_STEPS` of them to finish a load that is merely slow.
+:data:`LOAD_STEPS` steps and the wall-clock wait bound
+(:func:`~.waits.wait_seconds`), instead of letting a data run spin to its step
+limit. Both bounds, because an idle step takes microseconds: a store behind a
+socket on a loaded machine may need far more than :data:`LOAD_STEPS` of them
+to finish a load that is merely slow.
 (Frees never reported are bounded by the host's ``stall_steps``.)
 """
 
@@ -24,15 +25,14 @@ from typing import Any
 from ...filled import iter_block_ids
 from ...host import CallOutcome, ConnectorHost, LoadPlan
 from .results import ScenarioBroken
+from .waits import raise_hint, wait_seconds
 
-__all__ = ["LIVELOCK_FIX", "LOAD_SECONDS", "LOAD_STEPS", "REPEATS", "ConvergenceWatch", "NotConverging"]
+__all__ = ["LIVELOCK_FIX", "LOAD_STEPS", "REPEATS", "ConvergenceWatch", "NotConverging"]
 
 #: Failed loads of one block a request may claim again before the run is stopped (an engine would loop forever).
 REPEATS = 3
-#: Steps an async load may stay in flight (vLLM waits for ever; the reference engine's runs never need this long).
+#: Steps an async load may stay in flight, once the wait bound has passed too (vLLM waits for ever).
 LOAD_STEPS = 64
-#: Seconds an async load may stay in flight, at least (data runs wait ~2 ms per idle step: see runs.py).
-LOAD_SECONDS = 2.0
 
 LIVELOCK_FIX = (
     "stop claiming a block whose load failed: when update_connector_output reports invalid_block_ids of a load "
@@ -116,11 +116,11 @@ class ConvergenceWatch:
                 self._failed[req_id] = min(hit)
             if not load.is_async or req_id in recving or (out is not None and out.failed):
                 del self._loads[req_id]
-            elif self._step - load.step > LOAD_STEPS and time.monotonic() - load.since > LOAD_SECONDS:
+            elif self._step - load.step > LOAD_STEPS and time.monotonic() - load.since > wait_seconds():
                 raise NotConverging(
                     f"request {req_id!r} never finishes: its async load of {len(load.blocks)} block(s) has not been "
-                    f"reported in finished_recving for {LOAD_STEPS} steps and {LOAD_SECONDS:g} s "
-                    "(get_finished), and the {self.engine} "
-                    "waits for it (vLLM waits for ever)",
+                    f"reported in finished_recving for {self._step - load.step} steps and "
+                    f"{time.monotonic() - load.since:.1f} s (get_finished), and the {self.engine} waits for it "
+                    f"(vLLM waits for ever); {raise_hint()}",
                     LOAD_FIX,
                 )

@@ -14,6 +14,7 @@ __all__ = [
     "ScenarioBroken",
     "Status",
     "Violation",
+    "nothing_preempted",
 ]
 
 #: How the message of a check skipped because of another check's failure starts.
@@ -119,6 +120,21 @@ Violation = ConformanceFailure
 
 class CheckSkipped(Exception):
     """Raised by a check that cannot apply to this connector; the reason is the message."""
+
+
+def nothing_preempted(run: str) -> CheckSkipped:
+    """The skip of a check that judges what happens across preemption, when ``run`` preempted nothing.
+
+    Its requests fill the pool together only if they are admitted together: a connector whose lookups answer
+    "ask again" until its server replies (LMCache's MP connector) or whose loads are async admits them steps
+    apart, by its timing, and then nobody is preempted. That is the connector's right, not a fault, and nothing
+    is left to judge (the suite's own connectors that break these checks keep the run preempting).
+    """
+    return CheckSkipped(
+        f"{run} preempted nothing, so no table was replaced to judge: the connector's answers admitted its requests "
+        "steps apart (a lookup answered 'ask again' until its store replied, or an async load); it needs a run in "
+        "which a request is preempted (a quicker store, or rerun)"
+    )
 
 
 class ScenarioBroken(ConformanceFailure):

@@ -21,7 +21,6 @@ checks that read them all.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -32,18 +31,21 @@ from .driver import NO_KEYS, DataDriver, DriverSpec, RequestKeys, ScenarioUnsupp
 from .failures import FailureMode
 from .reference import ReferenceDriver
 from .results import ScenarioBroken
-from .scenarios import IDLE_STEP_S, MAX_STEPS, TWO_GROUPS, prompt
+from .scenarios import MAX_STEPS, TWO_GROUPS, prompt
 from .session import Session
+from .waits import IdleSteps
 
 __all__ = [
     "BLOCK_FILL_CONTROL",
     "BLOCK_FILL_REUSE",
     "FAILED_LOAD",
     "FAILED_LOAD_ELSEWHERE",
+    "FAILURE_SHARED_BLOCKS",
     "FILL_STEP_ENDS",
     "ISOLATED",
     "ISOLATION",
     "TENSOR_PARALLEL",
+    "LOAD_CHUNK_TOKENS",
     "LOST_BLOCKS",
     "MID_BLOCK_CHUNKS",
     "PERSISTENT_FAILURE",
@@ -122,10 +124,23 @@ ROUND_TRIPS = (
 )
 
 
+#: The chunk a connector that saves and loads whole chunks of tokens may use (LMCache's default ``chunk_size``).
+LOAD_CHUNK_TOKENS = 256
+#: The full blocks ``b`` and ``b1`` share with ``a`` in the load-failure runs: more than one
+#: :data:`LOAD_CHUNK_TOKENS` chunk (at the default 16-token blocks), so a chunked connector loads something to fail.
+FAILURE_SHARED_BLOCKS = LOAD_CHUNK_TOKENS // 16 + 1
+
+
 def _shared_twice(name: str, seed: int) -> DataRun:
-    """``a`` runs alone; then ``b``, and after it ``b1``, share its first four blocks (the loads a check fails)."""
-    share = Follow("a", 4, 5)
-    return DataRun(name, {}, ((Req("a", prompt(70, seed), 3),), (Req("b", share, 4),), (Req("b1", share, 4),)), seed)
+    """``a`` runs alone; then ``b``, and after it ``b1``, share its first blocks (the loads a check fails).
+
+    The shared prefix spans more than a :data:`LOAD_CHUNK_TOKENS` chunk: a connector keyed by whole 256-token
+    chunks (LMCache's) holds a hit there, where a shorter prefix would leave it nothing to load and the
+    failure-injection checks nothing to fail.
+    """
+    share = Follow("a", FAILURE_SHARED_BLOCKS, 5)
+    a = prompt(FAILURE_SHARED_BLOCKS * 16 + 6, seed)
+    return DataRun(name, {}, ((Req("a", a, 3),), (Req("b", share, 4),), (Req("b1", share, 4),)), seed)
 
 
 #: The connector's first load fails, once.
@@ -426,12 +441,14 @@ def _with_connector(
     def next_phase() -> None:
         phase[0] += 1
 
+    idle = IdleSteps()
+
     def step() -> None:
         records.append(current().step())
-        if not records[-1].output.total_num_scheduled_tokens:
-            # A step that schedules nothing (waiting on a load) takes microseconds: give the connector's
-            # I/O threads real time, as scenarios do, before the convergence bounds call the load stuck.
-            time.sleep(IDLE_STEP_S)
+        if records[-1].output.total_num_scheduled_tokens:
+            idle.busy()
+        else:  # waiting on a load: give the connector's I/O threads real time, as scenarios do
+            idle.idle()
 
     warnings = capture_warnings()
     try:

@@ -10,7 +10,6 @@ mistaken for block ids (fewer than ``10_000`` blocks in every scenario).
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +18,7 @@ from ...context import KVCacheGroupSpec
 from ...reference.shape import EngineShape
 from .diagnose import Stalled, diagnose_error, stall
 from .driver import DriverFactory, DriverSpec, ScenarioUnsupported, SchedulerDriver, StepRecord
+from .waits import IdleSteps, raise_hint
 
 __all__ = [
     "BLOCK_FILL_CHUNK",
@@ -35,10 +35,10 @@ __all__ = [
 
 TOKEN_LOW, TOKEN_HIGH = 10_000, 32_000
 MAX_STEPS = 3_000
-#: steps in a row that schedule nothing before a scenario is declared stuck
+#: Steps in a row that schedule nothing before a scenario is declared stuck, once the wait bound has passed too
+#: (:func:`~.waits.wait_seconds`: an idle step takes microseconds, a slow store's I/O far longer).
 STALL_STEPS = 64
-#: Wall time an idle step waits, so that STALL_STEPS idle steps are at least ~0.1 s of real time.
-IDLE_STEP_S = 0.002
+#: Steps after the last request ends that a scenario waits for the connector's frees, with the wait bound too.
 DRAIN_STEPS = 64
 TWO_GROUPS = (KVCacheGroupSpec(("layer.0",)), KVCacheGroupSpec(("layer.1",), sliding_window=32))
 
@@ -174,6 +174,13 @@ STANDARD: tuple[Scenario, ...] = (
         options={"enable_prefix_caching": False},
     ),
     Scenario(
+        "preempted-prefill",
+        "r1's block-aligned 64-token prompt, chunked beside r0 in a 6-block pool, is preempted with 45 of its tokens "
+        "computed (r0 needs a block) and resumed from scratch: the engine must not die, and r1 finishes",
+        (Arrival("r0", prompt(31, 670), 6), Arrival("r1", prompt(64, 671), 3, at_step=2)),
+        options={"num_blocks": 7, "max_num_batched_tokens": 16, "enable_prefix_caching": False},
+    ),
+    Scenario(
         "shared-prefixes",
         "eight concurrent requests sharing a 40-token prefix; the later four hit the prefix cache",
         tuple(Arrival(f"r{i}", prompt(49, 700 + i, _SHARED), 6, 0 if i < 4 else 3) for i in range(8)),
@@ -230,7 +237,7 @@ def run_scenario(factory: DriverFactory, scenario: Scenario, connector: str, con
 def _play(driver: SchedulerDriver, scenario: Scenario, trace: Trace) -> None:
     pending = sorted(scenario.arrivals, key=lambda a: a.at_step)
     aborts = sorted(scenario.aborts)
-    idle = 0
+    idle = IdleSteps()
     for step in range(MAX_STEPS):
         while pending and pending[0].at_step <= step:
             a = pending.pop(0)
@@ -240,19 +247,18 @@ def _play(driver: SchedulerDriver, scenario: Scenario, trace: Trace) -> None:
         if not pending and not driver.has_unfinished():
             break
         trace.records.append(driver.step(withhold=scenario.withhold))
-        idle = 0 if trace.records[-1].output.total_num_scheduled_tokens or pending else idle + 1
-        if idle:
-            # An idle step takes microseconds: give a connector's I/O threads (which need the GIL)
-            # real time to finish before STALL_STEPS idle steps call it a stall.
-            time.sleep(IDLE_STEP_S)
-        if idle >= STALL_STEPS:
-            raise stall(driver, f"nothing could be scheduled for {STALL_STEPS} steps")
+        if trace.records[-1].output.total_num_scheduled_tokens or pending:
+            idle.busy()
+        else:
+            idle.idle()
+        if idle.exceeded(STALL_STEPS):
+            raise stall(driver, f"nothing could be scheduled for {idle.describe()} ({raise_hint()})")
     else:
         raise stall(driver, f"requests still unfinished after {MAX_STEPS} steps")
-    for _ in range(DRAIN_STEPS):
-        if not driver.has_work():
-            return
+    drain = IdleSteps()
+    while driver.has_work() and not drain.exceeded(DRAIN_STEPS):
         trace.records.append(driver.step(withhold=scenario.withhold))
+        drain.idle()
     trace.stuck = driver.has_work()
     if trace.stuck:
-        trace.stalled = stall(driver, "after every request ended")
+        trace.stalled = stall(driver, f"after every request ended, for {drain.describe()} ({raise_hint()})")

@@ -13,7 +13,7 @@ from ..catalog import IMPORTED, check
 from ..diagnose import RANK_KEY_FIX, Diagnosis, explain_wrong_kv, lost_saves, store_refusals, store_trouble
 from ..driver import ScenarioUnsupported
 from ..reference import ReferenceDriver
-from ..results import CheckSkipped, ConformanceFailure
+from ..results import CheckSkipped, ConformanceFailure, nothing_preempted
 from ..runs import (
     FAILED_LOAD,
     FAILED_LOAD_ELSEWHERE,
@@ -56,10 +56,15 @@ def compare_tokens(session: Session, case: DataRun, result: DataResult, when: st
 
 
 def _why_wrong(result: DataResult) -> Diagnosis | None:
-    """What the run's loads landed that the model did not compute, and why (:func:`~..diagnose.explain_wrong_kv`)."""
+    """What the run's loads landed that the model did not compute, and why (:func:`~..diagnose.explain_wrong_kv`).
+
+    The reference driver audits each landed block; another engine's data driver may too, through an
+    ``explain_wrong_kv(records)`` method of its own (the vLLM drivers have one).
+    """
     driver = result.driver
-    if not isinstance(driver, ReferenceDriver):  # only the reference driver audits each landed block
-        return None
+    if not isinstance(driver, ReferenceDriver):
+        explain = getattr(driver, "explain_wrong_kv", None)
+        return explain(result.records) if explain is not None else None
     groups = [spec.layer_names for spec in driver.engine.context.kv_cache_groups]
     hashes = {r: request.block_hashes for r, request in driver.requests.items()}
     return explain_wrong_kv(driver.wrong_loads, groups, result.records, hashes, driver.freed_at)
@@ -286,7 +291,7 @@ def preempted_saves(session: Session) -> None:
     """
     result = data_run(session, PREEMPTED_SAVES)
     if not any(record.preempted for record in result.records):
-        raise RuntimeError("the preempted-saves data run preempted nothing: the conformance suite is misconfigured")
+        raise nothing_preempted(f"the {PREEMPTED_SAVES.name!r} data run")
     _exact(session, PREEMPTED_SAVES)
 
 

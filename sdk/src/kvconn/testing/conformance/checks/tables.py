@@ -8,7 +8,7 @@ from ..catalog import SCHEDULER_CHECK, check, get_check
 from ..diagnose import shifted_pairing, transfer_kind
 from ..driver import ScenarioUnsupported
 from ..observe import hashed_blocks
-from ..results import CheckSkipped, ConformanceFailure
+from ..results import CheckSkipped, ConformanceFailure, nothing_preempted
 from ..runs import BLOCK_FILL_CONTROL, BLOCK_FILL_REUSE, DataResult, Run, all_runs, data_run
 from ..scenarios import BLOCK_FILL_CHUNK, OFFERED_ONLY, Trace
 from ..session import Session
@@ -139,7 +139,7 @@ def stale_tables(session: Session) -> None:
     traces = session.completed_traces()
     preempted = [r for t in traces for rec in t.records for r in rec.preempted]
     if not preempted:
-        raise RuntimeError("the preemption scenario preempted nothing: the conformance suite is misconfigured")
+        raise nothing_preempted("the preemption scenario")
     for trace in traces:
         before: dict[str, set[int]] = {}
         for view in _views(session, trace):
