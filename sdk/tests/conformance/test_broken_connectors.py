@@ -22,6 +22,7 @@ from kvconn.testing.conformance.catalog import get_check
 from kvconn.testing.conformance.results import NOT_RUN
 from kvconn.testing.conformance.runs import all_runs
 from kvconn.testing.conformance.session import METADATA_FIX
+from kvconn.testing.conformance.waits import raise_hint
 from kvconn.testing.memory_connector import fresh_namespace
 
 BROKEN = "kvconn_conformance_fixtures.broken:"
@@ -149,7 +150,7 @@ def test_a_subclass_misnaming_or_disabling_an_inherited_hook_fails_hook_names(
          "never reported it (and 2 more the same way: 'r1', 'r2')",
          "report 'r0', 'r1', 'r2' in get_finished's finished_sending (once)"),
         ("NeverReportsLoad", ("scenario 'preemption', step ", ": nothing could be scheduled for ", " steps and ",
-         " s (the wait bound is 2 s: for a store that is merely slow, raise it with --wait-s): request 'r3' "
+         f" s ({raise_hint()}): request 'r3' "
          "waits for finished_recving since step 34, when get_num_new_matched_tokens returned (48, True) for it (an "
          "async load): it cannot be scheduled until finished_recving reports it, and get_finished never reported it"),
          "report 'r3' in get_finished's finished_recving (once) when the async load started for it"),
