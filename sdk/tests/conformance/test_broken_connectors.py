@@ -138,6 +138,7 @@ def test_a_subclass_misnaming_or_disabling_an_inherited_hook_fails_hook_names(
         report = run_conformance(BROKEN + connector)
     first = next(r for r in report.results if r.status == "failed")
     assert first.id == "KV006"
+    assert first.message.count("; fix: ") == 1, first.message
     observed_part, fix_part = first.message.split("; fix: ")
     assert observed in observed_part and fix in fix_part
 
@@ -198,6 +199,7 @@ def test_the_first_failure_names_the_mechanism_and_its_fix(
     with _quiet():
         report = run_conformance(BROKEN + connector, config_factory=fresh_namespace)
     first = next(r for r in report.results if r.status == "failed")
+    assert first.message.count("; fix: ") == 1, first.message
     observed_part, fix_part = first.message.split("; fix: ")
     parts = (observed,) if isinstance(observed, str) else observed
     assert all(part in observed_part for part in parts) and fix_part.startswith(fix)

@@ -151,8 +151,9 @@ FAILED_LOAD_ELSEWHERE = replace(_shared_twice("failed-load-elsewhere", 44), else
 PERSISTENT_FAILURE = _shared_twice("persistent-failure", 42)
 #: The same with a full-attention and a sliding-window group: vLLM 0.33 takes such a failure per request
 #: (kvconn's adapter shows it every load as async), recomputes the whole request and asks the connector again.
+#: Its prompts are its own (a store that outlives one run must not hold ``persistent-failure``'s prefix for it).
 PERSISTENT_FAILURE_TWO_GROUPS = replace(
-    PERSISTENT_FAILURE, name="persistent-failure-two-groups", options={"kv_cache_groups": TWO_GROUPS}, seed=43
+    _shared_twice("persistent-failure-two-groups", 43), options={"kv_cache_groups": TWO_GROUPS}
 )
 MID_BLOCK_CHUNKS = DataRun(
     "mid-block-chunks",
