@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvconn.testing import hook_reference, memory_store
+from kvconn.testing import memory_store, raw_hook_connector
 
 try:
     from hypothesis import settings
@@ -24,8 +24,8 @@ if settings is not None:
 @pytest.fixture(autouse=True)
 def empty_memory_store() -> Iterator[None]:
     """Every test starts and ends with empty in-process stores (the memory connectors') and no store faults."""
-    hook_reference.STORE.clear()
+    raw_hook_connector.STORE.clear()
     memory_store.clear()
     yield
-    hook_reference.STORE.clear()
+    raw_hook_connector.STORE.clear()
     memory_store.clear()

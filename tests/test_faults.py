@@ -13,7 +13,8 @@ import pytest
 from kvconn import ConnectorError, ConnectorHost, KVConnectorOutput
 from kvconn.hookspecs import SCHEDULER_HOOKS, WORKER_HOOKS
 from kvconn.reference import Engine, RequestStatus
-from kvconn.testing import assert_scheduler_empty, create_requests, hook_reference
+from kvconn.testing import assert_scheduler_empty, create_requests
+from kvconn.testing import raw_hook_connector as hook_reference
 
 MEMORY = "kvconn.testing.memory_connector:MemoryConnector"
 HOOKS = sorted((SCHEDULER_HOOKS | WORKER_HOOKS) - {"shutdown", "get_num_tracked_requests"})

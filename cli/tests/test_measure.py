@@ -14,7 +14,7 @@ import pytest
 from kvconn import ConnectorNotFoundError, ConnectorRequest, KVConnector, KVConnectorMetadata
 from kvconn.reference.simulate import SIMULATE_SHAPE, ConnectorSetup, RunResult, run_workload
 from kvconn.reference.workloads import make_workload
-from kvconn.testing.hook_reference import HookReferenceConfig, HookReferenceConnector, fresh_namespace
+from kvconn.testing.raw_hook_connector import HookReferenceConfig, HookReferenceConnector, fresh_namespace
 from kvconn_cli.measure import simulate
 from kvconn_cli.rounds import Clock
 

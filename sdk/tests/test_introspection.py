@@ -19,8 +19,8 @@ from kvconn.introspection import (
     implemented_hooks,
 )
 from kvconn.store.scheduler import StoreScheduler
-from kvconn.testing.hook_reference import HookReferenceConnector
 from kvconn.testing.memory_store import MemoryStoreConfig, MemoryStoreConnector
+from kvconn.testing.raw_hook_connector import HookReferenceConnector
 
 STORE = "kvconn.testing.memory_store:MemoryStoreConnector"
 

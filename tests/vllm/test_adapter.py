@@ -129,7 +129,7 @@ def test_workers_decode_only_metadata_a_hook_reads_and_send_no_report_without_ne
     test_connectors: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A step's fixed cost: nothing is decoded that no worker hook reads, and an empty report is not sent."""
-    import kvconn_vllm.connector as adapter_module
+    import kvconn_vllm.worker as adapter_module
     from kvconn_vllm.connector import KVConnVllmMetadata
 
     decoded: list[str] = []
@@ -196,7 +196,7 @@ def test_metadata_equal_to_its_default_is_not_encoded_and_an_idle_step_goes_as_n
     """A fresh ``Metadata()``-equal value costs no encode: its workers decode the default's bytes either way."""
     from kvconn_test_connectors import HandoffMetadata
 
-    import kvconn_vllm.connector as adapter_module
+    import kvconn_vllm.scheduler as adapter_module
 
     name = f"{test_connectors}:HandoffConnector"
     encoded: list[Any] = []
@@ -231,7 +231,7 @@ def test_a_metadata_default_that_changes_each_time_never_stands_for_an_idle_step
     from itertools import count
 
     from kvconn import KVConnectorMetadata
-    from kvconn_vllm.connector import _stable_default
+    from kvconn_vllm.scheduler import _stable_default
 
     ticket = count()
 
@@ -376,9 +376,9 @@ def test_fallback_tracks_live_tables_through_block_fill_and_preemption(test_conn
         admitted.update(new_ids)
 
     loop.run(inspect=check)
-    assert scheduler.connector._tracker is not None  # the fallback really ran
+    assert scheduler.connector.connector_scheduler._tracker is not None  # the fallback really ran
     assert seen["block_fill"] > 0 and seen["resumed"] > 0
-    assert len(scheduler.connector._tracker) == 0  # finished requests were dropped
+    assert len(scheduler.connector.connector_scheduler._tracker) == 0  # finished requests were dropped
 
 
 def reuse_a_prefix_through(plugin: str, **options: Any) -> Any:
@@ -584,7 +584,7 @@ def test_without_worker_reports_each_connector_gets_only_its_own_loads(test_conn
     adapter.host._loads[first]["a"] = _Load([7, 8], True, sent=True)
     adapter.host._loads[second]["b"] = _Load([9], True, sent=True)
     merged = SimpleNamespace(finished_sending={"x"}, finished_recving={"a", "b", "gone"}, invalid_block_ids={8, 9})
-    outputs, failed_recving = adapter._attribute(merged)
+    outputs, failed_recving = adapter.connector_scheduler._attribute(merged)
     assert (outputs[first].finished_recving, outputs[first].invalid_block_ids) == ({"a"}, {8})
     assert (outputs[second].finished_recving, outputs[second].invalid_block_ids) == ({"b"}, {9})
     assert failed_recving == {"gone"} and outputs[first].finished_sending == outputs[second].finished_sending == {"x"}

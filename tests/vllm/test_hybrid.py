@@ -109,7 +109,7 @@ def test_groups_of_different_block_sizes_are_refused_with_the_reason() -> None:
 
 @pytest.mark.parametrize("connector", ["offload", "mooncake"])
 def test_the_two_groups_conformance_scenario_runs_through_vllm(connector: str) -> None:
-    from kvconn.testing.conformance.driver import get_driver
+    from kvconn.testing.conformance.driver_registry import get_driver
     from kvconn.testing.conformance.scenarios import STANDARD, run_scenario
 
     (scenario,) = [s for s in STANDARD if s.name == "two-groups"]

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from kvconn.testing.conformance.scenarios import STANDARD
-from kvconn_vllm.testing.native import NOT_APPLICABLE, NativeSession, native_target, run_native_conformance
+from kvconn_vllm.testing.native import run_native_conformance
+from kvconn_vllm.testing.native_session import NOT_APPLICABLE, NativeSession
+from kvconn_vllm.testing.native_target import native_target
 
 HERE = Path(__file__).parent
 FIXTURES = "native_connectors"

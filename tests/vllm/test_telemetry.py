@@ -121,10 +121,13 @@ def test_a_remote_store_is_vllms_unspecified_source_and_the_loader_decides_with_
 
     scheduler = make_scheduler(["mooncake", "offload"], num_blocks=64)
     connector = scheduler.connector
-    assert connector._telemetry["mooncake"].tier == "remote" and connector._telemetry["offload"].tier == "host"
+    assert (
+        connector.connector_scheduler._telemetry["mooncake"].tier == "remote"
+        and connector.connector_scheduler._telemetry["offload"].tier == "host"
+    )
     request = make_request("r", [*PREFIX, 1], max_tokens=1)
     for loader, source in (("mooncake", CacheHitSource.EXTERNAL_UNSPECIFIED), ("offload", CacheHitSource.HOST)):
-        connector._loader = ("r", loader)
+        connector.connector_scheduler._loader = ("r", loader)
         assert connector.get_external_cache_hit_sources(request, 32) == {source: 32}
     assert connector.get_external_cache_hit_sources(request, 0) == {}
 

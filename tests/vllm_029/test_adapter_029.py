@@ -53,5 +53,5 @@ def test_every_scheduled_request_is_offered_its_live_table_through_block_fill_an
         seen["preempted"] += len(output.preempted_req_ids or ())
 
     loop.run(inspect=check)
-    assert scheduler.connector._tracker is not None  # the dict's gaps were filled by the tracker
+    assert scheduler.connector.connector_scheduler._tracker is not None  # the dict's gaps were filled by the tracker
     assert seen["block_fill"] > 0 and seen["preempted"] > 0

@@ -6,6 +6,16 @@ Connector authors implement the hooks of :mod:`kvconn.hookspecs` on a
 entry-point group. Engines load connectors by name with :func:`load_connector`
 and drive them through a :class:`ConnectorHost`. Importing kvconn does not
 import torch.
+
+Read by: connector authors, engines and adapters, the CLI. Public: ``__all__``
+below and the subpackages (:mod:`kvconn.store`, :mod:`kvconn.host`,
+:mod:`kvconn.reference`, :mod:`kvconn.testing`), each saying in its docstring
+who reads it. The modules sit in layers (the ``kvconn`` contract in
+``pyproject.toml``, drawn in docs/architecture.md): the test kit over the
+reference engine, over the host, the store and introspection, over the plugin
+registry, over the author API (:mod:`.connector`, whose sides
+:mod:`._plugins.sides` builds, and :mod:`.hookspecs`), over the plain types. A
+change to a public name updates DESIGN.md's contract and docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -39,7 +39,9 @@ checks the order in any engine.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._plugins.markers import hookspec
 
@@ -49,7 +51,48 @@ if TYPE_CHECKING:
     from .outputs import KVConnectorOutput, SchedulerOutput
     from .request import ConnectorRequest
 
-__all__ = ["SCHEDULER_HOOKS", "WORKER_HOOKS", "KVConnectorSpec"]
+__all__ = [
+    "HOOKS",
+    "HOOK_NAMES",
+    "ROLES",
+    "ROLE_HOOKS",
+    "SCHEDULER_HOOKS",
+    "WORKER_HOOKS",
+    "HookTag",
+    "KVConnectorSpec",
+]
+
+#: The role values, as :class:`kvconn.KVConnectorRole` spells them (that enum is built on this module).
+ROLES = ("scheduler", "worker")
+
+
+@dataclass(frozen=True)
+class HookTag:
+    """What the SDK reads off a hook spec besides its arguments.
+
+    ``roles``: the roles it is called in (the plugin manager, the side checks
+    and each role's host take their hook sets from here); ``host_call``: the
+    :class:`~kvconn.ConnectorHost` method that calls it (monitors watch host
+    calls, see :data:`kvconn.host.MONITORED_CALLS`); ``per_step``: whether
+    that call is part of an engine's step.
+    """
+
+    roles: frozenset[str]
+    host_call: str
+    per_step: bool
+
+
+_Spec = TypeVar("_Spec", bound=Callable[..., Any])
+
+
+def _hook(*roles: str, host_call: str | None = None, per_step: bool = True) -> Callable[[_Spec], _Spec]:
+    """``@hookspec``, tagging the spec with its :class:`HookTag` (``host_call`` defaults to the hook's name)."""
+
+    def tag(spec: _Spec) -> _Spec:
+        spec.kvconn_tag = HookTag(frozenset(roles), host_call or spec.__name__, per_step)  # type: ignore[attr-defined]
+        return hookspec(spec)
+
+    return tag
 
 
 class KVConnectorSpec:
@@ -57,7 +100,7 @@ class KVConnectorSpec:
 
     # ---------------------------------------------------------------- scheduler
 
-    @hookspec
+    @_hook("scheduler")
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool] | None:
@@ -74,7 +117,7 @@ class KVConnectorSpec:
         ``get_finished``). Return only whole blocks. ``None`` means ``(0, False)``.
         """
 
-    @hookspec
+    @_hook("scheduler")
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: BlockIds, num_external_tokens: int
     ) -> None:
@@ -93,7 +136,7 @@ class KVConnectorSpec:
         again for it with ``num_external_tokens`` ``0``.
         """
 
-    @hookspec
+    @_hook("scheduler", host_call="build_connector_meta")
     def on_block_state(self, block_state: KVConnectorBlockState, scheduler_output: SchedulerOutput) -> None:
         """Each step, before ``build_connector_meta``: the tables offered this step.
 
@@ -102,7 +145,7 @@ class KVConnectorSpec:
         read tables with ``get_block_ids`` now; do not keep the state.
         """
 
-    @hookspec
+    @_hook("scheduler")
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput, block_state: KVConnectorBlockState
     ) -> KVConnectorMetadata:
@@ -115,7 +158,7 @@ class KVConnectorSpec:
         instance of the connector's ``Metadata`` class.
         """
 
-    @hookspec
+    @_hook("scheduler")
     def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> bool | tuple[bool, Any] | None:
         """``request`` finished or was aborted; its blocks are about to be freed.
 
@@ -125,13 +168,13 @@ class KVConnectorSpec:
         ``(delay, kv_transfer_params)`` tuple is accepted too.
         """
 
-    @hookspec
+    @_hook("scheduler")
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """This connector's worker-side report for the step that just ran."""
 
     # ------------------------------------------------------------------- worker
 
-    @hookspec
+    @_hook("worker", per_step=False)
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Once, before the first step: the KV-cache tensor of each layer.
 
@@ -140,15 +183,15 @@ class KVConnectorSpec:
         per step.
         """
 
-    @hookspec
+    @_hook("worker")
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         """Start loading this step's blocks into the KV caches (before compute)."""
 
-    @hookspec
+    @_hook("worker")
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until ``layer_name``'s loads have landed (before it is computed)."""
 
-    @hookspec
+    @_hook("worker")
     def save_kv_layer(self, layer_name: str, kv_layer: Any, metadata: KVConnectorMetadata) -> None:
         """``layer_name`` was computed this step; start saving what must be saved.
 
@@ -156,11 +199,11 @@ class KVConnectorSpec:
         run in the background until ``wait_for_save`` or ``get_finished``.
         """
 
-    @hookspec
+    @_hook("worker")
     def wait_for_save(self) -> None:
         """End of the step: saves that must not outlive it are complete."""
 
-    @hookspec
+    @_hook("worker")
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None] | None:
         """Requests whose async transfers completed since the last call.
 
@@ -169,7 +212,7 @@ class KVConnectorSpec:
         finished since the last step.
         """
 
-    @hookspec
+    @_hook("worker", host_call="get_finished")
     def get_block_ids_with_load_errors(self) -> set[int] | None:
         """Blocks whose load failed or was partial since the last call.
 
@@ -177,7 +220,7 @@ class KVConnectorSpec:
         request): report rather than leave wrong KV in place.
         """
 
-    @hookspec
+    @_hook("worker", host_call="get_finished")
     def get_kv_connector_stats(self) -> dict[str, float] | None:
         """Counters since the last call (``blocks_saved``, ``bytes_loaded``, ...).
 
@@ -191,41 +234,26 @@ class KVConnectorSpec:
 
     # -------------------------------------------------------------------- both
 
-    @hookspec
+    @_hook("scheduler", "worker", host_call="num_tracked_requests", per_step=False)
     def get_num_tracked_requests(self) -> int | None:
         """How many requests this instance still holds state for.
 
         Used by conformance checks: once every request has ended it must be 0.
         """
 
-    @hookspec
+    @_hook("scheduler", "worker", per_step=False)
     def shutdown(self) -> None:
         """Release resources (connections, buffers). Called once, last."""
 
 
-SCHEDULER_HOOKS = frozenset(
-    {
-        "get_num_new_matched_tokens",
-        "update_state_after_alloc",
-        "on_block_state",
-        "build_connector_meta",
-        "request_finished",
-        "update_connector_output",
-        "get_num_tracked_requests",
-        "shutdown",
-    }
-)
-WORKER_HOOKS = frozenset(
-    {
-        "register_kv_caches",
-        "start_load_kv",
-        "wait_for_layer_load",
-        "save_kv_layer",
-        "wait_for_save",
-        "get_finished",
-        "get_block_ids_with_load_errors",
-        "get_kv_connector_stats",
-        "get_num_tracked_requests",
-        "shutdown",
-    }
-)
+#: Every hook, in the order of the specs above, with its tag: the one list the SDK's hook sets derive from.
+HOOKS: dict[str, HookTag] = {
+    name: spec.kvconn_tag
+    for name, spec in vars(KVConnectorSpec).items()
+    if isinstance(getattr(spec, "kvconn_tag", None), HookTag)
+}
+HOOK_NAMES = frozenset(HOOKS)
+#: The hooks called in each role, by role value (``"scheduler"``, ``"worker"``).
+ROLE_HOOKS = {role: frozenset(name for name, tag in HOOKS.items() if role in tag.roles) for role in ROLES}
+SCHEDULER_HOOKS = ROLE_HOOKS["scheduler"]
+WORKER_HOOKS = ROLE_HOOKS["worker"]

@@ -2,7 +2,7 @@
 
 The broken connectors live in ``fixtures/kvconn_conformance_fixtures/broken.py``;
 each changes one thing in a correct connector, the hook-level reference
-(``kvconn.testing.hook_reference.HookReferenceConnector``). It, the store connector over an in-memory
+(``kvconn.testing.raw_hook_connector.HookReferenceConnector``). It, the store connector over an in-memory
 store (``kvconn.testing.memory_connector.MemoryConnector``) and the shipped dummy plugin pass everything.
 """
 
@@ -30,7 +30,7 @@ BROKEN_FILE = inspect.getsourcefile(broken)
 INDEXES_LIVE_BLOCKS_LINE = inspect.getsourcelines(broken.IndexesLiveBlocks.transfers)[1] + 5
 _COUNT = itertools.count()
 STORE = "kvconn.testing.memory_connector:MemoryConnector"
-HOOK_REFERENCE = "kvconn.testing.hook_reference:HookReferenceConnector"
+HOOK_REFERENCE = "kvconn.testing.raw_hook_connector:HookReferenceConnector"
 
 
 def _failed(report: ConnectorReport) -> dict[str, str]:

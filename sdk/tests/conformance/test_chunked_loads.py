@@ -10,7 +10,7 @@ import pytest
 from kvconn.testing.conformance import Session, run_conformance
 from kvconn.testing.conformance.checks.data import failed_load_recomputed
 from kvconn.testing.conformance.checks.recovery import persistent_load_failure
-from kvconn.testing.conformance.failures import FailureMode
+from kvconn.testing.conformance.fault_injection import FailureMode
 from kvconn.testing.conformance.runs import (
     FAILED_LOAD,
     FAILED_LOAD_ELSEWHERE,

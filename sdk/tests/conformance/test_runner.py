@@ -18,7 +18,7 @@ from kvconn.testing.conformance import (
     run_conformance,
 )
 from kvconn.testing.conformance.catalog import _CHECKS
-from kvconn.testing.conformance.driver import _DRIVERS
+from kvconn.testing.conformance.driver_registry import _DRIVERS
 
 
 def test_ids_are_unique_stable_and_documented() -> None:
@@ -81,7 +81,7 @@ def test_unknown_driver_is_a_load_error() -> None:
 def test_the_vllm_driver_without_its_adapter_names_the_distribution_to_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvconn.testing.conformance import driver
+    from kvconn.testing.conformance import driver_registry as driver
 
     monkeypatch.setattr(driver, "entry_points", lambda **_: [])  # as where kvconn-vllm is not installed
     with pytest.raises(LookupError, match=r"named 'vllm' .*; install kvconn-vllm, which ships it"):

@@ -10,13 +10,32 @@ vLLM's ``KVConnectorFactory`` does, imports :mod:`.connector`.
 connector under the short name ``"kvconn"`` (idempotent; vLLM calls plugins
 once per process, but several entry paths may call it), and sends kvconn's log
 records through vLLM's logging configuration (:func:`route_logs_to_vllm`).
+
+Who reads it: vLLM (``kv_connector_module_path="kvconn_vllm"``, the entry point), operators' configs (the names
+below), ``kvconn.adapters.vllm`` (an alias of this package), and the CLI and kvconn's conformance runner (through
+:mod:`.testing`). Public names: ``__all__`` below, and :mod:`.connector`'s (the class keeps that import path).
+
+Its modules, each importing only those below it (import-linter's ``layers`` contract in pyproject.toml):
+
+* :mod:`.testing`: the test rig, which drives the adapter through vLLM's scheduler; nothing vLLM runs when it serves;
+* :mod:`.connector`: ``KVConnVllmConnector``, the thin ``KVConnectorBase_V1`` shell vLLM loads;
+* :mod:`.scheduler` | :mod:`.worker` | :mod:`.config`: the scheduler side and the worker side the shell delegates to,
+  and the config both read (``kv_connector_extra_config``, the host built from it);
+* :mod:`.metadata` | :mod:`.reports` | :mod:`.tables`: what crosses processes, the workers' reports, the table
+  tracker for a vLLM without the lazy block state;
+* :mod:`.telemetry` | :mod:`.translate` | :mod:`.compat` | :mod:`.registration`: stats and metrics, vLLM's types as
+  kvconn's, what this vLLM offers, and the names vLLM's config uses.
+
+A change here must update: docs/vllm.md (what operators configure and read), the contract in pyproject.toml for a
+new module, and the vLLM tiers' tests (``tests/vllm``, ``tests/vllm_029``); a change on the step path, the before/after
+figures of ``benchmarks/vllm_step_before_after.py``.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable
 from typing import Any
+
+from .registration import CONNECTOR_CLASS, EXTRA_CONFIG_KEYS, SHORT_NAME, route_logs_to_vllm
 
 __all__ = [
     "CONNECTOR_CLASS",
@@ -30,20 +49,6 @@ __all__ = [
     "route_logs_to_vllm",
 ]
 
-#: The name under which :func:`register` makes the connector known to vLLM.
-SHORT_NAME = "kvconn"
-#: The class vLLM loads (``kv_connector`` when ``kv_connector_module_path`` is this module).
-CONNECTOR_CLASS = "KVConnVllmConnector"
-#: The keys of ``kv_connector_extra_config`` the adapter reads: the connector(s), their config, the host's options.
-EXTRA_CONFIG_KEYS = (
-    "kvconn_connector",
-    "kvconn_config",
-    "kvconn_on_error",
-    "kvconn_stall_steps",
-    "kvconn_hook_budget_s",
-    "kvconn_max_slow_calls",
-)
-
 _LAZY = {"KVConnVllmConnector", "KVConnVllmMetadata", "KVConnVllmStats", "KVConnVllmWorkerMetadata"}
 
 
@@ -54,28 +59,6 @@ def register() -> None:
     route_logs_to_vllm()
     if SHORT_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(SHORT_NAME, __name__, CONNECTOR_CLASS)
-
-
-def route_logs_to_vllm(names: Iterable[str] = ()) -> None:
-    """Send the ``kvconn`` logger's records, and those of ``names``, to vLLM's handlers at vLLM's level.
-
-    kvconn and its plugins log under their package names, outside vLLM's
-    ``vllm`` logger; with no handler they reach only Python's last-resort
-    handler (warnings and up, bare text), so their INFO lines never show under
-    vLLM. A logger that already has handlers was configured by the operator
-    and is left alone; so is everything when vLLM's logging is not configured.
-    """
-    vllm_logger = logging.getLogger("vllm")
-    if not vllm_logger.handlers or logging.getLogger().handlers:
-        return  # vLLM's logging is off, or the process configured logging itself: records reach the root
-    for name in ("kvconn", *names):
-        target = logging.getLogger(name)
-        if target.handlers:
-            continue
-        for handler in vllm_logger.handlers:
-            target.addHandler(handler)
-        target.setLevel(vllm_logger.level)
-        target.propagate = False
 
 
 def __getattr__(name: str) -> Any:

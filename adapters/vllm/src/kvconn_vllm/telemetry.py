@@ -9,9 +9,11 @@
   ``engine`` labels plus ``connector``. It runs in vLLM's front end, off the
   engine's step path, on the stats vLLM already ships there.
 * The tier of a hit (:func:`hit_source`) and KV-cache events (:func:`to_vllm_events`).
+* :class:`StepStats`: what one role of the adapter gathers between vLLM's asks, in that layout.
 
 vLLM is imported only by the functions and class that need it (the module is
-imported by :mod:`.connector`, which vLLM imports only once it runs a connector).
+imported by the connector's two sides and :mod:`.metadata`, which vLLM imports
+only once it runs a connector).
 """
 
 from __future__ import annotations
@@ -20,16 +22,20 @@ import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvconn import load_connector_class
 from kvconn.errors import KVConnError
 from kvconn.telemetry import DEGRADED_PREFIX, STANDARD_COUNTERS, TIER_MEDIUM, BlockStored, KVEvent, MetricSpec
 
+if TYPE_CHECKING:
+    from kvconn.host import ConnectorHost
+
 __all__ = [
     "GAUGES",
     "SECONDS",
     "ConnectorTelemetry",
+    "StepStats",
     "aggregate_stats",
     "hit_source",
     "prom_metrics_class",
@@ -67,6 +73,54 @@ class ConnectorTelemetry:
         metrics = tuple(getattr(connector_class, "metrics", ()) or ())
         gauges = frozenset(m.name for m in metrics if m.kind == "gauge")
         return cls(getattr(connector_class, "cache_tier", None), gauges, metrics)
+
+
+class StepStats:
+    """The stats one role of the adapter gathered since vLLM last asked, in :class:`KVConnVllmStats`' layout.
+
+    vLLM asks both roles every step (``get_kv_connector_stats``), so :meth:`take` costs a test or two on a step
+    where nothing happened. The host's degraded calls are counted in there, as ``<connector>.degraded.<hook>_error``.
+    """
+
+    def __init__(self, host: ConnectorHost) -> None:
+        self.data: dict[str, Any] = {}
+        self._host = host
+        self._errors_seen: dict[tuple[str, str], int] = {}
+
+    def add(self, key: str, value: float) -> None:
+        """Add to a counter (a zero is not recorded)."""
+        if value:
+            self.data[key] = self.data.get(key, 0) + value
+
+    def add_reported(self, name: str, reported: Mapping[str, Any], gauges: frozenset[str], *, private: bool) -> None:
+        """Connector ``name``'s reported stats: its ``gauges`` as levels, the rest as counters.
+
+        ``private``: ``_`` keys are counted too (else they are left out: a worker's private gauges reach the
+        connector's scheduler side only).
+        """
+        for key, value in reported.items():
+            if key in gauges:
+                self.data.setdefault(GAUGES, {})[f"{name}.{key}"] = value
+            elif private or not key.startswith("_"):
+                self.add(f"{name}.{key}", value)
+
+    def observe_seconds(self, names: Iterable[str], what: str, seconds: float) -> None:
+        """One step's seconds in loads or saves (``what``), for each connector with work in it."""
+        observed = self.data.setdefault(SECONDS, {})
+        for name in names:
+            observed.setdefault(f"{name}.{what}", []).append(seconds)
+
+    def take(self) -> dict[str, Any] | None:
+        """What was gathered since the last call, and the host's new degraded calls; ``None`` when nothing."""
+        if self._host.error_counts:
+            for (name, hook), count in self._host.error_counts.items():
+                if (new := count - self._errors_seen.get((name, hook), 0)) > 0:
+                    self._errors_seen[(name, hook)] = count
+                    self.add(f"{name}.degraded.{hook}_error", new)
+        if not self.data:
+            return None
+        data, self.data = self.data, {}
+        return data
 
 
 def hit_source(tier: str | None) -> str:

@@ -11,18 +11,18 @@ an error).
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import pluggy
 
 from .. import hookspecs
 from ..connector import KVConnector
+from ..errors import ConnectorLoadError
+from ..hookspecs import HOOK_NAMES, ROLE_HOOKS
 from .markers import PROJECT_NAME, implements
+from .sides import declared_side, refuse_sides_off_kvconnector
 
-__all__ = ["HOOK_NAMES", "KVConnPluginManager", "hook_object", "implemented_hooks"]
-
-HOOK_NAMES = frozenset(name for name, _ in inspect.getmembers(hookspecs.KVConnectorSpec, inspect.isfunction))
+__all__ = ["HOOK_NAMES", "KVConnPluginManager", "check_side", "hook_object", "implemented_hooks"]
 
 
 class KVConnPluginManager(pluggy.PluginManager):
@@ -64,6 +64,34 @@ def hook_object(connector: object) -> object:
     # getattr: a connector whose __init__ skips KVConnector's has no side (nor declares one it could use).
     side = getattr(connector, "side", None) if isinstance(connector, KVConnector) else None
     return connector if side is None else side
+
+
+def check_side(name: str, connector: object, role: str) -> None:
+    """Refuse a connector with sides whose registered object would not be its side for the host's ``role``.
+
+    Its hooks live on its sides, so registering anything else (the side of
+    the other role, or the bare connector) would leave this role without
+    hooks: every save and load silently skipped. ``name`` is the host's name
+    for the connector, ``role`` a role value.
+    """
+    cls = type(connector)
+    if not isinstance(connector, KVConnector):
+        refuse_sides_off_kvconnector(cls)
+        return
+    if all(declared_side(cls, r) is None for r in ROLE_HOOKS):
+        return  # a connector that is its own hooks serves either role
+    built_for = getattr(connector, "role", None)
+    if built_for is not None and built_for != role:  # a str enum: "worker" (a str) is the worker role
+        built = getattr(built_for, "value", built_for)
+        raise ConnectorLoadError(
+            f"connector {name!r} ({cls.__qualname__}) was built for the {built} role, not the {role} role of "
+            "this host: its hooks are on the side of its role; build one instance per role"
+        )
+    if declared_side(cls, role) is not None and getattr(connector, "side", None) is None:
+        raise ConnectorLoadError(
+            f"connector {name!r}: {cls.__qualname__} declares a {role}_side but has no side built: its "
+            "__init__ must call super().__init__(config, role=role, context=context), which builds it"
+        )
 
 
 def implemented_hooks(cls: type, *, by_name: bool | None = None) -> list[str]:

@@ -29,23 +29,18 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import ConnectorLoadError
-from ..hookspecs import SCHEDULER_HOOKS, WORKER_HOOKS
+from ..hookspecs import HOOK_NAMES, ROLE_HOOKS
 from .markers import implements
 
 __all__ = [
-    "ROLE_HOOKS",
     "build_side",
     "check_roles",
-    "check_side",
     "declared_side",
     "import_target",
     "refuse_sides_off_kvconnector",
     "side_class",
     "uncalled_hooks",
 ]
-
-#: The hooks called in each role, by role value.
-ROLE_HOOKS = {"scheduler": SCHEDULER_HOOKS, "worker": WORKER_HOOKS}
 
 
 def import_target(target: str, *, source: str, path_hint: str = "") -> object:
@@ -128,7 +123,7 @@ def uncalled_hooks(cls: type, roles: Iterable[str], *, by_name: bool, own: bool 
     called = frozenset().union(*(ROLE_HOOKS[r] for r in roles))
     return sorted(
         name
-        for name in (SCHEDULER_HOOKS | WORKER_HOOKS) - called
+        for name in HOOK_NAMES - called
         if (not own or name in vars(cls)) and implements(cls, name, by_name=by_name)
     )
 
@@ -174,36 +169,6 @@ def refuse_sides_off_kvconnector(cls: type) -> None:
                 f"{cls.__qualname__} declares {role}_side = {declared!r} but only a KVConnector builds its sides: "
                 "subclass kvconn.KVConnector, or put the hooks on the class itself with @kvconn.hookimpl"
             )
-
-
-def check_side(name: str, connector: object, role: str) -> None:
-    """Refuse a connector with sides whose registered object would not be its side for the host's ``role``.
-
-    Its hooks live on its sides, so registering anything else (the side of
-    the other role, or the bare connector) would leave this role without
-    hooks: every save and load silently skipped. ``name`` is the host's name
-    for the connector, ``role`` a role value.
-    """
-    from ..connector import KVConnector  # kvconn.connector builds sides with this module: imported at call time
-
-    cls = type(connector)
-    if not isinstance(connector, KVConnector):
-        refuse_sides_off_kvconnector(cls)
-        return
-    if all(declared_side(cls, r) is None for r in ROLE_HOOKS):
-        return  # a connector that is its own hooks serves either role
-    built_for = getattr(connector, "role", None)
-    if built_for is not None and built_for != role:  # a str enum: "worker" (a str) is the worker role
-        built = getattr(built_for, "value", built_for)
-        raise ConnectorLoadError(
-            f"connector {name!r} ({cls.__qualname__}) was built for the {built} role, not the {role} role of "
-            "this host: its hooks are on the side of its role; build one instance per role"
-        )
-    if declared_side(cls, role) is not None and getattr(connector, "side", None) is None:
-        raise ConnectorLoadError(
-            f"connector {name!r}: {cls.__qualname__} declares a {role}_side but has no side built: its "
-            "__init__ must call super().__init__(config, role=role, context=context), which builds it"
-        )
 
 
 def _roles(cls: type) -> frozenset[str]:

@@ -43,6 +43,7 @@ class itself. What both roles share lives beside them: :mod:`.dispatch`
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Self
 
@@ -50,7 +51,7 @@ from .._plugins.registry import connector_roles, instantiate_connector, load_con
 from ..connector import KVConnectorRole
 from ..context import ConnectorContext
 from .answers import count
-from .dispatch import DEFAULT_HOOK_BUDGET_S, DEFAULT_MAX_SLOW_CALLS, DEFAULT_STALL_STEPS, HostCore, OnError
+from .dispatch import HostCore, HostOptions, OnError
 from .monitors import Monitored, _Monitor
 
 __all__ = ["ConnectorHost"]
@@ -93,20 +94,14 @@ class ConnectorHost(HostCore, Monitored):
         *,
         role: KVConnectorRole | str | None = None,
         context: ConnectorContext | None = None,
-        on_error: OnError = "degrade",
-        stall_steps: int = DEFAULT_STALL_STEPS,
-        hook_budget_s: float | None = DEFAULT_HOOK_BUDGET_S,
-        max_slow_calls: int | None = DEFAULT_MAX_SLOW_CALLS,
+        # The defaults are HostOptions' own: its fields hold them as class attributes.
+        on_error: OnError = HostOptions.on_error,
+        stall_steps: int = HostOptions.stall_steps,
+        hook_budget_s: float | None = HostOptions.hook_budget_s,
+        max_slow_calls: int | None = HostOptions.max_slow_calls,
     ) -> None:
-        super().__init__(
-            connectors,
-            role=self._role(role),
-            context=context,
-            on_error=on_error,
-            stall_steps=stall_steps,
-            hook_budget_s=hook_budget_s,
-            max_slow_calls=max_slow_calls,
-        )
+        options = HostOptions(on_error, stall_steps, hook_budget_s, max_slow_calls)
+        super().__init__(connectors, role=self._role(role), context=context, options=options)
         self._monitors: list[_Monitor] = []
         self._init_role()
 
@@ -138,18 +133,17 @@ class ConnectorHost(HostCore, Monitored):
         role: KVConnectorRole | str | None = None,
         config: Mapping[str, Any] | None = None,
         context: ConnectorContext | None = None,
-        on_error: OnError = "degrade",
-        stall_steps: int = DEFAULT_STALL_STEPS,
-        hook_budget_s: float | None = DEFAULT_HOOK_BUDGET_S,
-        max_slow_calls: int | None = DEFAULT_MAX_SLOW_CALLS,
+        **options: Any,
     ) -> Self:
         """Load connectors by name (or ``"pkg.mod:Class"``) and host them.
 
-        With one name, ``config`` is that connector's config; with several, it
+        ``options`` are the host's (``on_error``, ``stall_steps``, ...), as for
+        :class:`ConnectorHost`. With one name, ``config`` is that connector's config; with several, it
         maps each name to its config. Connectors that do not serve ``role``
         (a scheduler-only connector on a worker) are left out. ``role`` may
         be left out on a role's class (``SchedulerHost.from_names(...)``).
         """
+        host_options = HostOptions(**options)  # an unknown or bad option is refused before anything loads
         name_list = [names] if isinstance(names, str) else list(names)
         configs: Mapping[str, Any] = {name_list[0]: config} if len(name_list) == 1 else (config or {})
         unknown = set(configs) - set(name_list)
@@ -163,15 +157,7 @@ class ConnectorHost(HostCore, Monitored):
             for n, c in classes
             if role in connector_roles(c)
         ]
-        return cls(
-            loaded,
-            role=role,
-            context=ctx,
-            on_error=on_error,
-            stall_steps=stall_steps,
-            hook_budget_s=hook_budget_s,
-            max_slow_calls=max_slow_calls,
-        )
+        return cls(loaded, role=role, context=ctx, **dataclasses.asdict(host_options))
 
     def num_tracked_requests(self) -> dict[str, int]:
         """Per connector, how many requests it still tracks (if it says; an answer that is not an int >= 0 is bad)."""

@@ -40,20 +40,22 @@ import math
 import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, ClassVar, Literal
 
 import pluggy
 
-from .._plugins.manager import KVConnPluginManager
-from .._plugins.sides import check_side
+from .._plugins.manager import KVConnPluginManager, check_side
 from ..connector import KVConnectorRole
 from ..context import ConnectorContext
 from ..errors import ConnectorError, ConnectorLoadError
 from ..metadata import KVConnectorMetadata
 from .answers import BadHookAnswer
 
-__all__ = ["DEFAULT_HOOK_BUDGET_S", "DEFAULT_MAX_SLOW_CALLS", "DEFAULT_STALL_STEPS", "HostCore", "OnError"]
+__all__ = [
+    "DEFAULT_HOOK_BUDGET_S", "DEFAULT_MAX_SLOW_CALLS", "DEFAULT_STALL_STEPS", "HostCore", "HostOptions", "OnError",
+]  # fmt: skip
 
 logger = logging.getLogger("kvconn.host")
 
@@ -73,6 +75,31 @@ DEFAULT_HOOK_BUDGET_S = 1.0
 DEFAULT_MAX_SLOW_CALLS = 3
 
 _FAILED = object()  # what _call returns for a call that raised
+
+
+@dataclass(frozen=True)
+class HostOptions:
+    """How a host treats its connectors' failures and stalls: the one place these options and their defaults live.
+
+    ``on_error``, ``stall_steps``, ``hook_budget_s`` and ``max_slow_calls`` as
+    :class:`~kvconn.ConnectorHost` documents them; a bad value is refused here,
+    naming the option and what it accepts.
+    """
+
+    on_error: OnError = "degrade"
+    stall_steps: int = DEFAULT_STALL_STEPS
+    hook_budget_s: float | None = DEFAULT_HOOK_BUDGET_S
+    max_slow_calls: int | None = DEFAULT_MAX_SLOW_CALLS
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ("degrade", "raise"):
+            raise ValueError(f"on_error must be 'degrade' or 'raise', not {self.on_error!r}")
+        if self.stall_steps < 1:
+            raise ValueError(f"stall_steps must be >= 1, got {self.stall_steps}")
+        if self.max_slow_calls is not None and self.max_slow_calls < 1:
+            raise ValueError(
+                f"max_slow_calls must be >= 1 (or None: never degrade a slow connector), got {self.max_slow_calls}"
+            )
 
 
 def _positional(function: Callable[..., Any], argnames: Sequence[str], spec: Sequence[str]) -> Callable[..., Any]:
@@ -98,7 +125,8 @@ class HostCore:
     A role's host subclasses this with ``hooks`` (the hooks called in that
     role) and sets ``_skip``: the set of connectors its dispatch passes over
     (the scheduler: those degraded for the run; the worker: also those that
-    failed earlier in the step). Arguments as for :class:`~kvconn.ConnectorHost`.
+    failed earlier in the step). Arguments as for :class:`~kvconn.ConnectorHost`, its options in one
+    :class:`HostOptions`.
     """
 
     #: the hooks this role calls
@@ -110,26 +138,17 @@ class HostCore:
         *,
         role: KVConnectorRole | str,
         context: ConnectorContext | None,
-        on_error: OnError,
-        stall_steps: int,
-        hook_budget_s: float | None,
-        max_slow_calls: int | None,
+        options: HostOptions,
     ) -> None:
-        if on_error not in ("degrade", "raise"):
-            raise ValueError(f"on_error must be 'degrade' or 'raise', not {on_error!r}")
-        if stall_steps < 1:
-            raise ValueError(f"stall_steps must be >= 1, got {stall_steps}")
-        if max_slow_calls is not None and max_slow_calls < 1:
-            raise ValueError(
-                f"max_slow_calls must be >= 1 (or None: never degrade a slow connector), got {max_slow_calls}"
-            )
-        self.stall_steps = stall_steps
-        self.hook_budget_s = math.inf if hook_budget_s is None else hook_budget_s
-        self.max_slow_calls = math.inf if max_slow_calls is None else max_slow_calls
+        self.options = options
+        # Read on every call: plain attributes, a missing bound as infinity.
+        self.stall_steps = options.stall_steps
+        self.hook_budget_s = math.inf if options.hook_budget_s is None else options.hook_budget_s
+        self.max_slow_calls = math.inf if options.max_slow_calls is None else options.max_slow_calls
         items = list(connectors.items() if isinstance(connectors, Mapping) else connectors)
         self.role = KVConnectorRole(role)
         self.context = context or ConnectorContext()
-        self.on_error: OnError = on_error
+        self.on_error: OnError = options.on_error
         self.connectors: dict[str, object] = {}
         #: each connector's ``Metadata`` class (what its workers decode)
         self.metadata_types: dict[str, type[KVConnectorMetadata]] = {}
@@ -179,10 +198,10 @@ class HostCore:
         """How many hook calls failed and were degraded."""
         return sum(self.error_counts.values())
 
-    # Hook calls go through _each, except those of the hot paths, which call in place: the per-layer loops
-    # (layers x connectors a step) and the once-a-step build_connector_meta and start_load_kv (a frame costs 2-3x
-    # its warm time in an engine's step). Either way: one ``try`` per connector, arguments positional in spec
-    # order, a call's time booked by _book.
+    # Every hook call is one connector's call through _call (guarded, timed, its answer checked), from _each or
+    # from a role's own loop, except the per-layer loops (layers x connectors a step), which guard each call and
+    # time the layer as a whole. Either way: one ``try`` per connector, arguments positional in spec order, a
+    # call's time booked by _book.
 
     def _fail(self, name: str, hook: str, exc: Exception) -> None:
         """Account for connector ``name`` failing in ``hook``: it loses its work for this step (or it raises)."""
@@ -258,7 +277,7 @@ class HostCore:
         name, call = impls[0]
         if name in self._skip:
             return ()
-        result = self._call(name, call, hook, args, check)
+        result = self._call(name, call, hook, args(name) if callable(args) else args, check)
         return () if result is _FAILED else ((name, result),)
 
     def _call_each(
@@ -267,17 +286,23 @@ class HostCore:
         for name, call in impls:
             if name in self._skip:  # read at each connector: one may fail while an earlier one's result is handled
                 continue
-            result = self._call(name, call, hook, args, check)
+            result = self._call(name, call, hook, args(name) if callable(args) else args, check)
             if result is not _FAILED:
                 yield name, result
 
     def _call(
-        self, name: str, call: Callable[..., Any], hook: str, args: Args, check: Callable[[Any], Any] | None
+        self, name: str, call: Callable[..., Any], hook: str, args: tuple[Any, ...], check: Callable[[Any], Any] | None
     ) -> Any:
-        """One connector's call of ``hook``, timed against the budget: its (checked) result, or ``_FAILED``."""
+        """One connector's call of ``hook``, guarded and timed against the budget: its (checked) result, or ``_FAILED``.
+
+        The one way a hook is called (but the per-layer loops, see above): ``args``
+        in spec order; ``check`` validates and converts the answer, a
+        :class:`~.answers.BadHookAnswer` (or any exception) it raises being a
+        failure of the hook.
+        """
         started = perf_counter()
         try:
-            result = call(*(args(name) if callable(args) else args))
+            result = call(*args)
             if check is not None:
                 result = check(result)
         except Exception as exc:

@@ -13,24 +13,26 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..hookspecs import HOOKS
+
 __all__ = ["MONITORED_CALLS", "STEP_CALLS", "CallOutcome", "MonitorAfter", "MonitorBefore", "Monitored"]
 
-#: The host methods an engine calls in its steps (scheduler side, then worker side).
+
+def _host_calls(role: str | None, *, per_step: bool) -> tuple[str, ...]:
+    """The host methods calling ``role``'s hooks (``None``: any) that are (or are not) part of a step, in spec order."""
+    calls = (t.host_call for t in HOOKS.values() if t.per_step == per_step and (role is None or t.roles == {role}))
+    return tuple(dict.fromkeys(calls))
+
+
+#: The host methods an engine calls in its steps (scheduler side, then worker side, which binds the step's
+#: metadata first): those of the per-step hooks of :mod:`kvconn.hookspecs`.
 STEP_CALLS = (
-    "get_num_new_matched_tokens",
-    "update_state_after_alloc",
-    "build_connector_meta",
-    "request_finished",
-    "update_connector_output",
+    *_host_calls("scheduler", per_step=True),
     "bind_connector_metadata",
-    "start_load_kv",
-    "wait_for_layer_load",
-    "save_kv_layer",
-    "wait_for_save",
-    "get_finished",
+    *_host_calls("worker", per_step=True),
 )
 #: The host methods that call connector hooks (or bind a step's metadata): what monitors can watch.
-MONITORED_CALLS = (*STEP_CALLS, "register_kv_caches", "num_tracked_requests", "shutdown")
+MONITORED_CALLS = (*STEP_CALLS, *_host_calls(None, per_step=False))
 
 
 @dataclass

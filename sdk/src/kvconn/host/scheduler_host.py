@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from time import perf_counter
 from typing import Any
 
 from ..block_state import BlockIds, KVConnectorBlockState, block_ids_in_range
@@ -70,6 +69,17 @@ class StepUpdate:
     stats: Counter[str] = field(default_factory=_counter)
 
 
+def _metadata_check(expected: type[KVConnectorMetadata]) -> Callable[[Any], Any]:
+    """A check refusing metadata that is not an instance of ``expected`` (the connector's ``Metadata``)."""
+
+    def check(meta: Any) -> Any:
+        if not isinstance(meta, expected):
+            raise TypeError(f"returned {type(meta).__name__}, not an instance of {expected.__name__}")
+        return meta
+
+    return check
+
+
 #: One load in flight as an engine reads it: ``(block ids, is_async)``.
 LoadSpec = tuple[list[int], bool]
 
@@ -88,6 +98,11 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
     hooks = SCHEDULER_HOOKS
 
     def _init_role(self) -> None:
+        #: (name, build_connector_meta, the check that it returns an instance of the connector's Metadata)
+        self._metadata_builders = [
+            (name, call, _metadata_check(self.metadata_types[name]))
+            for name, call in self._impls["build_connector_meta"]
+        ]
         self._step = 0  # update_connector_output calls: the scheduler's step count
         self._builds = 0  # build_connector_meta calls
         self._asks: dict[tuple[str, str], int] = {}  # (connector, request) -> "ask again" answers in a row
@@ -189,20 +204,13 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
             if self._impls["on_block_state"]:
                 self._notify("on_block_state", (block_state, scheduler_output))
             metadata: dict[str, KVConnectorMetadata] = {}
-            # Called here, not through _each, as the worker's start_load_kv: the one scheduler hook of every step, and
-            # the calls around a hook cost 2-3x their warm time in an engine's step (benchmarks/history/2026-log.md).
-            for name, call in self._impls["build_connector_meta"]:
+            # Called per connector, not through _each: a connector's metadata counts only when nothing of this step
+            # failed it (on_block_state included), and its loads are then sent.
+            args = (scheduler_output, block_state)
+            for name, call, check in self._metadata_builders:
                 if name in self._skip:
                     continue
-                started = perf_counter()
-                try:
-                    meta = call(scheduler_output, block_state)
-                    if not isinstance(meta, expected := self.metadata_types[name]):
-                        raise TypeError(f"returned {type(meta).__name__}, not an instance of {expected.__name__}")
-                except Exception as exc:
-                    self._fail(name, "build_connector_meta", exc)
-                if (elapsed := perf_counter() - started) > self.hook_budget_s or self._slow_in_a_row:
-                    self._book(name, "build_connector_meta", elapsed)
+                meta = self._call(name, call, "build_connector_meta", args, check)
                 if name not in self._failed_this_step:  # else it raised, answered badly, or failed in on_block_state
                     metadata[name] = meta
                     for load in self._loads[name].values():

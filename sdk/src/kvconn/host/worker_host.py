@@ -78,23 +78,17 @@ class WorkerHost(ConnectorHost, role=KVConnectorRole.WORKER):
         def with_metadata(hook: str) -> list[tuple[str, Callable[..., Any], KVConnectorMetadata]]:
             return [(n, c, metadata[n]) for n, c in self._impls.get(hook, ()) if n not in failed and n in metadata]
 
-        self._kv_loads = with_metadata("start_load_kv")
+        self._kv_loads = [(n, c, (m,)) for n, c, m in with_metadata("start_load_kv")]  # the arguments of _call
         self._layer_saves = with_metadata("save_kv_layer")
         self._layer_waits = [(n, c) for n, c in self._impls.get("wait_for_layer_load", ()) if n not in failed]
 
-    # The per-layer hooks run layers x connectors times a step: each loop is timed as a whole (two clock
-    # reads per layer, whatever the number of connectors), and a slow call is put down to every connector
-    # that took part in it. start_load_kv runs once a step and is timed per connector.
+    # start_load_kv runs once a step: each connector's call guarded and timed on its own (HostCore._call). The
+    # per-layer hooks run layers x connectors times a step: each loop is timed as a whole (two clock reads per
+    # layer, whatever the number of connectors), and a slow call is put down to every connector that took part.
 
     def start_load_kv(self) -> None:
-        for name, call, metadata in self._kv_loads:
-            started = perf_counter()
-            try:
-                call(metadata)
-            except Exception as exc:
-                self._fail(name, "start_load_kv", exc)
-            if (elapsed := perf_counter() - started) > self.hook_budget_s or self._slow_in_a_row:
-                self._book(name, "start_load_kv", elapsed)
+        for name, call, args in self._kv_loads:
+            self._call(name, call, "start_load_kv", args, None)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         started = perf_counter()

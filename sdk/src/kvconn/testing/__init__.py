@@ -6,6 +6,16 @@ and holds the conformance suite (:mod:`kvconn.testing.conformance`).
 ``ConnectorConformance`` (the pytest base class) is importable from here too;
 so is ``StoreConformance`` (the store contract, for store authors);
 both are loaded on first access, so that this package does not need pytest.
+
+Read by: connector authors' tests, ``kvconn validate`` (the CLI) and the
+engine adapters' test rigs. Public: ``__all__`` below, and the modules
+:mod:`.conformance`, :mod:`.store_conformance`, :mod:`.step_contract`,
+:mod:`.raw_hook_connector` (the connector written on the raw hooks;
+``kvconn.testing.hook_reference`` is its former name) and
+:mod:`.memory_connector` (a store connector over an in-memory store). Nothing
+that serves imports it (an import-linter contract holds vLLM's serving path to
+that). A change here updates the ``kvconn.testing`` layers contract in
+``pyproject.toml`` and docs/architecture.md's map.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ Fault injection for recovery tests:
 
 The conformance suite's deliberately broken connectors, and tests of a
 connector misbehaving in one hook, subclass the hook-level
-:class:`kvconn.testing.hook_reference.HookReferenceConnector` instead: a
+:class:`kvconn.testing.raw_hook_connector.HookReferenceConnector` instead: a
 store connector's hooks live on its sides.
 """
 
@@ -38,8 +38,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from .._plugins.manager import HOOK_NAMES
-from .._plugins.sides import ROLE_HOOKS
+from ..hookspecs import HOOK_NAMES, ROLE_HOOKS
 from ..store import BlockStore, LoadAsync
 from .memory_store import MemoryStore, MemoryStoreConfig, MemoryStoreConnector
 from .memory_store import fresh_store as fresh_namespace

@@ -4,303 +4,44 @@
 ``Scheduler`` (``kv_load_failure_policy="recompute"``) with the connector
 behind :class:`~kvconn_vllm.connector.KVConnVllmConnector`, and a worker-side adapter
 driven through vLLM's own ``KVConnectorModelRunnerMixin`` and
-``maybe_transfer_kv_layer`` (:class:`~.harness.VllmLoop`) on real torch KV
-caches in vLLM's layout. Its model (:class:`ModelLoop`) is the reference
-model on those tensors: each computed token writes KV that depends on its
-whole prefix, and each sampled token is a function of the KV read back
-through the live block table (the reference model's digest, every element
-weighted by its place), so its tokens are the reference engine's for the same
-KV shape, and a wrong, stale, missing or rearranged load changes them. With
-``tp_size`` 2 (KV048) every rank runs its shard of the model beside its own
-worker-side connector. Each load that lands is compared with the KV the model
-computes (:func:`~kvconn.testing.conformance.kv_audit.audit_load`, on every
-rank), so a wrong token is traced as on the reference engine.
+``maybe_transfer_kv_layer`` on real torch KV caches in vLLM's layout, whose model
+is the reference model (:class:`~.model_loop.ModelLoop`): its tokens are the
+reference engine's, and a wrong, stale, missing or rearranged load changes them.
 
 Everything that recovers from a failed load is vLLM's (invalid blocks,
 ``_update_waiting_for_remote_kv`` re-asking the connector); the driver only
-injects failures (:class:`~kvconn.testing.conformance.failures.LoadFailures`,
+injects failures (:class:`~kvconn.testing.conformance.fault_injection.LoadFailures`,
 at the hosts) and stops a connector that would never converge
-(:class:`~kvconn.testing.conformance.convergence.ConvergenceWatch`). Freed
-blocks are overwritten between vLLM's calls (a block whose reference count
-is 0 after ``schedule()`` and after ``update_from_output``), as a busy GPU
-cache reuses them: vLLM's block pool has no free callback, and it is not
-patched.
+(:class:`~kvconn.testing.conformance.convergence.ConvergenceWatch`). With
+``tp_size`` 2 (KV048) every rank runs its shard of the model beside its own
+worker-side connector, and each load that lands is audited on every rank
+(:class:`~.data_run.VllmDataRunDriver`), so a wrong token is traced as on the
+reference engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
-from kvconn.host import CallOutcome, LoadPlan
-from kvconn.reference.model import ReferenceModel, adapter_seed, position_weights, prefix_hashes
-from kvconn.reference.stats import EngineStats
-from kvconn.testing.conformance.diagnose import Diagnosis, explain_wrong_kv
-from kvconn.testing.conformance.driver import NO_KEYS, DriverSpec, RequestKeys, StepRecord
-from kvconn.testing.conformance.failures import FailureMode, watch_data_run
-from kvconn.testing.conformance.kv_audit import LoadedBlock, audit_load
+from kvconn.host import CallOutcome
+from kvconn.testing.conformance.driver import DriverSpec
+from kvconn.testing.conformance.fault_injection import FailureMode, watch_data_run
 
-from .driver import VllmDriver
-from .harness import EOS_TOKEN_ID, HEAD_SIZE, NUM_KV_HEADS, VllmLoop, make_request
+from .data_run import VllmDataRunDriver
+from .harness import make_scheduler
+from .host_observer import HostObserver
+from .model_loop import ModelLoop
+from .scheduler_driver import vllm_shape
 
-__all__ = ["FREED", "DataRunMethods", "ModelLoop", "VllmDataDriver"]
-
-#: What a freed block holds once scrubbed: outside the model's KV range, unlike anything it writes.
-FREED = -5.0
-#: The reference worker's vocabulary: the sampled tokens are the reference engine's.
-VOCAB_SIZE = 32_000
+__all__ = ["VllmDataDriver"]
 
 
-class _Landing(NamedTuple):
-    """A load that lands this step: its request, tokens and adapter's seed, its tables, the positions loaded."""
-
-    req_id: str
-    token_ids: list[int]
-    seed: int
-    table: list[list[int]]
-    blocks: range
-
-
-class ModelLoop(VllmLoop):
-    """:class:`~.harness.VllmLoop` whose model is the reference model (see the module docstring).
-
-    Each rank runs the reference model's shard of its heads (``tp_rank``, ``tp_size``): it writes
-    its heads' KV and digests what it reads, and the ranks' digests of each layer add up (an
-    all-reduce) to the single-rank model's before sampling, as in the reference engine
-    (:class:`kvconn.reference.ranks.TensorParallelWorkers`).
-    """
-
-    def __init__(
-        self,
-        scheduler: Any,
-        *,
-        scrub_freed: bool = False,
-        worker_config: Any = None,
-        make_worker: Callable[[Any], Any] | None = None,
-    ) -> None:
-        import torch
-
-        super().__init__(scheduler, worker_config=worker_config, make_worker=make_worker)
-        if VOCAB_SIZE > EOS_TOKEN_ID:  # sampling vLLM's EOS would end a request the reference engine continues
-            raise AssertionError("the model's vocabulary must not reach vLLM's EOS token")
-        heads = NUM_KV_HEADS // self.tp_size
-        #: per rank, the reference model's shard of the heads
-        self.models = [
-            ReferenceModel(
-                num_kv_heads=heads,
-                head_dim=HEAD_SIZE,
-                vocab_size=VOCAB_SIZE,
-                dtype=torch.float16,
-                device="cpu",
-                tp_rank=rank.index,
-                tp_size=self.tp_size,
-            )
-            for rank in self.ranks
-        ]
-        self.model = self.models[0]
-        groups = scheduler.kv_cache_config.kv_cache_groups
-        self._windows = [getattr(g.kv_cache_spec, "sliding_window", None) for g in groups]
-        self._layer_index = {name: i for i, name in enumerate(self.kv_caches)}  # group order, as the reference's
-        self._bits = [{name: kv.view(torch.int16) for name, kv in rank.kv_caches.items()} for rank in self.ranks]
-        # the digest's weights in vLLM's layout, [heads, 1, K dims then V dims]: broadcast over a block's slots
-        self._weights = [
-            {
-                name: model.read_weights(i).permute(1, 0, 2).reshape(heads, 1, 2 * HEAD_SIZE)
-                for name, i in self._layer_index.items()
-            }
-            for model in self.models
-        ]
-        self._scrub_freed = scrub_freed
-        self._hashes: dict[str, list[int]] = {}
-        self._inputs: Any = None  # this step's KV inputs, and per group where they go
-        self._targets: list[tuple[Any, Any]] = []
-        self._sampling: list[tuple[str, list[list[int]], int]] = []  # (request, its tables, last position)
-        self._reads: list[dict[str, list[int]]] = []  # per rank, per sampling request, each layer's digest
-        # the caches in the reference engine's layout, [blocks, K|V, block_size, heads, head_dim], to audit loads
-        self._audited = [
-            {name: kv.unflatten(-1, (2, HEAD_SIZE)).permute(0, 3, 2, 1, 4) for name, kv in rank.kv_caches.items()}
-            for rank in self.ranks
-        ]
-        self._expected: dict[str, range] = {}  # request -> table positions of its committed load, not landed yet
-        self._landing: list[_Landing] = []  # the loads that land this step
-
-    def _writes(self, output: Any) -> list[list[tuple[int, int, float]]]:
-        """Plan the step from the scheduler's live requests and tables, before the step advances them."""
-        torch = self.model.torch
-        self.scrub()
-        for req_id in output.finished_req_ids:
-            self._hashes.pop(req_id, None)
-        hashes: list[int] = []
-        targets: list[tuple[list[int], list[int]]] = [([], []) for _ in self.group_layers]
-        self._sampling, self._landing = [], []
-        bs = self.block_size
-        for req_id, n in output.num_scheduled_tokens.items():
-            request = self.scheduler.requests[req_id]
-            tables = [list(t) for t in self.scheduler.kv_cache_manager.get_block_ids(req_id)]
-            start, end = request.num_computed_tokens - n, request.num_computed_tokens
-            known = self._hashes.setdefault(req_id, [])
-            adapter = request.lora_request.lora_name if request.lora_request is not None else None
-            seed = adapter_seed(adapter)
-            hashes += prefix_hashes(request.all_token_ids, known, seed=seed)[start:end]
-            loaded = self._expected.pop(req_id, None)
-            if loaded is not None and loaded.start < start // bs:  # blocks vLLM kept (a failed one is recomputed)
-                landed = range(loaded.start, min(loaded.stop, start // bs))
-                self._landing.append(_Landing(req_id, list(request.all_token_ids), seed, tables, landed))
-            for table, (blocks, offsets) in zip(tables, targets, strict=True):
-                blocks += [table[p // bs] for p in range(start, end)]
-                offsets += [p % bs for p in range(start, end)]
-            if end == request.num_tokens:
-                self._sampling.append((req_id, tables, end - 1))
-        self._reads = [{req_id: [] for req_id, _, _ in self._sampling} for _ in self.ranks]
-        self._inputs = self.model.kv_inputs(hashes) if hashes else None
-        self._targets = [(torch.tensor(b), torch.tensor(o)) for b, o in targets]
-        return []
-
-    def _layer_forward(self, layer_name: str) -> None:
-        """One layer of the running rank: write the step's KV (``[block, head, offset, K|V]``), then read each
-        sampling request's."""
-        rank = self._rank.index
-        model, kv = self.models[rank], self._rank.kv_caches[layer_name]
-        group, index = self._group_of[layer_name], self._layer_index[layer_name]
-        if self._inputs is not None:
-            values = model.kv_values(self._inputs, index)  # [n, 2, heads, head_dim]
-            blocks, offsets = self._targets[group]
-            kv[blocks, :, offsets] = values.permute(0, 2, 1, 3).reshape(len(values), model.num_kv_heads, -1)
-        window, bs, torch = self._windows[group], self.block_size, model.torch
-        for req_id, tables, last in self._sampling:
-            first = 0 if window is None else max(0, last - window + 1)
-            ids = torch.tensor(tables[group][first // bs : last // bs + 1])
-            weighted = self._bits[rank][layer_name][ids] * self._weights[rank][layer_name]
-            per_slot = weighted.sum(dim=(1, 3), dtype=torch.int64).view(-1)
-            lo = first % bs
-            span = slice(lo, lo + last - first + 1)  # the model's digest (kvconn.reference.model): every element counts
-            positions = torch.arange(first, last + 1)
-            self._reads[rank][req_id].append(int((per_slot[span] * position_weights(positions)).sum()))
-
-    def runner_output(self, output: Any, eos_req_ids: Iterable[str], kv_output: Any) -> Any:
-        """The tokens the model sampled, for the requests that finished their prompt or decode this step.
-
-        Each layer's digest is the sum of the ranks' (the all-reduce), as the reference engine's.
-        """
-        from vllm.v1.outputs import ModelRunnerOutput
-
-        req_ids = list(output.num_scheduled_tokens)
-        sampled = [[self._sample(r)] if r in self._reads[0] else [] for r in req_ids]
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv_output,
-        )
-
-    def expect_load(self, req_id: str, blocks: range) -> None:
-        """Audit the table positions ``blocks`` of ``req_id`` (a load the connector committed) once it lands: on
-        the next step that computes the request (a sync load lands in it, an async one before it)."""
-        self._expected[req_id] = blocks
-
-    def audit(self, step: int, skip: set[int]) -> list[LoadedBlock]:
-        """The layer-blocks of this step's landed loads that hold other KV than the model computes, on every rank
-        (:func:`~kvconn.testing.conformance.kv_audit.audit_load`); blocks in ``skip`` (reported failed) are not
-        audited."""
-        layers = [(name, self._group_of[name]) for name in self._layer_index]
-        found = []
-        for load in self._landing:
-            for model, kv_caches in zip(self.models, self._audited, strict=True):
-                found += audit_load(
-                    model,
-                    kv_caches,
-                    layers,
-                    req_id=load.req_id,
-                    step=step,
-                    token_ids=load.token_ids,
-                    table=load.table,
-                    blocks=load.blocks,
-                    skip=skip,
-                    seed=load.seed,
-                    ranks=self.models,
-                )
-        return found
-
-    def _sample(self, req_id: str) -> int:
-        per_layer = zip(*(reads[req_id] for reads in self._reads), strict=True)  # each layer: every rank's digest
-        return self.model.next_token([sum(digests) for digests in per_layer])
-
-    def step(self, *, eos_req_ids: Iterable[str] = (), inspect: Any = None) -> tuple[Any, Any]:
-        result = super().step(eos_req_ids=eos_req_ids, inspect=inspect)
-        self.scrub()  # blocks update_from_output freed (finished requests)
-        return result
-
-    def scrub(self) -> None:
-        """Overwrite every block vLLM's pool holds free (reference count 0; the null block is left alone)."""
-        if not self._scrub_freed:
-            return
-        pool = self.scheduler.kv_cache_manager.block_pool
-        free = [b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0]
-        if free:
-            for kv in (kv for rank in self.ranks for kv in rank.kv_caches.values()):
-                kv[free] = FREED
-
-
-class DataRunMethods:
-    """What both vLLM data drivers add to their scheduler driver: requests kept for their tokens, load counts.
-
-    ``_committed`` counts a load the connector committed (``plan.num_tokens`` from ``request``'s computed
-    tokens); ``failures`` is the run's :class:`~kvconn.testing.conformance.failures.LoadFailures`, if any.
-    """
-
-    block_size: int
-    scheduler: Any
-    loop: ModelLoop
-    stats: EngineStats
-    failures: Any
-    _requests: dict[str, Any]
-    _loaded: dict[str, int]
-    #: the layer-blocks of landed loads that held other KV than the model computes (:meth:`ModelLoop.audit`)
-    wrong_loads: list[LoadedBlock]
-
-    def _committed(self, request: Any, plan: LoadPlan) -> None:
-        tokens = plan.num_tokens or 0
-        self._loaded[request.request_id] = tokens
-        start = request.num_computed_tokens
-        first = start // self.block_size
-        self.loop.expect_load(request.request_id, range(first, first + tokens // self.block_size))
-        self.stats.prompt_tokens_loaded += max(0, min(start + tokens, len(request.prompt_token_ids)) - start)
-
-    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int, keys: RequestKeys = NO_KEYS) -> None:
-        request = make_request(req_id, prompt, max_tokens, self.block_size, **keys._asdict())
-        self.scheduler.add_request(request)
-        self._requests[req_id] = request
-
-    def step(self, *, withhold: Iterable[str] = ()) -> StepRecord:
-        self._loaded = {}
-        record: StepRecord = super().step(withhold=frozenset(withhold))  # type: ignore[misc]
-        record.loaded = self._loaded
-        skip = set(getattr(self.loop.last_kv_output, "invalid_block_ids", None) or ())  # loads reported failed
-        if self.failures is not None:  # the blocks it made fail this step hold its garbage, reported failed
-            skip |= self.failures.failed_blocks
-        self.wrong_loads += self.loop.audit(len(self.loop.outputs) - 1, skip)
-        return record
-
-    def explain_wrong_kv(self, records: Sequence[StepRecord]) -> Diagnosis | None:
-        """Why the run's tokens went wrong, from what its loads landed (``None``: every load landed right KV)."""
-        hashes = {req_id: request.block_hashes for req_id, request in self._requests.items()}
-        return explain_wrong_kv(self.wrong_loads, self.loop.group_layers, records, hashes, {})
-
-    def generated(self, req_id: str) -> list[int]:
-        """The tokens ``req_id`` generated so far."""
-        return list(self._requests[req_id].output_token_ids)
-
-    @property
-    def injected_failure(self) -> bool:
-        """Whether a load was made to fail (``fail_loads``)."""
-        return self.failures is not None and self.failures.failed > 0
-
-
-class VllmDataDriver(DataRunMethods, VllmDriver):
+class VllmDataDriver(VllmDataRunDriver):
     """vLLM's scheduler and model-runner code with a model: the data checks' driver (see the module docstring).
 
     Keywords as :class:`~kvconn.testing.conformance.ReferenceDriver`'s:
-    ``fail_loads`` (a :class:`~kvconn.testing.conformance.failures.LoadFailures`
+    ``fail_loads`` (a :class:`~kvconn.testing.conformance.fault_injection.LoadFailures`
     mode), ``scrub_freed``, ``worker_config`` (the worker side's own config).
     """
 
@@ -314,25 +55,22 @@ class VllmDataDriver(DataRunMethods, VllmDriver):
     ) -> None:
         import vllm
 
-        self._scrub_freed, self._worker_config = scrub_freed, worker_config
-        super().__init__(spec)
-        self.stats = EngineStats()
-        self._requests: dict[str, Any] = {}
-        self._loaded: dict[str, int] = {}
-        self.wrong_loads: list[LoadedBlock] = []
-        self.adapter.host.add_monitor(after=self._count, calls=("update_state_after_alloc", "update_connector_output"))
+        shape = vllm_shape(spec.shape)
+        scheduler = make_scheduler(spec.connector, spec.config, shape=shape)
+        loop = ModelLoop(scheduler, scrub_freed=scrub_freed, worker_config=worker_config)
+        super().__init__(spec, shape, loop, HostObserver(spec.connector, scheduler.connector))
+        self.name = spec.connector
+        host = scheduler.connector.host
+        host.add_monitor(after=self._count, calls=("update_state_after_alloc", "update_connector_output"))
         self.failures = watch_data_run(
             self.name,
             fail_loads,
             engine=f"vLLM {vllm.__version__} scheduler",
             block_size=self.block_size,
-            hosts=(self.adapter.host, self.loop.worker.host),
-            kv_caches=self.loop.kv_caches,
-            group_of_layer=self.loop.worker.context.group_of_layer(),
+            hosts=(host, loop.worker.host),
+            kv_caches=loop.kv_caches,
+            group_of_layer=loop.worker.context.group_of_layer(),
         )
-
-    def _loop(self, scheduler: Any) -> ModelLoop:
-        return ModelLoop(scheduler, scrub_freed=self._scrub_freed, worker_config=self._worker_config)
 
     def _count(self, call: str, args: tuple[Any, ...], outcome: CallOutcome) -> None:
         """The stats the data checks read: prompt tokens the connector set out to load, blocks it failed."""
@@ -341,6 +79,6 @@ class VllmDataDriver(DataRunMethods, VllmDriver):
         if call == "update_state_after_alloc":
             request, _, plan = args
             if outcome.result and plan.num_tokens:
-                self._committed(request, plan)
+                self.committed(request, plan)
         elif (out := args[0].get(self.name)) is not None:
             self.stats.failed_load_blocks += len(out.invalid_block_ids)

@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from kvconn.context import NULL_BLOCK_ID, KVCacheGroupSpec
+from kvconn.errors import ConnectorLoadError
+from kvconn.install import checkout_path
 from kvconn.reference.shape import EngineShape
 
-from .. import CONNECTOR_CLASS, SHORT_NAME
+from ..registration import CONNECTOR_CLASS, SHORT_NAME
 
 __all__ = [
     "EOS_TOKEN_ID",
@@ -46,6 +48,7 @@ __all__ = [
     "make_scheduler",
     "model_runner",
     "prepare_environment",
+    "require_vllm",
     "vllm_import_error",
 ]
 
@@ -96,6 +99,23 @@ def vllm_import_error() -> str | None:
     except Exception as exc:  # vLLM raises more than ImportError when half installed
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+#: Builds a venv with vLLM's scheduler (``scheduler``) or full CPU engine (``engine``), relative to the checkout.
+_VENV_SCRIPT = "scripts/install-vllm-venv.sh"
+
+
+def require_vllm() -> None:
+    """:func:`prepare_environment`, then a :class:`~kvconn.errors.ConnectorLoadError` saying how to get vLLM when
+    its scheduler cannot be imported: what the entry points into this rig call first."""
+    prepare_environment()
+    error = vllm_import_error()
+    if error is not None:
+        script = checkout_path(_VENV_SCRIPT) or f"{_VENV_SCRIPT} (in a kvconn checkout)"
+        raise ConnectorLoadError(
+            f"vLLM is not installed in this environment: {error} "
+            f"(build a venv with it: {script} scheduler, then run kvconn from that venv)"
+        )
 
 
 def prepare_environment(workdir: str | os.PathLike[str] | None = None) -> Path:

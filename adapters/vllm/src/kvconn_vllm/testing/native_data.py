@@ -1,20 +1,19 @@
 """The data checks (KV040-KV048) for vLLM's own connectors: their worker, vLLM's scheduler, a model that reads KV.
 
-:class:`NativeDataDriver` is :class:`~.native.NativeDriver` with the data
-driver's model (:class:`~.data_driver.ModelLoop`): the connector's own worker
-runs through vLLM's model-runner code on the CPU KV caches the model writes
-and reads, so a wrong, stale or missing load changes the tokens, which must
-be the reference engine's. vLLM recovers from failed loads as it does.
+:class:`NativeDataDriver` is a :class:`~.data_run.VllmDataRunDriver` over the native drivers' engine
+(:func:`~.native_observer.native_engine`) with the data drivers' model (:class:`~.model_loop.ModelLoop`): the
+connector's own worker runs through vLLM's model-runner code on the CPU KV caches the model writes and reads, so
+a wrong, stale or missing load changes the tokens, which must be the reference engine's. vLLM recovers from failed
+loads as it does.
 
 A vLLM connector has no kvconn host, so the driver watches it at the seam
 vLLM itself offers, the connector class: subclasses made here
-(:func:`observed_worker` and the scheduler-side class of
-:mod:`.native`) call the connector's own methods and report each call to a
-:class:`MonitorPoint`, which takes the monitors of
-:mod:`kvconn.testing.conformance.failures` (injected failed loads, reported
+(:func:`observed_worker`) and in :mod:`.native_observer` call the connector's own methods and report each call to
+a :class:`MonitorPoint`, which takes the monitors of
+:mod:`kvconn.testing.conformance.fault_injection` (injected failed loads, reported
 through the worker's ``get_block_ids_with_load_errors``) and
 :mod:`~kvconn.testing.conformance.convergence` as a ``ConnectorHost`` does,
-the vLLM calls translated into kvconn's shapes.
+the vLLM calls translated into kvconn's shapes (:class:`SchedulerCalls`).
 """
 
 from __future__ import annotations
@@ -24,16 +23,16 @@ from typing import Any
 
 from kvconn.host import CallOutcome, LoadPlan, MonitorAfter
 from kvconn.outputs import KVConnectorOutput
-from kvconn.reference.stats import EngineStats
 from kvconn.testing.conformance.driver import DriverSpec
-from kvconn.testing.conformance.failures import FailureMode, watch_data_run
-from kvconn.testing.conformance.kv_audit import LoadedBlock
+from kvconn.testing.conformance.fault_injection import FailureMode, watch_data_run
 
 from ..translate import VllmRequestView, to_block_ids
-from .data_driver import DataRunMethods, ModelLoop
-from .native import NativeDriver, NativeTarget
+from .data_run import VllmDataRunDriver
+from .model_loop import ModelLoop
+from .native_observer import NativeObserver, native_engine
+from .native_target import NativeTarget
 
-__all__ = ["MonitorPoint", "NativeDataDriver", "observed_worker"]
+__all__ = ["MonitorPoint", "NativeDataDriver", "SchedulerCalls", "observed_worker"]
 
 
 class MonitorPoint:
@@ -145,7 +144,7 @@ def observed_worker(
     return ObservedWorker
 
 
-class NativeDataDriver(DataRunMethods, NativeDriver):
+class NativeDataDriver(VllmDataRunDriver):
     """A vLLM connector's data runs (see the module docstring); keywords as :class:`~.data_driver.VllmDataDriver`'s.
 
     ``worker_config`` is refused: a vLLM connector has one config for both sides.
@@ -164,14 +163,17 @@ class NativeDataDriver(DataRunMethods, NativeDriver):
 
         if worker_config is not None:
             raise NotImplementedError("a vLLM connector's worker takes the connector's one config")
-        self._scrub_freed = scrub_freed
         self._scheduler_point, self._worker_point = MonitorPoint(), MonitorPoint()
         self.calls = SchedulerCalls(target.name, self._scheduler_point)
-        super().__init__(spec, target)
-        self.stats = EngineStats()
-        self._requests: dict[str, Any] = {}
-        self._loaded: dict[str, int] = {}
-        self.wrong_loads: list[LoadedBlock] = []
+        observer = NativeObserver(target, self.calls)
+        several_groups = len(spec.shape.kv_cache_groups) > 1
+        shape, scheduler, make_worker = native_engine(
+            spec,
+            observer,
+            lambda cls: observed_worker(cls, target.name, self._worker_point, self._owners if several_groups else None),
+        )
+        loop = observer.loop = ModelLoop(scheduler, scrub_freed=scrub_freed, make_worker=make_worker)
+        super().__init__(spec, shape, loop, observer)
         counted = ("update_state_after_alloc", "update_connector_output")
         self._scheduler_point.add_monitor(after=self._count, calls=counted)
         self.failures = watch_data_run(
@@ -180,13 +182,9 @@ class NativeDataDriver(DataRunMethods, NativeDriver):
             engine=f"vLLM {vllm.__version__} scheduler",
             block_size=self.block_size,
             hosts=(self._scheduler_point, self._worker_point),  # type: ignore[arg-type]
-            kv_caches=self.loop.kv_caches,
-            group_of_layer={layer: g for g, layers in enumerate(self.loop.group_layers) for layer in layers},
+            kv_caches=loop.kv_caches,
+            group_of_layer={layer: g for g, layers in enumerate(loop.group_layers) for layer in layers},
         )
-
-    def _worker_class(self, cls: type) -> type:
-        owners = self._owners if len(self.shape.kv_cache_groups) > 1 else None
-        return observed_worker(cls, self.calls.name, self._worker_point, owners)
 
     def _owners(self, blocks: set[int], req_ids: set[str]) -> set[str]:
         """The requests among ``req_ids`` whose tables hold any of ``blocks`` (where a failure was injected).
@@ -196,14 +194,11 @@ class NativeDataDriver(DataRunMethods, NativeDriver):
         manager = self.scheduler.kv_cache_manager
         return {r for r in req_ids if any(blocks & set(table) for table in manager.get_block_ids(r))}
 
-    def _make_loop(self, make_worker: Callable[[Any], Any]) -> Any:
-        return ModelLoop(self.scheduler, scrub_freed=self._scrub_freed, make_worker=make_worker)
-
     def _count(self, call: str, args: tuple[Any, ...], outcome: CallOutcome) -> None:
         """The stats the data checks read: prompt tokens the connector set out to load, blocks that failed."""
         if call == "update_state_after_alloc":
             request, _, plan = args
             if plan.num_tokens:
-                self._committed(request, plan)
+                self.committed(request, plan)
         else:
             self.stats.failed_load_blocks += len(args[0][self.calls.name].invalid_block_ids)

@@ -1,42 +1,82 @@
-"""What the conformance drivers over vLLM's scheduler share: requests in, tables and emptiness out.
+"""A conformance driver over vLLM's scheduler, composed of the engine and an observer of the connector.
 
-:class:`~.driver.VllmDriver` (kvconn plugins) and :class:`~.native.NativeDriver`
-(vLLM's own connectors) differ in what they observe; these are the
-:class:`~kvconn.testing.conformance.SchedulerDriver` methods that only talk to
-vLLM's ``Scheduler``.
+:class:`VllmSchedulerDriver` is the :class:`~kvconn.testing.conformance.SchedulerDriver` protocol over vLLM's
+``Scheduler`` and a :class:`~.harness.VllmLoop` (the worker side of each step): requests in, steps, tables and
+emptiness out. What it sees of the connector comes from a :class:`StepObserver`, of which there are two: the
+adapter's kvconn hosts, for a kvconn plugin (:class:`~.host_observer.HostObserver`), and the connector's class,
+for one of vLLM's own (:class:`~.native_observer.NativeObserver`). The data drivers add what the data checks
+read (:class:`~.data_run.VllmDataRunDriver`).
+
+Read by the four drivers (:mod:`.driver`, :mod:`.data_driver`, :mod:`.native_driver`, :mod:`.native_data`); a
+change to the protocol's side here changes all four.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from kvconn.block_state import BlockIds
-from kvconn.testing.conformance.driver import NO_KEYS, RequestKeys
+from kvconn.reference.shape import EngineShape
+from kvconn.testing.conformance.driver import NO_KEYS, DriverSpec, RequestKeys, StepRecord
 
-__all__ = ["Built", "VllmSchedulerMethods"]
+from .harness import VLLM_TEST_SHAPE, VllmLoop, check_ranks, make_request
+
+__all__ = ["Built", "StepObserver", "VllmSchedulerDriver", "vllm_shape"]
 
 #: What a driver's observed ``build_connector_meta`` saw: the step's output, the connector's metadata (as
 #: built), the requests the block state offered, and those it resolved.
 Built = tuple[Any, Any, frozenset[str], list[str]]
 
 
-class VllmSchedulerMethods:
-    """Driver methods over ``self.scheduler`` (vLLM's), sized ``block_size`` x ``num_blocks``."""
+def vllm_shape(shape: EngineShape) -> EngineShape:
+    """A scenario's ``shape`` on the tiny model's KV shape (``max_model_len``: its positions), if its ranks can
+    split the tiny model's heads."""
+    check_ranks(shape)
+    return shape.replace(
+        max_model_len=2048, num_kv_heads=VLLM_TEST_SHAPE.num_kv_heads, head_dim=VLLM_TEST_SHAPE.head_dim
+    )
 
-    scheduler: Any
-    block_size: int
-    num_blocks: int
-    _finished_calls: Counter[str]
-    loop: Any  # the harness's VllmLoop
-    #: what the observed build_connector_meta saw this step: (output, metadata, offered, resolved)
-    _built: Built | None
-    _withhold: frozenset[str]
+
+class StepObserver(Protocol):
+    """What a driver sees of the connector under test, and where it looks (see the module docstring)."""
+
+    #: what the observed ``build_connector_meta`` saw this step (``None`` until vLLM calls it)
+    built: Built | None
+
+    def begin_step(self, withhold: frozenset[str]) -> None:
+        """Before vLLM schedules a step: ``withhold`` is left out of the block state offered to the connector."""
+
+    def record(self, loop: VllmLoop, built: Built, preempted: set[str], tables: dict[str, BlockIds]) -> StepRecord:
+        """The step's record, from what was built, the requests preempted and the live tables at build time."""
+
+    def finished_calls(self) -> dict[str, int]:
+        """How many times the connector's ``request_finished`` ran, per request id."""
+
+    def num_tracked_requests(self, loop: VllmLoop) -> dict[str, int]:
+        """Per role, what the connector says it tracks."""
+
+    def assert_empty(self) -> None:
+        """Raise ``AssertionError`` naming what the connector still holds that the engine does not."""
+
+    def close(self, loop: VllmLoop) -> None:
+        """Shut the connector's two sides down."""
+
+
+class VllmSchedulerDriver:
+    """A :class:`~kvconn.testing.conformance.SchedulerDriver` over ``loop``'s vLLM scheduler, seen by ``observer``.
+
+    ``spec`` sizes the pool (``block_size`` x ``num_blocks``); ``shape`` is the one the scheduler was built with.
+    """
+
+    def __init__(self, spec: DriverSpec, shape: EngineShape, loop: VllmLoop, observer: StepObserver) -> None:
+        self.block_size, self.num_blocks = spec.shape.block_size, spec.shape.num_blocks
+        self.shape = shape
+        self.loop = loop
+        self.scheduler = loop.scheduler
+        self.observer = observer
 
     def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int, keys: RequestKeys = NO_KEYS) -> None:
-        from .harness import make_request
-
         self.scheduler.add_request(make_request(req_id, prompt, max_tokens, self.block_size, **keys._asdict()))
 
     def abort(self, req_id: str) -> None:
@@ -44,23 +84,22 @@ class VllmSchedulerMethods:
 
         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
 
+    def step(self, *, withhold: Collection[str] = ()) -> StepRecord:
+        """Run one step, withholding ``withhold`` from the block state; the observer records it."""
+        self.observer.built = None
+        self.observer.begin_step(frozenset(withhold))
+        preemptions = self._preemptions()
+        tables: dict[str, BlockIds] = {}
+        self.loop.step(inspect=lambda _: tables.update(self._tables()))
+        built = self.observer.built
+        assert built is not None, "vLLM did not call build_connector_meta"
+        return self.observer.record(self.loop, built, self._preempted(preemptions), tables)
+
     def _tables(self) -> dict[str, BlockIds]:
         """The live table of every request holding blocks."""
         manager = self.scheduler.kv_cache_manager
         tables = {r: manager.get_block_ids(r) for r in self.scheduler.requests}
         return {r: tuple(list(t) for t in table) for r, table in tables.items() if any(table)}
-
-    def _play_step(
-        self, withhold: Collection[str]
-    ) -> tuple[tuple[Any, Any, frozenset[str], list[str]], set[str], dict[str, BlockIds]]:
-        """Run one step, withholding ``withhold`` from the block state: what the connector's build saw, the
-        requests preempted while scheduling, and every live table at build time."""
-        self._withhold, self._built = frozenset(withhold), None
-        preemptions = self._preemptions()
-        tables: dict[str, BlockIds] = {}
-        self.loop.step(inspect=lambda _: tables.update(self._tables()))
-        assert self._built is not None, "vLLM did not call build_connector_meta"
-        return self._built, self._preempted(preemptions), tables
 
     def _preemptions(self) -> dict[str, int]:
         return {r: req.num_preemptions for r, req in self.scheduler.requests.items()}
@@ -77,10 +116,17 @@ class VllmSchedulerMethods:
         return bool(self.scheduler.has_requests())
 
     def finished_calls(self) -> dict[str, int]:
-        return dict(self._finished_calls)
+        return self.observer.finished_calls()
+
+    def num_tracked_requests(self) -> dict[str, int]:
+        return self.observer.num_tracked_requests(self.loop)
 
     def assert_empty(self) -> None:
         scheduler = self.scheduler
         assert not scheduler.requests, f"requests still held by vLLM: {sorted(scheduler.requests)}"
         free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         assert free == self.num_blocks - 1, f"{self.num_blocks - 1 - free} blocks not returned to vLLM's pool"
+        self.observer.assert_empty()
+
+    def close(self) -> None:
+        self.observer.close(self.loop)

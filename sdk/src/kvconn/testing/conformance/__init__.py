@@ -19,7 +19,7 @@ blocks, many requests sharing prefixes) run through an engine with errors
 raised (``on_error="raise"``). Each step records the connector's metadata, the
 live block tables, the offered requests and every call of the block state's
 resolver. What the metadata *acts on* is read from it: see
-:mod:`kvconn.testing.conformance.observe` for the optional
+:mod:`kvconn.testing.conformance.metadata_blocks` for the optional
 ``Metadata.block_ids_by_request()`` convention and the fallback walk.
 
 The driver protocol
@@ -52,7 +52,7 @@ The data checks (KV040-KV048) need a worker side and a model: they play data
 runs (:mod:`.runs`, phases of requests judged on their tokens) on
 the factory's ``data_driver`` (a :class:`~.driver.DataDriver`; the reference
 engine for a factory without one), with every freed block overwritten.
-Injected load failures (:mod:`.failures`) and a bound on connectors that keep
+Injected load failures (:mod:`.fault_injection`) and a bound on connectors that keep
 a request from finishing (:mod:`.convergence`) work at the hosts, in any engine.
 
 Each scenario and data run builds new connector instances; a
@@ -61,24 +61,33 @@ override of ``ConnectorConformance.config_factory``) gives each its own
 config, e.g. a fresh namespace for a store that outlives its instances.
 A check that depends on a failed check is skipped as ``"not run: ..."``:
 the root cause is reported once.
+
+Layout
+------
+Top to bottom, each module importing only those below it (the
+``kvconn.testing.conformance`` layers contract in ``pyproject.toml``):
+:mod:`.runner` (``run_conformance``); :mod:`.checks`; :mod:`.runs` (data runs)
+and :mod:`.trace_steps` (a trace read step by step); :mod:`.session` (one
+connector under test); :mod:`.driver_registry` (drivers by name);
+:mod:`.reference_driver` (the reference engine's driver); :mod:`.scenarios` and
+:mod:`.worker_process`; :mod:`.diagnose`; :mod:`.driver` (the protocol),
+:mod:`.loaded_kv` (what a load landed in the KV cache) and
+:mod:`.metadata_blocks` (what the metadata acts on); :mod:`.fault_injection`;
+:mod:`.convergence`; :mod:`.catalog` (the check registry), :mod:`.results` and
+:mod:`.waits` (the wall-clock bound on a run's waits).
+Read by: ``kvconn validate``, the pytest plugin, the adapters' drivers. Public:
+``__all__`` below. A new check updates ``docs/checks.md``; a new module takes
+its place in the contract.
 """
 
 from __future__ import annotations
 
 from . import checks as _checks  # noqa: F401  (registers every check)
 from .catalog import CAPABILITIES, Check, list_checks
-from .driver import (
-    DriverFactory,
-    DriverSpec,
-    ScenarioUnsupported,
-    SchedulerDriver,
-    StepRecord,
-    available_drivers,
-    get_driver,
-    register_driver,
-)
-from .observe import INTROSPECTION_METHOD
-from .reference import ReferenceDriver
+from .driver import DriverFactory, DriverSpec, ScenarioUnsupported, SchedulerDriver, StepRecord
+from .driver_registry import available_drivers, get_driver, register_driver
+from .metadata_blocks import INTROSPECTION_METHOD
+from .reference_driver import ReferenceDriver
 from .results import CheckResult, CheckSkipped, ConformanceFailure, ConnectorReport, Status
 from .runner import matches, run_conformance, run_session
 from .session import ConfigFactory, Session

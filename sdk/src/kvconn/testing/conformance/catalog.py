@@ -2,6 +2,11 @@
 
 Ids are stable once assigned (``KV0xx``); a check is never renumbered, a
 retired id is never reused. ``docs/checks.md`` documents every one.
+
+The registry is the bottom of the suite: the checks (:mod:`.checks`) register
+themselves with :func:`check` when imported, and this package's ``__init__``
+imports them, so every check is registered before anyone can read the list
+(importing any module of the package runs its ``__init__`` first).
 """
 
 from __future__ import annotations
@@ -9,10 +14,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .session import Session
+from typing import Any
 
 __all__ = ["CAPABILITIES", "IMPORTED", "SCHEDULER_CHECK", "Check", "check", "get_check", "list_checks"]
 
@@ -21,7 +23,8 @@ __all__ = ["CAPABILITIES", "IMPORTED", "SCHEDULER_CHECK", "Check", "check", "get
 #: ``StoreConnector`` (a store of its own).
 CAPABILITIES = frozenset({"scheduler", "worker", "saves", "loads", "store"})
 
-CheckFunction = Callable[["Session"], None]
+#: A check: called with the :class:`~.session.Session` (built on this registry, so typed loosely here).
+CheckFunction = Callable[[Any], None]
 
 #: ``after`` of every check that drives the connector: not run when it does not even import (KV002).
 IMPORTED = ("KV002",)
@@ -72,12 +75,9 @@ def check(
 
 def list_checks() -> list[Check]:
     """Every registered check, in id order."""
-    from . import checks  # noqa: F401  (registers the checks on first use)
-
     return sorted(_CHECKS.values(), key=lambda c: c.id)
 
 
 def get_check(check_id: str) -> Check:
     """The check registered as ``check_id`` (``KeyError`` if none)."""
-    list_checks()
     return _CHECKS[check_id]

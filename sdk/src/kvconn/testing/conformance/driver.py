@@ -3,7 +3,8 @@
 Scheduler-side checks never touch an engine directly. They play scripted
 scenarios through a :class:`SchedulerDriver` and analyse the
 :class:`StepRecord` each step returns, so another engine (vLLM's scheduler,
-say) is supported by registering one more driver, without touching a check.
+say) is supported by registering one more driver (:mod:`.driver_registry`), without touching a
+check.
 """
 
 from __future__ import annotations
@@ -11,13 +12,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any, NamedTuple, Protocol
 
 from ...block_state import BlockIds, KVConnectorBlockState
-from ...errors import ConnectorLoadError
 from ...host import ConnectorHost
-from ...install import install_project
 from ...metadata import KVConnectorMetadata
 from ...outputs import KVConnectorOutput, SchedulerOutput
 from ...reference.shape import EngineShape
@@ -25,21 +23,17 @@ from ...reference.stats import EngineStats
 
 __all__ = [
     "ScenarioUnsupported",
-    "DRIVER_ENTRY_POINT_GROUP",
     "DataDriver",
     "DriverFactory",
     "DriverSpec",
     "SchedulerDriver",
     "StepRecord",
-    "available_drivers",
     "HandedTable",
     "NO_KEYS",
     "RequestKeys",
     "freeze",
-    "get_driver",
     "mutated_tables",
     "observe_block_state",
-    "register_driver",
     "tracked_by_role",
 ]
 
@@ -161,7 +155,7 @@ class DataDriver(SchedulerDriver, Protocol):
     Built as ``factory.data_driver(spec, fail_loads=None, scrub_freed=False,
     worker_config=None)`` by a driver factory that has one (the reference
     driver's is :class:`~.reference.ReferenceDriver` itself): ``fail_loads``
-    injects failed loads (:mod:`.failures`), ``scrub_freed`` overwrites every
+    injects failed loads (:mod:`.fault_injection`), ``scrub_freed`` overwrites every
     block once it is freed, ``worker_config`` configures the worker side
     alone. Its model writes the reference model's KV and samples from the KV
     it reads, so its tokens are those of the reference engine with the same
@@ -255,58 +249,3 @@ def tracked_by_role(name: str, scheduler: ConnectorHost | None, worker: Connecto
 
 class ScenarioUnsupported(Exception):
     """Raised by a driver factory for a scenario its engine cannot run (checks using it are skipped)."""
-
-
-_DRIVERS: dict[str, DriverFactory] = {}
-
-
-#: Entry-point group through which a distribution ships a driver: ``vllm = "pkg.module:load"``, where
-#: ``load()`` returns the factory, or raises ``ConnectorLoadError`` when the driver cannot run here.
-DRIVER_ENTRY_POINT_GROUP = "kvconn.conformance_drivers"
-#: Drivers that kvconn's own distributions ship, and which one: named when the driver is missing.
-#: Drivers kvconn's own distributions ship: name -> (distribution, its directory in a kvconn checkout).
-_SHIPPED_BY = {"vllm": ("kvconn-vllm", "adapters/vllm")}
-
-
-def register_driver(name: str, factory: DriverFactory) -> None:
-    """Make ``run_conformance(..., driver=name)`` build drivers with ``factory``."""
-    _DRIVERS[name] = factory
-
-
-def available_drivers() -> list[str]:
-    """Registered drivers and those declared in the ``kvconn.conformance_drivers`` entry-point group."""
-    _register_builtin()
-    return sorted(set(_DRIVERS) | {ep.name for ep in entry_points(group=DRIVER_ENTRY_POINT_GROUP)})
-
-
-def get_driver(name: str) -> DriverFactory:
-    """The factory registered (or declared by entry point) as ``name``; ``LookupError`` otherwise."""
-    _register_builtin()
-    if name not in _DRIVERS:
-        for ep in entry_points(group=DRIVER_ENTRY_POINT_GROUP, name=name):
-            try:
-                _DRIVERS[name] = ep.load()()
-            except ConnectorLoadError as exc:
-                raise LookupError(str(exc)) from exc
-            except Exception as exc:
-                raise LookupError(
-                    f"conformance driver {name!r} ({ep.value}) failed to import: {type(exc).__name__}: {exc}"
-                ) from exc
-    try:
-        return _DRIVERS[name]
-    except KeyError:
-        fix = (
-            f"install {_SHIPPED_BY[name][0]}, which ships it: {install_project(_SHIPPED_BY[name][1])}"
-            if name in _SHIPPED_BY
-            else "register one with kvconn.testing.conformance.register_driver"
-        )
-        raise LookupError(
-            f"no conformance driver named {name!r} (available: {', '.join(available_drivers())}); {fix}"
-        ) from None
-
-
-def _register_builtin() -> None:
-    if "reference" not in _DRIVERS:
-        from .reference import ReferenceDriver
-
-        _DRIVERS["reference"] = ReferenceDriver

@@ -52,7 +52,7 @@ def run_conformance(
             (``"KV01*"``, ``"*fill*"``); every check when ``None``.
         on_result: called with each result as soon as it is known (progress).
         driver: the scheduler driver (``"reference"``, or one registered
-            with :func:`~.driver.register_driver`).
+            with :func:`~.driver_registry.register_driver`).
         config_factory: called with each scenario's and data run's name (and,
             when it takes a second argument, a directory of the run's own,
             removed when the run ends) for that run's config; ``None``: the

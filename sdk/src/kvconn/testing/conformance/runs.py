@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 from ...reference import Engine, EngineShape
 from .diagnose import Diagnosis, capture_warnings, diagnose_error, stall
 from .driver import NO_KEYS, DataDriver, DriverSpec, RequestKeys, ScenarioUnsupported, StepRecord
-from .failures import FailureMode
-from .reference import ReferenceDriver
+from .fault_injection import FailureMode
+from .reference_driver import ReferenceDriver
 from .results import ScenarioBroken
 from .scenarios import MAX_STEPS, TWO_GROUPS, prompt
 from .session import Session

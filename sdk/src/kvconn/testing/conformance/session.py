@@ -14,7 +14,8 @@ from ...errors import BlockStateSerializationError, ConnectorConfigError, Connec
 from ...host import BadHookAnswer
 from ...store import StoreConnector
 from .catalog import Check, get_check
-from .driver import DriverFactory, get_driver
+from .driver import DriverFactory
+from .driver_registry import get_driver
 from .results import NOT_RUN, CheckResult, CheckSkipped, ConformanceFailure, ScenarioBroken
 from .scenarios import STANDARD, Scenario, Trace, run_scenario
 

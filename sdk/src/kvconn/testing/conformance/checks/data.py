@@ -12,7 +12,7 @@ from typing import Any
 from ..catalog import IMPORTED, check
 from ..diagnose import RANK_KEY_FIX, Diagnosis, explain_wrong_kv, lost_saves, store_refusals, store_trouble
 from ..driver import ScenarioUnsupported
-from ..reference import ReferenceDriver
+from ..reference_driver import ReferenceDriver
 from ..results import CheckSkipped, ConformanceFailure, nothing_preempted
 from ..runs import (
     FAILED_LOAD,

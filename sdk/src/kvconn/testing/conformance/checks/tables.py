@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from ....hashing import hash_blocks
-from ..analysis import StepView, completing_a_block, live_ids, step_views
 from ..catalog import SCHEDULER_CHECK, check, get_check
 from ..diagnose import shifted_pairing, transfer_kind
 from ..driver import ScenarioUnsupported
-from ..observe import hashed_blocks
+from ..metadata_blocks import hashed_blocks
 from ..results import CheckSkipped, ConformanceFailure, nothing_preempted
 from ..runs import BLOCK_FILL_CONTROL, BLOCK_FILL_REUSE, DataResult, Run, all_runs, data_run
 from ..scenarios import BLOCK_FILL_CHUNK, OFFERED_ONLY, Trace
 from ..session import Session
+from ..trace_steps import StepView, completing_a_block, live_ids, step_views
 
 
 def _views(session: Session, trace: Trace) -> list[StepView]:

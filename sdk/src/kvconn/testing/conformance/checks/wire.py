@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ....host.wire import encode_metadata
 from ..catalog import SCHEDULER_CHECK, check
-from ..observe import non_plain_data
+from ..metadata_blocks import non_plain_data
 from ..results import ConformanceFailure, ScenarioBroken
 from ..scenarios import Arrival, Scenario, Trace, prompt
 from ..session import METADATA_FIX, Session

@@ -8,6 +8,11 @@ answer, which frame of the connector raised and in what situation.
 By what they read: a run that raised or stalled (:mod:`.errors`), loaded KV
 that is wrong (:mod:`.wrong_kv`), a store whose calls failed (:mod:`.store`);
 each returns a :class:`Diagnosis` (:mod:`.diagnosis`).
+
+Read by: the checks, the runs and the drivers (which pass what they observed).
+Public to the suite, not to authors: ``__all__`` below. Below the scenarios and
+the drivers in the ``kvconn.testing.conformance`` layers contract: a diagnosis
+reads a run's records, it never drives one.
 """
 
 from __future__ import annotations

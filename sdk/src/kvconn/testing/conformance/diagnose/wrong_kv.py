@@ -1,7 +1,7 @@
 """Loaded KV that is wrong: which save or load paired which block with which hash, and why.
 
 From the layers of the loaded blocks that hold the wrong bytes (what
-:func:`~..kv_audit.audit_load` found), the steps' metadata and the live
+:func:`~..loaded_kv.audit_load` found), the steps' metadata and the live
 tables: a block read after its free, a stale table kept across a preemption,
 an index off by some positions, a partial block, a failed load saved back, a
 store key that misses the layer, a KV-cache group never loaded.
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ..driver import StepRecord
-from ..kv_audit import LoadedBlock
-from ..observe import HashedBlock, hashed_blocks
+from ..loaded_kv import LoadedBlock
+from ..metadata_blocks import HashedBlock, hashed_blocks
 from .diagnosis import Diagnosis
 
 __all__ = ["RANK_KEY_FIX", "explain_wrong_kv", "shifted_pairing", "transfer_kind"]
@@ -76,7 +76,7 @@ def explain_wrong_kv(
     freed_at: Mapping[int, Sequence[int]],
 ) -> Diagnosis | None:
     """Why the loaded KV differs from the connector-less run's, from the layers of the loaded blocks that hold
-    the wrong bytes (:func:`~.kv_audit.audit_load`); ``None`` when every load landed the right KV.
+    the wrong bytes (:func:`~.loaded_kv.audit_load`); ``None`` when every load landed the right KV.
 
     ``groups``: each KV-cache group's layer names; ``records``, ``block_hashes`` (per request) and ``freed_at``
     (the steps each block was freed) say when a block read after its free was saved, and from which table.

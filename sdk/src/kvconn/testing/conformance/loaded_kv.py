@@ -15,7 +15,7 @@ from typing import Any
 
 from ...context import NULL_BLOCK_ID
 from ...reference.model import ReferenceModel, prefix_hashes
-from .failures import GARBAGE
+from .fault_injection import GARBAGE
 
 __all__ = ["FAILED_LOAD_GARBAGE", "FREED_BASE", "LoadedBlock", "audit_load", "freed_block", "freed_value"]
 
@@ -23,7 +23,7 @@ __all__ = ["FAILED_LOAD_GARBAGE", "FREED_BASE", "LoadedBlock", "audit_load", "fr
 #: outside the model's KV range ([-1, 1]) and apart from an injected failure's garbage.
 FREED_BASE = -8.0
 _IDS = 1024
-#: What an injected failed load leaves in a block (:data:`.failures.GARBAGE`).
+#: What an injected failed load leaves in a block (:data:`.fault_injection.GARBAGE`).
 FAILED_LOAD_GARBAGE = GARBAGE
 
 

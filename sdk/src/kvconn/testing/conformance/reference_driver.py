@@ -35,8 +35,8 @@ from .driver import (
     observe_block_state,
     tracked_by_role,
 )
-from .failures import FailureMode, watch_data_run
-from .kv_audit import LoadedBlock, audit_load, freed_value
+from .fault_injection import FailureMode, watch_data_run
+from .loaded_kv import LoadedBlock, audit_load, freed_value
 from .worker_process import WorkerProcess
 
 __all__ = ["ReferenceDriver"]
@@ -68,7 +68,7 @@ class ReferenceDriver:
     on the engine's hosts (:meth:`~kvconn.ConnectorHost.add_monitor`).
     Beyond the protocol it exposes what engine-level checks need: the tokens
     each request generated and the engine's stats. With ``fail_loads`` (a
-    :class:`~.failures.LoadFailures` mode) loads land garbage and are reported
+    :class:`~.fault_injection.LoadFailures` mode) loads land garbage and are reported
     failed to the engine, which must recover: ``"first"``, the connector's
     first load, in its last block; ``"persistent"``, every load of its first
     loaded block's content. A :class:`~.convergence.ConvergenceWatch` stops a
@@ -249,7 +249,7 @@ class ReferenceDriver:
         return found
 
     def _scrub(self, block_ids: list[int]) -> None:
-        """Fill each freed block with the pattern naming it (:func:`~.kv_audit.freed_value`)."""
+        """Fill each freed block with the pattern naming it (:func:`~.loaded_kv.freed_value`)."""
         torch = self.worker.model.torch
         values = torch.tensor([freed_value(b) for b in block_ids]).view(-1, 1, 1, 1, 1)
         for kv in (kv for worker in self.engine.workers for kv in worker.kv_caches.values()):

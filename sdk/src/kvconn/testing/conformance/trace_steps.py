@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from ...block_state import BlockIds
 from ...context import NULL_BLOCK_ID
 from ...outputs import SchedulerOutput
-from .observe import BlockRefs, block_refs
+from .metadata_blocks import BlockRefs, block_refs
 from .scenarios import Trace
 
 __all__ = ["StepView", "completing_a_block", "live_ids", "step_views"]
