@@ -3,9 +3,9 @@
 #   1. correctness against CUDA KV caches: pinned pool, copies on a side stream ordered after compute by events,
 #      no device block overwritten while a store still reads it, and the reference engine's outputs unchanged
 #      (the CUDA tests of plugins/offload; they skip without CUDA, so here a skip is a failure);
-#   2. benchmarks/offload_bandwidth.py --device cuda: the worker hooks' pinned D2H (save) / H2D (load) bandwidth
+#   2. benchmarks/suite/offload_bandwidth.py --device cuda: the worker hooks' pinned D2H (save) / H2D (load) bandwidth
 #      against torch's own pinned copy_ of the same bytes, side by side (target >= 0.9);
-#   3. benchmarks/vllm_e2e.py --device cuda: time to first token on evicted turns in a full vLLM engine on the GPU,
+#   3. benchmarks/suite/vllm_e2e.py --device cuda: time to first token on evicted turns in a full vLLM engine on the GPU,
 #      no connector / fit / offload / ExampleConnector side by side, the physical limit a pinned host-to-GPU copy.
 #      Needs a CUDA build of vLLM: KVCONN_VLLM_PYTHON names its interpreter; without it this part is skipped
 #      (said, not failed: parts 1 and 2 need only torch).
@@ -38,13 +38,13 @@ if grep -q "SKIPPED" "$OUT/correctness.txt"; then
   exit 1
 fi
 echo "== 2/4 pinned bandwidth of the worker hooks vs torch's pinned copy_"
-timeout 150 "$PYTHON" benchmarks/offload_bandwidth.py --device cuda --json "$OUT/offload_bandwidth_cuda.json" \
+timeout 150 "$PYTHON" benchmarks/suite/offload_bandwidth.py --device cuda --json "$OUT/offload_bandwidth_cuda.json" \
   | tee "$OUT/offload_bandwidth_cuda.txt"
 echo "== 3/4 vLLM end to end on the GPU"
 if [ -z "${KVCONN_VLLM_PYTHON:-}" ]; then
   echo "gpu-check: part 3 skipped: KVCONN_VLLM_PYTHON names no interpreter with a CUDA build of vLLM"
 else
-  timeout 600 "$PYTHON" benchmarks/vllm_e2e.py --device cuda --python "$KVCONN_VLLM_PYTHON" \
+  timeout 600 "$PYTHON" benchmarks/suite/vllm_e2e.py --device cuda --python "$KVCONN_VLLM_PYTHON" \
     --configs none,fit,bare,offload,example --json "$OUT/vllm_e2e_cuda.json" | tee "$OUT/vllm_e2e_cuda.txt"
 fi
 echo "== 4/4 SGLang on the GPU: HiCache with kvconn's storage tier (Redis) against HiCache without L3"

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if p.name != "benchlib.py")
+#: The suite ``kvconn bench`` runs and the studies (their shared ``benchlib`` is no script).
+SCRIPTS = sorted([*BENCHMARKS.glob("suite/*.py"), *BENCHMARKS.glob("studies/*.py")], key=lambda p: p.name)
 #: Exit status of a benchmark that cannot run on this machine (it says why on stderr), e.g. Mooncake without root.
 CANNOT_RUN = 2
 
@@ -48,7 +49,7 @@ def test_benchmark_runs_quick_with_finite_figures(script: Path, tmp_path: Path) 
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=BENCHMARKS,
+        cwd=script.parent,
     )
     if proc.returncode == CANNOT_RUN and "cannot run" in proc.stderr:
         pytest.skip(proc.stderr.strip())

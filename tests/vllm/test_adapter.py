@@ -562,7 +562,7 @@ def test_the_vllm_step_benchmarks_run(tmp_path: Any, script: list[str]) -> None:
     repo = Path(__file__).resolve().parents[2]
     if len(script) > 1 and not (repo / ".git").exists():
         pytest.skip("vllm_step_before_after.py reads the earlier tree from git, and this is not a git checkout")
-    benchmarks = repo / "benchmarks"
+    benchmarks = repo / "benchmarks" / "studies"
     out = tmp_path / "result.json"
     proc = subprocess.run(
         [sys.executable, *script, "--quick", "--json", str(out)],

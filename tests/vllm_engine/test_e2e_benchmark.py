@@ -70,7 +70,7 @@ def test_multiprocess_runs_bind_the_model_to_the_same_cores_with_a_connector_or_
     from vllm.config import KVTransferConfig
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks" / "suite"))
     for key, value in importlib.import_module("vllm_e2e").child_env(multiprocess=True).items():
         monkeypatch.setenv(key, value)
 
@@ -86,7 +86,7 @@ def test_multiprocess_runs_bind_the_model_to_the_same_cores_with_a_connector_or_
 def test_offload_hit_while_decoding_quick(tmp_path: Path) -> None:
     """On host KV caches offload's default loads a hit in the step that computes it; ``load_async: true`` waits one."""
     out = tmp_path / "hit.json"
-    script = REPO / "benchmarks" / "offload_hit_while_decoding.py"
+    script = REPO / "benchmarks" / "studies" / "offload_hit_while_decoding.py"
     proc = subprocess.run([sys.executable, str(script), "--quick", "--json", str(out)], capture_output=True,
                           text=True, timeout=900, cwd=script.parent)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]

@@ -1,4 +1,4 @@
-"""Interleaved rounds: the one timer of ``kvconn simulate`` and the benchmark scripts (``benchmarks/benchlib.py``).
+"""Interleaved rounds: the one timer of ``kvconn simulate`` and the benchmark scripts (``benchmarks/benchlib/``).
 
 Both compare several things on a shared, noisy machine, so both time them
 the same way: in rounds, every thing in turn within a round (the order

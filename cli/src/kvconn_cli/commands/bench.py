@@ -1,7 +1,8 @@
-"""``kvconn bench NAME``: run one of the repository's benchmark scripts (``benchmarks/*.py``).
+"""``kvconn bench NAME``: run one of the repository's benchmark scripts (``benchmarks/suite/*.py``).
 
-Each name maps to a script; the script prints its table and targets, and
-writes JSON with ``--json FILE``. Options after NAME that ``kvconn bench``
+Each name maps to a script of the suite (``benchmarks/studies/`` holds the
+one-off measurements, run by path); the script prints its table and targets,
+and writes JSON with ``--json FILE``. Options after NAME that ``kvconn bench``
 does not know are passed to the script. The scripts live in the source
 checkout, not in the installed package: they are found in ``--dir``,
 ``$KVCONN_BENCHMARKS``, ``./benchmarks`` or the checkout this CLI is installed
@@ -20,18 +21,18 @@ import typer
 
 __all__ = ["BENCHMARKS", "bench", "find_benchmarks_dir", "register"]
 
-#: Benchmark name -> script in the benchmarks directory.
+#: Benchmark name -> script, relative to the benchmarks directory.
 BENCHMARKS = {
-    "block-state": "block_state.py",
-    "wire": "wire.py",
-    "host-dispatch": "host_dispatch.py",
-    "scheduler-scaling": "scheduler_scaling.py",
-    "startup": "startup.py",
-    "connector-scaling": "connector_scaling.py",
-    "offload": "offload_bandwidth.py",
-    "mooncake": "mooncake_throughput.py",
-    "vllm-e2e": "vllm_e2e.py",
-    "sglang": "sglang_tier.py",
+    "block-state": "suite/block_state.py",
+    "wire": "suite/wire.py",
+    "host-dispatch": "suite/host_dispatch.py",
+    "scheduler-scaling": "suite/scheduler_scaling.py",
+    "startup": "suite/startup.py",
+    "connector-scaling": "suite/connector_scaling.py",
+    "offload": "suite/offload_bandwidth.py",
+    "mooncake": "suite/mooncake_throughput.py",
+    "vllm-e2e": "suite/vllm_e2e.py",
+    "sglang": "suite/sglang_tier.py",
 }
 
 
@@ -45,7 +46,7 @@ def find_benchmarks_dir(explicit: Path | None) -> Path:
             candidates.append(Path(os.environ["KVCONN_BENCHMARKS"]))
         candidates += [Path.cwd() / "benchmarks", Path(__file__).resolve().parents[4] / "benchmarks"]
     for candidate in candidates:
-        if (candidate / "benchlib.py").is_file():
+        if (candidate / "benchlib" / "__init__.py").is_file():
             return candidate
     raise UsageError(
         f"no benchmark scripts found (looked in {', '.join(str(c) for c in candidates)}); "

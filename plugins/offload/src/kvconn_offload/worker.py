@@ -21,7 +21,7 @@ On CPU every copy is synchronous, and a step's saves run together in
 ``wait_for_save``, not between two layers' compute: right after a layer's
 matrix products, the first copy out of the KV cache ran 4-5x slower than the
 same copy made after another copy (a 2-block save: 130 us a layer inside vLLM,
-against 30 us for the same copies back to back; benchmarks/RESULTS.md,
+against 30 us for the same copies back to back; benchmarks/history/2026-log.md,
 "Offload's CPU saves at the end of the step"). Nothing is lost by waiting: a
 CPU copy overlaps no compute, and a forward writes each layer's blocks once, so
 the rows a save reads are the same at the step's end. On CUDA copies run

@@ -22,7 +22,7 @@ Two comparisons, each interleaved round by round in one process:
   CPU time (which a loaded machine's preemptions do not inflate). Target: the
   in-process store connector within 1.2x of the raw-hook connector's.
 
-Usage: ``python benchmarks/store_overhead.py [--blocks N] [--layers L] [--rounds R] [--engine-rounds R]
+Usage: ``python benchmarks/studies/store_overhead.py [--blocks N] [--layers L] [--rounds R] [--engine-rounds R]
 [--engine-only] [--quick] [--json FILE]``.
 """
 
@@ -39,9 +39,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from benchlib import Bench, arg_parser, redis_server
-
-CANNOT_RUN = 2
+from benchlib import CANNOT_RUN, Bench, arg_parser, redis_server
 
 
 def _timed(fn: Callable[[], object]) -> float:

@@ -18,11 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchlib import Bench, arg_parser
-
-#: Where each distribution of a checkout keeps its sources.
-SOURCES = ("sdk/src", "cli/src", "adapters/vllm/src", "plugins/dummy/src", "plugins/offload/src",
-           "plugins/mooncake/src", "plugins/redis/src")  # fmt: skip
+from benchlib import SOURCES, Bench, arg_parser
 
 
 def _validate(python: str, args: list[str], checkout: Path | None) -> float:

@@ -20,7 +20,7 @@ each alike); a ratio is the median over rounds of reference time / hook time
 in the same round. The loaded KV is checked bit-exact against what was
 saved.
 
-    python benchmarks/offload_bandwidth.py [--device cuda] [--layers 8] [--threads 1] [--json out.json] [--quick]
+    python benchmarks/suite/offload_bandwidth.py [--device cuda] [--layers 8] [--threads 1] [--json out.json] [--quick]
 """
 
 from __future__ import annotations

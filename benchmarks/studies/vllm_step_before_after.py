@@ -6,12 +6,12 @@ the next. So this script imports the earlier tree's ``kvconn`` and
 ``kvconn_vllm`` under other names (``kvconn_before``, ``kvconn_vllm_before``:
 their sources from ``git archive REV``, with their absolute imports renamed)
 and meters both adapters and the bare vLLM connector in the same interleaved
-rounds (:func:`vllm_step_overhead.metered_rounds`), each adapter hosting a
-no-op connector written against its own tree. It prints, per step, the time
+rounds (:func:`benchlib.vllm_step.metered_rounds`), each adapter hosting the
+no-op connector (:mod:`benchlib.connectors`) against its own tree. It prints, per step, the time
 inside each one's calls, the difference, and where each microsecond went.
 Runs in the vLLM venv, from a git checkout::
 
-    cd benchmarks && ../.venv-vllm/bin/python vllm_step_before_after.py fc7f3aa
+    .venv-vllm/bin/python benchmarks/studies/vllm_step_before_after.py fc7f3aa
 
 Without a revision it compares the working tree with ``HEAD`` (what an uncommitted change does).
 """
@@ -28,8 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import Bench, arg_parser, bare_connector_class, round_times
-from vllm_step_overhead import Load, Meter, hosted, metered_rounds, step_function
+from benchlib import CANNOT_RUN, REPO, Bench, arg_parser, round_times
+from benchlib import connectors as this_tree
+from benchlib.connectors import bare_connector_class
+from benchlib.vllm_step import NOOP, Load, Meter, hosted, metered_rounds, step_function
 
 from kvconn_vllm.testing.harness import prepare_environment, vllm_import_error
 
@@ -38,37 +40,26 @@ __all__ = ["difference", "import_tree", "main"]
 #: The packages taken from the earlier tree: their source folder, and the name they are imported under.
 PACKAGES = {"kvconn": "sdk/src/kvconn", "kvconn_vllm": "adapters/vllm/src/kvconn_vllm"}
 _IMPORT = re.compile(r"\b(from|import) (kvconn|kvconn_vllm)\b(?=[.\s])")
-#: This tree's no-op connector, as its adapter loads it (by module path: the benchmarks folder is on the path).
-NOOP = "vllm_step_overhead:NoOpConnector"
-#: What the earlier tree's adapter hosts instead: the no-op connector against its own ``kvconn``.
+#: What the earlier tree's adapter hosts instead of :data:`NOOP`: the same connector against its own ``kvconn``.
 BEFORE_CONFIG = {"kvconn_connector": "noop_before:NoOpConnector"}
-
-NOOP_BEFORE = """
-import kvconn_before
-
-
-class NoOpConnector(kvconn_before.KVConnector):
-    def build_connector_meta(self, scheduler_output, block_state):
-        return kvconn_before.KVConnectorMetadata()
-"""
 
 
 def import_tree(rev: str, into: Path) -> type:
     """The adapter class of tree ``rev``, with its ``kvconn`` as ``kvconn_before`` (``into``: a scratch folder).
 
-    Also writes ``noop_before.NoOpConnector`` there, the no-op connector against that tree's ``kvconn``.
+    Also writes ``noop_before.py`` there: :mod:`benchlib.connectors` against that tree's ``kvconn``.
     """
-    repo = Path(__file__).resolve().parents[1]
     archive = subprocess.run(
-        ["git", "-C", str(repo), "archive", rev, *PACKAGES.values()], capture_output=True, check=True
+        ["git", "-C", str(REPO), "archive", rev, *PACKAGES.values()], capture_output=True, check=True
     ).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(into / "tree", filter="data")
     for name, folder in PACKAGES.items():
         (into / "tree" / folder).rename(into / f"{name}_before")
-    for source in into.glob("*_before/**/*.py"):
-        source.write_text(_IMPORT.sub(r"\1 \2_before", source.read_text()))
-    (into / "noop_before.py").write_text(NOOP_BEFORE)
+    sources = {source: source.read_text() for source in into.glob("*_before/**/*.py")}
+    sources[into / "noop_before.py"] = Path(this_tree.__file__).read_text()
+    for source, text in sources.items():
+        source.write_text(_IMPORT.sub(r"\1 \2_before", text))
     sys.path.insert(0, str(into))
     from kvconn_vllm_before.connector import KVConnVllmConnector  # type: ignore[import-not-found]
 
@@ -90,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare_environment()
     if error := vllm_import_error():
         print(f"cannot run: vLLM is not installed here ({error}); use .venv-vllm/bin/python", file=sys.stderr)
-        return 2
+        return CANNOT_RUN
     sizes, rounds = ((8, 16), 3) if args.quick else ((64, 256), 31)
     clock = time.thread_time if args.cpu else time.perf_counter
     bench = Bench(
@@ -107,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"cannot run: git cannot give the tree {args.rev!r} ({why}); run it in a git checkout", file=sys.stderr
             )
-            return 2
+            return CANNOT_RUN
         bare = bare_connector_class()
         for running in sizes:
             meters = {who: Meter(clock) for who in ("bare", "before", "after")}

@@ -15,7 +15,7 @@ often cut by another process's time slice, so the ratio of each side's fastest
 round is shown beside it ("best": the cost of the work itself, undisturbed).
 
 Needs SGLang (``.venv-sglang``): ``kvconn bench sglang`` from that venv.
-Usage: ``python benchmarks/sglang_tier.py [--pages N] [--rounds R] [--breakdown] [--quick] [--json FILE]``.
+Usage: ``python benchmarks/suite/sglang_tier.py [--pages N] [--rounds R] [--breakdown] [--quick] [--json FILE]``.
 """
 
 from __future__ import annotations

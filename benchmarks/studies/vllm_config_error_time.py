@@ -6,7 +6,7 @@ its log as it comes: when kvconn's error first appears, when the weights
 loaded, when the server exited, the tracebacks, and where in the adapter the
 error was raised. ``--baseline DIR`` runs another checkout's sources instead
 (``PYTHONPATH`` first, the same interpreter), for a before/after. Run it with
-the vLLM CPU venv: ``.venv-vllm-cpu/bin/python benchmarks/vllm_config_error_time.py``.
+the vLLM CPU venv: ``.venv-vllm-cpu/bin/python benchmarks/studies/vllm_config_error_time.py``.
 """
 
 from __future__ import annotations
@@ -21,12 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import arg_parser
-from validate_wall_time import SOURCES
+from benchlib import CANNOT_RUN, REPO, SOURCES, arg_parser
 
-ROOT = Path(__file__).resolve().parent.parent
-#: Exit status when this machine cannot run it (it says why on stderr), as every benchmark here.
-CANNOT_RUN = 2
 MESSAGE = "no connector named 'ofload' is installed"
 
 
@@ -40,11 +36,11 @@ def main() -> int:
         why = f"{sys.executable} has no vllm-cpu engine (no {', '.join(missing)})"
         print(f"cannot run: {why}; run with .venv-vllm-cpu/bin/python", file=sys.stderr)
         return CANNOT_RUN
-    sys.path.insert(0, str(ROOT / "examples"))
+    sys.path.insert(0, str(REPO / "examples"))
     import vllm_serve
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    checkout = args.baseline or ROOT
+    checkout = args.baseline or REPO
     env["PYTHONPATH"] = os.pathsep.join(str(checkout / s) for s in SOURCES)
     with tempfile.TemporaryDirectory() as model_dir:
         argv = vllm_serve.serve_command(vllm_serve.tiny_chat_model(model_dir), port=args.port, connector="ofload")

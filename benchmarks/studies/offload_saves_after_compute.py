@@ -1,7 +1,7 @@
 """Offload's CPU saves between layers' compute, against the same saves at the end of the step (what it does now).
 
 Inside vLLM on CPU, a save made right after a layer's compute ran 4-5x slower
-than the same copy made in isolation (benchmarks/RESULTS.md, "Offload's CPU
+than the same copy made in isolation (benchmarks/history/2026-log.md, "Offload's CPU
 saves at the end of the step"): the first copy right after a layer's matrix
 products is the slow one, whatever reads or writes memory before it. This
 drives one step the way an engine does: ``layers`` layers, each a matrix
@@ -19,7 +19,7 @@ and times only the saves (the hooks' time), in interleaved rounds, for an
 evicted turn's new blocks (2 per layer) and a longer prefill's (16). The
 saved blocks are checked bit-exact against the KV caches.
 
-    python benchmarks/offload_saves_after_compute.py [--json out.json] [--quick]
+    python benchmarks/studies/offload_saves_after_compute.py [--json out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 from benchlib import Bench, parse_args
-from offload_first_save import BLOCK_SHAPE
+from benchlib.vllm_engine import FULL_BLOCK_SHAPE as BLOCK_SHAPE
 
 from kvconn import ConnectorContext, KVCacheGroupSpec, load_connector
 from kvconn_offload import BlockCopier, BlockTransfer, CopyPlan, OffloadMetadata, wide_rows

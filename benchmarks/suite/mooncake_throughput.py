@@ -30,14 +30,13 @@ and the client's threads go cold). ``--first-touch`` keeps every round's values,
 so each put lands in pages of the segment that were never written, as an engine's
 puts do until its segment has filled once; with ``--cold`` too, the connector does
 not fault its segment in at connect time (``warm_segment: false``), so those puts pay
-the page faults. Usage: ``python benchmarks/mooncake_throughput.py [--blocks N]
+the page faults. Usage: ``python benchmarks/suite/mooncake_throughput.py [--blocks N]
 [--layers L] [--rounds R] [--gap-ms MS] [--first-touch] [--cold] [--quick] [--json FILE]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
@@ -49,16 +48,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _harness() -> Any:
-    spec = importlib.util.spec_from_file_location("mooncake_netns", ROOT / "plugins/mooncake/tests/mooncake_netns.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["mooncake_netns"] = module
-    spec.loader.exec_module(module)
-    return module
+from benchlib import CANNOT_RUN, mooncake_netns
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -212,11 +202,11 @@ def main() -> int:
     if args.inner:
         print("RESULT " + json.dumps(inner(args)))
         return 0
-    h = _harness()
+    h = mooncake_netns()
     reason = h.netns_unavailable_reason() or h.mooncake_unavailable_reason(sys.executable)
     if reason:
         print(f"cannot run the Mooncake benchmark here: {reason}", file=sys.stderr)
-        return 2
+        return CANNOT_RUN
     argv = [f"--blocks={args.blocks}", f"--layers={args.layers}", f"--rounds={args.rounds}", f"--gap-ms={args.gap_ms}",
             f"--segment-mib={args.segment_mib}", *["--first-touch"] * args.first_touch,
             *["--cold"] * args.cold, "--inner"]  # fmt: skip

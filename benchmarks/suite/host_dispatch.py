@@ -15,70 +15,22 @@ from __future__ import annotations
 
 import sys
 from functools import partial
-from typing import Any
 
 from benchlib import Bench, median_times, parse_args
-from scheduler_scaling import decode_scheduler, decode_step_seconds
+from benchlib.connectors import EveryHookConnector
+from benchlib.scheduler import decode_scheduler, decode_step_seconds
 
 from kvconn import (
     CachedRequestData,
     ConnectorHost,
     KVConnectorBlockState,
-    KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorRole,
     SchedulerOutput,
-    hookimpl,
 )
 from kvconn.testing import create_requests
 
-__all__ = ["NoopConnector", "main"]
-
-
-class NoopConnector:
-    """Implements every per-step hook and does nothing in it."""
-
-    Metadata = KVConnectorMetadata
-
-    @hookimpl
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        return 0, False
-
-    @hookimpl
-    def update_state_after_alloc(self, request: Any, block_ids: Any, num_external_tokens: int) -> None:
-        return None
-
-    @hookimpl
-    def build_connector_meta(self, scheduler_output: Any, block_state: Any) -> KVConnectorMetadata:
-        return KVConnectorMetadata()
-
-    @hookimpl
-    def request_finished(self, request: Any, block_ids: Any) -> bool:
-        return False
-
-    @hookimpl
-    def update_connector_output(self, connector_output: Any) -> None:
-        return None
-
-    @hookimpl
-    def start_load_kv(self, metadata: Any) -> None:
-        return None
-
-    @hookimpl
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
-
-    @hookimpl
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, metadata: Any) -> None:
-        return None
-
-    @hookimpl
-    def wait_for_save(self) -> None:
-        return None
-
-    @hookimpl
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, None]:
-        return None, None
+__all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         worker.wait_for_save()
         sched.update_connector_output(worker.get_finished(set()))
 
-    def direct(connectors: list[NoopConnector]) -> None:
+    def direct(connectors: list[EveryHookConnector]) -> None:
         for r in arrivals:
             for c in connectors:
                 c.get_num_new_matched_tokens(r, 0)
@@ -136,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     worst = 0.0
     for n in (1, 2, 4):
-        connectors = [NoopConnector() for _ in range(n)]
+        connectors = [EveryHookConnector() for _ in range(n)]
         hosts = [
             ConnectorHost([(f"c{i}", c) for i, c in enumerate(connectors)], role=role)
             for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)

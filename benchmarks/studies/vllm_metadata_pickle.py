@@ -1,7 +1,7 @@
 """The adapter's per-step metadata through pickle (vLLM's ``MessageQueue``), against forms that might pickle cheaper.
 
 Issue 27 item 3: in a vLLM step the metadata's pickle round trip costs 7-11 µs of kvconn's ~40 µs at 64
-running requests (benchmarks/RESULTS.md). What a cheaper form could save, measured warm and side by side
+running requests (benchmarks/history/2026-log.md). What a cheaper form could save, measured warm and side by side
 (:func:`benchlib.round_times`), for the metadata of a step with no load in flight (one connector's
 encoded metadata, no loads, no failed loads, nothing dropped):
 
@@ -17,7 +17,7 @@ encoded metadata, no loads, no failed loads, nothing dropped):
   difference between the forms' modules shows).
 
 Per form: construction, ``dumps``, ``loads`` and the round trip, µs. Runs in the vLLM venv
-(``.venv-vllm/bin/python benchmarks/vllm_metadata_pickle.py``).
+(``.venv-vllm/bin/python benchmarks/studies/vllm_metadata_pickle.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from benchlib import Bench, parse_args, round_times
+from benchlib import CANNOT_RUN, Bench, parse_args, round_times
 
 __all__ = ["forms", "main"]
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         import vllm  # noqa: F401
     except ImportError as exc:
         print(f"cannot run: vLLM is not installed here ({exc}); use .venv-vllm/bin/python", file=sys.stderr)
-        return 2
+        return CANNOT_RUN
     protocol = pickle.HIGHEST_PROTOCOL
     table = forms()
     fns: list[Callable[[], Any]] = []
