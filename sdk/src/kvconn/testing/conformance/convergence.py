@@ -12,8 +12,9 @@ a block failed and the connector claimed that block again
 (:func:`~.waits.wait_seconds`), instead of letting a data run spin to its step
 limit. Twice: in a scenario, whose own stall check (a bound's worth of idle
 steps) names the answer that started the wait, that check must come first on
-any machine, and a load in flight starts no later than the idle steps it causes. Both bounds, because an idle step takes microseconds: a store behind a
-socket on a loaded machine may need far more than :data:`LOAD_STEPS` of them
+any machine, and a load in flight starts no later than the idle steps it causes.
+Steps and seconds both, because an idle step takes microseconds: a store behind
+a socket on a loaded machine may need far more than :data:`LOAD_STEPS` of them
 to finish a load that is merely slow.
 (Frees never reported are bounded by the host's ``stall_steps``.)
 """
