@@ -21,6 +21,7 @@ checks that read them all.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -100,6 +101,9 @@ class DataRun:
     #: from this phase on, requests run on another engine instance (new scheduler and worker, same config,
     #: so the same store where the store outlives an instance): it never saw what the first instance did
     elsewhere_from: int | None = None
+    #: seconds between one phase's end and the next phase's arrivals: time for saves a connector writes in the
+    #: background to land (a lookup may count only what has landed), where a check compares what was loaded
+    settle_s: float = 0.0
 
 
 def _reuse(
@@ -264,7 +268,7 @@ class _Player:
 def _play(case: DataRun, run: _Player, generated: Callable[[str], list[int]], block_size: int) -> dict[str, list[int]]:
     """Every phase of ``case`` through ``run``, each to completion; returns each request's generated tokens."""
     prompts: dict[str, tuple[int, ...]] = {}
-    for phase in case.phases:
+    for number, phase in enumerate(case.phases, 1):
         for index, req in enumerate(phase):
             tokens = req.prompt
             if isinstance(tokens, Follow):
@@ -275,6 +279,8 @@ def _play(case: DataRun, run: _Player, generated: Callable[[str], list[int]], bl
             prompts[req.req_id] = tokens
             run.add(req, tokens)
         run.finish()
+        if case.settle_s and number < len(case.phases):
+            time.sleep(case.settle_s)
     return {req_id: generated(req_id) for req_id in prompts}
 
 
