@@ -39,6 +39,7 @@ from .waits import IdleSteps
 __all__ = [
     "BLOCK_FILL_CONTROL",
     "BLOCK_FILL_REUSE",
+    "BLOCK_FILL_SETTLED",
     "FAILED_LOAD",
     "FAILED_LOAD_ELSEWHERE",
     "FAILURE_SHARED_BLOCKS",
@@ -222,12 +223,19 @@ def _isolation() -> DataRun:
 #: ``a``'s 48-token prompt under a 40-token budget: its second chunk fills its third block and allocates none (as
 #: the block-fill-chunk scenario), and ``a`` ends there (one token), so no later step gives a connector that acts only
 #: on new blocks a second chance; ``b`` shares its three full blocks, every one of which it must be able to load.
-BLOCK_FILL_REUSE = DataRun(
-    "block-fill-reuse",
-    {"max_num_batched_tokens": 40},
-    ((Req("a", prompt(48, 61), 1),), (Req("b", Follow("a", 3, 5), 3),)),
-    61,
-)
+def _block_fill_reuse(name: str, seed: int) -> DataRun:
+    return DataRun(
+        name,
+        {"max_num_batched_tokens": 40},
+        ((Req("a", prompt(48, seed), 1),), (Req("b", Follow("a", 3, 5), 3),)),
+        seed,
+    )
+
+
+BLOCK_FILL_REUSE = _block_fill_reuse("block-fill-reuse", 61)
+#: The same again with prompts of its own (a store that outlives a run holds the first one's blocks, 'b''s third
+#: included), for ``b`` to arrive a while after ``a`` ends (``settle_s``, set by the check that runs it).
+BLOCK_FILL_SETTLED = _block_fill_reuse("block-fill-reuse-settled", 63)
 #: The same sharing with nothing special about any step: ``a``'s prompt computes in one step that allocates its three
 #: blocks. What a connector claims here is what it claims when no block filled on a step that allocated none.
 BLOCK_FILL_CONTROL = DataRun(

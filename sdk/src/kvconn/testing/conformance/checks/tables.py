@@ -10,7 +10,7 @@ from ..diagnose import shifted_pairing, transfer_kind
 from ..driver import ScenarioUnsupported
 from ..metadata_blocks import hashed_blocks
 from ..results import CheckSkipped, ConformanceFailure, nothing_preempted
-from ..runs import BLOCK_FILL_CONTROL, BLOCK_FILL_REUSE, DataResult, Run, all_runs, data_run
+from ..runs import BLOCK_FILL_CONTROL, BLOCK_FILL_REUSE, BLOCK_FILL_SETTLED, DataResult, Run, all_runs, data_run
 from ..scenarios import BLOCK_FILL_CHUNK, OFFERED_ONLY, Trace
 from ..session import Session
 from ..trace_steps import StepView, completing_a_block, live_ids, step_views
@@ -112,8 +112,7 @@ def _block_fill_lands(session: Session) -> bool:
     except ScenarioUnsupported:
         return False
     if claimed < control:  # perhaps a background save not landed yet when 'b' looked: once more, 'b' later
-        settled = replace(BLOCK_FILL_REUSE, name=f"{BLOCK_FILL_REUSE.name}-settled", settle_s=wait_seconds() / 2)
-        claimed = _claimed(data_run(session, settled))
+        claimed = _claimed(data_run(session, replace(BLOCK_FILL_SETTLED, settle_s=wait_seconds() / 2)))
     if claimed < control:
         raise ConformanceFailure(
             f"in the {BLOCK_FILL_REUSE.name!r} data run, 'a' ({BLOCK_FILL_CHUNK.description}) finished with 3 full "
