@@ -259,6 +259,6 @@ def test_a_misspelt_connector_name_stops_the_engine_core_before_any_worker_build
     message = "no connector named 'ofload' is installed"
     raised = [line for line in log.splitlines() if f"ConnectorNotFoundError: {message}" in line]
     assert raised and not any(line.startswith("(Worker") for line in raised)
-    adapter_frames = set(re.findall(r'kvconn_vllm/connector.py", line \d+, in (\w+)', log))
+    adapter_frames = set(re.findall(r'kvconn_vllm/(?:connector|config).py", line \d+, in (\w+)', log))
     assert adapter_frames == {"get_required_kvcache_layout", "check_extra_config"}  # never a connector's __init__
     print(f"misspelt name: the server exited after {seconds:.1f} s; kvconn's error was raised {len(raised)} times")
