@@ -52,7 +52,9 @@ __all__ = [
     "MID_BLOCK_CHUNKS",
     "PERSISTENT_FAILURE",
     "PERSISTENT_FAILURE_TWO_GROUPS",
+    "PREEMPTED_PREFILL",
     "PREEMPTED_SAVES",
+    "PREFILL_PREEMPTED",
     "ROUND_TRIPS",
     "DataResult",
     "DataRun",
@@ -178,6 +180,19 @@ PREEMPTED_SAVES = DataRun(
     ),
     20,
 )
+#: ``a1``'s block-aligned 64-token prompt, chunked 23 or 24 tokens a step beside ``a0`` in a 6-block pool, is
+#: preempted mid-prefill (40 tokens computed, two blocks full and saved) when it needs a fourth block, then resumes
+#: (vLLM's V1 runner: ``resumed_req_ids`` with a whole new table; V2: a new request), loads what it saved and
+#: computes the rest in chunks that end mid-block; ``b`` then loads all four of its blocks. The liveness scenario
+#: ``preempted-prefill``'s situation, judged on the tokens, with prompts of its own.
+PREEMPTED_PREFILL = DataRun(
+    "preempted-prefill-reuse",
+    {"num_blocks": 7, "max_num_batched_tokens": 24},
+    ((Req("a0", prompt(31, 72), 6), Req("a1", prompt(64, 73), 3)), (Req("b", Follow("a1", 4, 5), 3),)),
+    70,
+)
+#: In :data:`PREEMPTED_PREFILL`, the request preempted mid-prefill.
+PREFILL_PREEMPTED = "a1"
 FILL_STEP_ENDS = DataRun(
     "fill-step-saves",
     {},
@@ -375,6 +390,7 @@ def data_runs(session: Session) -> list[tuple[DataRun, DataResult]]:
             *ROUND_TRIPS,
             MID_BLOCK_CHUNKS,
             PREEMPTED_SAVES,
+            PREEMPTED_PREFILL,
             FILL_STEP_ENDS,
             ISOLATION,
             TENSOR_PARALLEL,
