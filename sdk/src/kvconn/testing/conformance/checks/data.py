@@ -26,6 +26,7 @@ from ..runs import (
     PREEMPTED_PREFILL,
     PREEMPTED_SAVES,
     PREFILL_PREEMPTED,
+    PREFILL_PROMPT_LEN,
     ROUND_TRIPS,
     TENSOR_PARALLEL,
     DataResult,
@@ -335,14 +336,13 @@ def preempted_mid_prefill(session: Session) -> None:
     and nothing was preempted (then the failure does not claim it).
     """
     result = data_run(session, PREEMPTED_PREFILL)
-    prompt = next(r.prompt for r in PREEMPTED_PREFILL.phases[0] if r.req_id == PREFILL_PREEMPTED)
     computed = computed_when_preempted(result.records, PREFILL_PREEMPTED)
-    if computed is None or not 0 < computed < len(prompt):
+    if computed is None or not 0 < computed < PREFILL_PROMPT_LEN:
         _exact(session, PREEMPTED_PREFILL)
         return
     when = (
-        f" ({PREFILL_PREEMPTED!r} was preempted mid-prefill with {computed} of its {len(prompt)} prompt tokens "
-        "computed, then resumed)"
+        f" ({PREFILL_PREEMPTED!r} was preempted mid-prefill with {computed} of its {PREFILL_PROMPT_LEN} prompt "
+        "tokens computed, then resumed)"
     )
     _exact(session, PREEMPTED_PREFILL, when, RESUMED_PREFILL_FIX)
 
