@@ -54,6 +54,21 @@ def test_the_data_driver_runs_vllms_scheduler_and_gets_the_reference_engines_tok
 
 
 @pytest.mark.usefixtures("fixtures")
+def test_a_connector_whose_server_outlives_every_run_never_meets_a_request_id_twice_under_vllm() -> None:
+    """A server keyed by request id (LMCache's multi-process one), across two validate invocations through vLLM."""
+    from kvconn.testing.memory_connector import fresh_namespace
+
+    for _ in range(2):
+        report = run_conformance(
+            "kvconn_conformance_fixtures.request_server:PerRequestServer",
+            driver="vllm",
+            config_factory=fresh_namespace,
+            select="KV0[14]0",
+        )
+        assert report.ok and report.passed == 2, [r.message for r in report.results]
+
+
+@pytest.mark.usefixtures("fixtures")
 def test_a_load_into_the_wrong_layer_changes_the_tokens_under_vllm() -> None:
     report = run_conformance("kvconn_conformance_fixtures.broken:WrongLayerLoad", driver="vllm", select="KV040")
     (result,) = report.results

@@ -55,14 +55,15 @@ def test_the_preempted_prefill_scenario_preempts_a_prompt_mid_prefill_and_it_fin
     scenario = next(s for s in STANDARD if s.name == "preempted-prefill")
     trace = run_scenario(ReferenceDriver, scenario, "offload", None)
     assert trace.error is None and not trace.stuck, trace.error
+    r1 = trace.tag.engine_id("r1")  # the engine's id of r1 (see kvconn.testing.conformance.request_ids)
     computed = 0
     for record in trace.records:
-        if "r1" in record.preempted:
+        if r1 in record.preempted:
             break
-        computed += record.output.num_scheduled_tokens.get("r1", 0)
+        computed += record.output.num_scheduled_tokens.get(r1, 0)
     else:
         raise AssertionError("r1 was never preempted")
     assert 0 < computed < 64  # mid-prefill: part of its 64-token prompt computed
     resumed = trace.records.index(record) + 1
-    assert any(r.output.num_scheduled_tokens.get("r1") for r in trace.records[resumed:])
-    assert trace.finished_calls.get("r1") == 1  # it finished (request_finished ran once)
+    assert any(r.output.num_scheduled_tokens.get(r1) for r in trace.records[resumed:])
+    assert trace.finished_calls.get(r1) == 1  # it finished (request_finished ran once)
