@@ -11,7 +11,16 @@ from typing import ClassVar
 import torch
 
 from kvconn import ConnectorContext, KVCacheGroupSpec, KVConnectorRole
-from kvconn.store import HEADER_BYTES, BlockStore, Integrity, PartsStore, ScatterStore, StoreBlock, StoreConnector, StoreMetadata
+from kvconn.store import (
+    HEADER_BYTES,
+    BlockStore,
+    Integrity,
+    PartsStore,
+    ScatterStore,
+    StoreBlock,
+    StoreConnector,
+    StoreMetadata,
+)
 from kvconn.store.values import judge, seal_parts
 from kvconn.store.worker import StoreWorker
 from kvconn.testing.memory_store import MemoryStore, faults
