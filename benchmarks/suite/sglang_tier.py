@@ -27,9 +27,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from benchlib import Bench, arg_parser, redis_server
+from benchlib import CANNOT_RUN, Bench, arg_parser, redis_server
 
-CANNOT_RUN = 2
 TARGET = 0.9
 
 
