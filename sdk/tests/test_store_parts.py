@@ -11,7 +11,17 @@ from typing import ClassVar
 import torch
 
 from kvconn import ConnectorContext, KVCacheGroupSpec, KVConnectorRole
-from kvconn.store import BlockStore, Integrity, PartsStore, ScatterStore, StoreBlock, StoreConnector, StoreMetadata
+from kvconn.store import (
+    HEADER_BYTES,
+    BlockStore,
+    Integrity,
+    PartsStore,
+    ScatterStore,
+    StoreBlock,
+    StoreConnector,
+    StoreMetadata,
+)
+from kvconn.store.values import judge, seal_parts
 from kvconn.store.worker import StoreWorker
 from kvconn.testing.memory_store import MemoryStore, faults
 
@@ -85,6 +95,29 @@ def test_seal_of_parts_equals_seal_of_the_whole() -> None:
     for secret in (None, "a shared secret, 16+"):
         integrity = Integrity(secret)
         assert integrity.seal(b"k", bytes(8), views) == integrity.seal(b"k", bytes(8), memoryview(payload))
+
+
+def test_a_payload_size_the_caller_knows_seals_and_judges_as_the_sum_of_the_parts() -> None:
+    """``payload_bytes`` (a page's or block's size, given to skip summing its parts) changes no header and no
+    verdict; a size that disagrees with the value read never lets it load."""
+    payload = bytes(range(256)) * 4
+    views = [memoryview(payload)[:100], memoryview(payload)[100:]]
+    size = len(payload)
+    for secret in (None, "a shared secret, 16+"):
+        integrity = Integrity(secret)
+        assert integrity.seal(b"k", bytes(8), views, size) == integrity.seal(b"k", bytes(8), views)
+        sealed = seal_parts(integrity, [b"k", b"j"], bytes(8), [views, views], size)
+        assert [bytes(parts[0]) for parts in sealed] == [
+            bytes(parts[0]) for parts in seal_parts(integrity, [b"k", b"j"], bytes(8), [views, views])
+        ]
+        header = sealed[0][0]
+        assert judge(integrity, b"k", bytes(8), HEADER_BYTES + size, header, views, size) is None
+        assert judge(integrity, b"k", bytes(8), HEADER_BYTES + size - 1, header, views, size - 1) == "integrity_short"
+        assert judge(integrity, b"k", bytes(8), HEADER_BYTES + size, header, views, size - 1) == "integrity_short"
+        damaged = bytearray(payload)
+        damaged[-1] ^= 1
+        parts = [memoryview(damaged)[:100], memoryview(damaged)[100:]]
+        assert judge(integrity, b"k", bytes(8), HEADER_BYTES + size, header, parts, size) == "integrity_checksum"
 
 
 def test_saves_read_host_kv_caches_in_place_and_load_exactly() -> None:

@@ -209,3 +209,34 @@ def test_mooncake_is_called_inline_only_for_its_embedded_store(namespace: str) -
     # The real store (a master over the network) keeps its deadline: the same property, on its config.
     config = MooncakeConfig(backend="mooncake", master_server_address="127.0.0.1:1", metadata_server="http://m/x")
     assert MooncakeConnector.inline_calls.fget(types.SimpleNamespace(config=config)) is False  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("kind", "layout"), LAYOUTS)
+def test_each_page_view_is_the_piece_sglang_names(kind: str, layout: str) -> None:
+    """A page's views start where the pool's ``get_page_buffer_meta`` puts its pieces and are as long, in order."""
+    import ctypes
+
+    from kvconn_sglang.pages import PageViews
+
+    _, host = make_pools(kind, layout)
+    views = PageViews(host)
+    slots = host.alloc(3 * PAGE)
+    pointers, sizes = host.get_page_buffer_meta(slots)
+    pieces = [view for pieces in views.pages(slots) for view in pieces]
+    assert [ctypes.addressof(ctypes.c_char.from_buffer(view)) for view in pieces] == pointers
+    assert [view.nbytes for view in pieces] == sizes
+
+
+@pytest.mark.parametrize("past", [1, 1 << 40])
+def test_a_piece_outside_the_pools_host_tensors_is_refused(past: int) -> None:
+    """A piece that runs past the end of the pool's memory (by a byte, or far) is an error, never a view of other
+    memory."""
+    from kvconn_sglang.pages import PageViews
+
+    _, host = make_pools("mha", "page_first")
+    views = PageViews(host)
+    end = host.kv_buffer.data_ptr() + host.kv_buffer.numel() * host.kv_buffer.element_size()
+    pointers, sizes = host.get_page_buffer_meta(host.alloc(PAGE))
+    host.get_page_buffer_meta = lambda _: ([*pointers[:-1], end - sizes[-1] + past], sizes)
+    with pytest.raises(ValueError, match="outside its host tensors"):
+        views.pages(host.alloc(PAGE))

@@ -348,3 +348,26 @@ class AllGroupsDelegatingConnector(HashedBlocksConnector, SupportsHMA):
 
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, block_ids)
+
+
+#: The server of :class:`RequestIdServerConnector`: the request ids it finished, shared by every instance in this
+#: process (it outlives runs and validate invocations, as LMCache's multi-process server does).
+SERVER_FINISHED: set[str] = set()
+
+
+class RequestIdServerConnector(HashedBlocksConnector):
+    """Keeps each request's state on a server, under its request id (LMCache's multi-process connector): an id the
+    server already finished would be served that request's state, so it is refused loudly (a real vLLM never
+    repeats an id)."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if request.request_id in SERVER_FINISHED:
+            raise RuntimeError(
+                f"the server already finished a request with id {request.request_id!r}: it would serve that "
+                "request's state to this one (request ids must never repeat)"
+            )
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        SERVER_FINISHED.add(request.request_id)
+        return super().request_finished(request, block_ids)

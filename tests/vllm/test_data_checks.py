@@ -63,21 +63,36 @@ def test_the_preempted_prefill_data_run_preempts_a_prompt_mid_prefill_under_both
 
     session = Session("offload", driver="vllm")
     result = data_run(session, PREEMPTED_PREFILL)
-    records = result.records
-    at = next(i for i, record in enumerate(records) if "a1" in record.preempted)
-    computed = sum(record.output.num_scheduled_tokens.get("a1", 0) for record in records[:at])
+    records, a1 = result.records, result.tag.engine_id("a1")
+    at = next(i for i, record in enumerate(records) if a1 in record.preempted)
+    computed = sum(record.output.num_scheduled_tokens.get(a1, 0) for record in records[:at])
     assert 16 <= computed < 64  # mid-prefill, a full block of it computed for the connector to save
-    resume = next(i for i, record in enumerate(records) if i > at and record.output.num_scheduled_tokens.get("a1"))
-    assert records[resume].loaded == {"a1": 32}  # what it saved before the preemption, into its new table
+    resume = next(i for i, record in enumerate(records) if i > at and record.output.num_scheduled_tokens.get(a1))
+    assert records[resume].loaded == {a1: 32}  # what it saved before the preemption, into its new table
     scheduled = result.driver.loop.outputs[resume]  # vLLM's own SchedulerOutput of that step
     if runner == "v1":
-        assert "a1" in scheduled.scheduled_cached_reqs.resumed_req_ids
+        assert a1 in scheduled.scheduled_cached_reqs.resumed_req_ids
     else:
-        assert [new.req_id for new in scheduled.scheduled_new_reqs] == ["a1"]
-    start = records[resume].output.num_computed_tokens_by_request()["a1"]
-    assert (start + records[resume].output.num_scheduled_tokens["a1"]) % 16  # the resumed chunk ends mid-block
-    assert sum(record.loaded.get("b", 0) for record in records) == 64
+        assert [new.req_id for new in scheduled.scheduled_new_reqs] == [a1]
+    start = records[resume].output.num_computed_tokens_by_request()[a1]
+    assert (start + records[resume].output.num_scheduled_tokens[a1]) % 16  # the resumed chunk ends mid-block
+    assert result.loaded("b") == 64
     assert result.tokens == expected_tokens(session, PREEMPTED_PREFILL, result.driver.shape)
+
+
+@pytest.mark.usefixtures("fixtures")
+def test_a_connector_whose_server_outlives_every_run_never_meets_a_request_id_twice_under_vllm() -> None:
+    """A server keyed by request id (LMCache's multi-process one), across two validate invocations through vLLM."""
+    from kvconn.testing.memory_connector import fresh_namespace
+
+    for _ in range(2):
+        report = run_conformance(
+            "kvconn_conformance_fixtures.request_server:PerRequestServer",
+            driver="vllm",
+            config_factory=fresh_namespace,
+            select="KV0[14]0",
+        )
+        assert report.ok and report.passed == 2, [r.message for r in report.results]
 
 
 @pytest.mark.usefixtures("fixtures")

@@ -76,7 +76,8 @@ def test_example_connector_with_the_fix_passes_every_check_that_applies_but_isol
     session = NativeSession(native_target(name), {"shared_storage_path": str(tmp_path / "again")})
     trace = session.trace(next(s for s in STANDARD if s.name == "repeat-after-chunks"))
     assert trace.error is None
-    first = [new for rec in trace.records for new in rec.output.scheduled_new_reqs if new.req_id == "r1"]
+    r1 = trace.tag.engine_id("r1")  # what vLLM calls r1 (kvconn.testing.conformance.request_ids)
+    first = [new for rec in trace.records for new in rec.output.scheduled_new_reqs if new.req_id == r1]
     assert first and first[0].num_computed_tokens == 64
 
 
@@ -128,6 +129,7 @@ def test_a_vllm_connector_whose_worker_skips_its_loads_passes_the_scenarios_and_
     statuses = {r.id: r.status for r in report.results}
     assert statuses["KV010"] == statuses["KV011"] == "passed"  # only the KV the model reads shows it
     assert statuses["KV040"] == "failed" and "it ran on wrong KV" in _failed(report)["KV040"]
+    assert "request 'b' generated " in _failed(report)["KV040"]  # named as the data run names it, not as vLLM saw it
 
 
 def test_metadata_holding_vllms_block_state_fails_kv021(tmp_path: Path, fixtures: str) -> None:
@@ -301,9 +303,10 @@ def test_a_prompt_preempted_mid_prefill_catches_the_appended_table_under_both_ru
     from kvconn.testing.conformance.runs import PREEMPTED_PREFILL, data_run
 
     session = NativeSession(native_target(f"{fixtures}:{connector}"), {"store": uuid.uuid4().hex})
-    records = data_run(session, PREEMPTED_PREFILL).records
-    at = next(i for i, record in enumerate(records) if "a1" in record.preempted)
-    assert 16 <= sum(record.output.num_scheduled_tokens.get("a1", 0) for record in records[:at]) < 64
+    result = data_run(session, PREEMPTED_PREFILL)
+    records, a1 = result.records, result.tag.engine_id("a1")
+    at = next(i for i, record in enumerate(records) if a1 in record.preempted)
+    assert 16 <= sum(record.output.num_scheduled_tokens.get(a1, 0) for record in records[:at]) < 64
     if connector == "HashedBlocksConnector":
         preempted_mid_prefill(session)
         return
@@ -313,7 +316,7 @@ def test_a_prompt_preempted_mid_prefill_catches_the_appended_table_under_both_ru
         "in the 'preempted-prefill-reuse' data run ('a1' was preempted mid-prefill with 40 of its 64 prompt tokens "
         "computed, then resumed), request 'b' generated "
     )
-    assert "it ran on wrong KV: the load of 'b' at step " in failure.value.observed
+    assert "it ran on wrong KV: the load of 'b' at step " in session.tags.untag(failure.value.observed)
     assert failure.value.fix is not None and failure.value.fix.startswith(RESUMED_PREFILL_FIX)
 
 
@@ -323,6 +326,16 @@ def test_request_finished_all_groups_calling_request_finished_is_one_call(fixtur
         f"{fixtures}:AllGroupsDelegatingConnector", config={"store": uuid.uuid4().hex}, select="KV03*"
     )
     assert report.failed == 0 and report.result("KV030").status == "passed", _failed(report)
+
+
+def test_a_vllm_connector_whose_server_outlives_every_run_never_meets_a_request_id_twice(fixtures: str) -> None:
+    """Two validate invocations against one server keyed by request id (LMCache's multi-process one): every
+    scenario and data run gives vLLM request ids of its own."""
+    name = f"{fixtures}:RequestIdServerConnector"
+    for _ in range(2):
+        report = run_native_conformance(name, config={"store": uuid.uuid4().hex}, select="KV0[14]0")
+        assert report.load_error is None and report.failed == 0, _failed(report)
+        assert report.result("KV010").status == report.result("KV040").status == "passed"
 
 
 def test_the_harness_records_the_kv_cache_layout_before_any_connector_exists() -> None:

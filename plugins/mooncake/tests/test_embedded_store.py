@@ -68,6 +68,19 @@ def test_lru_eviction_keeps_recently_read() -> None:
     assert store.used_bytes == 6 and store.evictions == 1
 
 
+def test_a_key_stored_again_after_its_eviction_reads_its_new_bytes() -> None:
+    """Each read copies from where the key's current value lives, through single and multi-buffer gets."""
+    store = EmbeddedStore(4)
+    for key, value in (("k", [1, 2]), ("x", [3, 4]), ("y", [5, 6]), ("k", [7, 8])):  # "y" evicts "k", "k" then "x"
+        assert _put(store, key, _buf(value)) == OK
+    assert store.batch_is_exist(["k", "x", "y"]) == [1, 0, 1]
+    out = torch.zeros(2, dtype=torch.uint8)
+    assert _get(store, "k", out) == 2 and out.tolist() == [7, 8]
+    a, b = torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
+    assert store.batch_get_into_multi_buffers(["y"], [[a.data_ptr(), b.data_ptr()]], [[1, 1]]) == [2]
+    assert (a.item(), b.item()) == (5, 6)
+
+
 def test_registry_shares_by_name_and_refuses_a_different_capacity() -> None:
     a = embedded_store("registry-test", 100)
     assert embedded_store("registry-test", 100) is a

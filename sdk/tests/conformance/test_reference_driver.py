@@ -55,17 +55,18 @@ def test_the_preempted_prefill_scenario_preempts_a_prompt_mid_prefill_and_it_fin
     scenario = next(s for s in STANDARD if s.name == "preempted-prefill")
     trace = run_scenario(ReferenceDriver, scenario, "offload", None)
     assert trace.error is None and not trace.stuck, trace.error
+    r1 = trace.tag.engine_id("r1")  # the engine's id of r1 (see kvconn.testing.conformance.request_ids)
     computed = 0
     for record in trace.records:
-        if "r1" in record.preempted:
+        if r1 in record.preempted:
             break
-        computed += record.output.num_scheduled_tokens.get("r1", 0)
+        computed += record.output.num_scheduled_tokens.get(r1, 0)
     else:
         raise AssertionError("r1 was never preempted")
     assert 0 < computed < 64  # mid-prefill: part of its 64-token prompt computed
     resumed = trace.records.index(record) + 1
-    assert any(r.output.num_scheduled_tokens.get("r1") for r in trace.records[resumed:])
-    assert trace.finished_calls.get("r1") == 1  # it finished (request_finished ran once)
+    assert any(r.output.num_scheduled_tokens.get(r1) for r in trace.records[resumed:])
+    assert trace.finished_calls.get(r1) == 1  # it finished (request_finished ran once)
 
 
 def test_the_preempted_prefill_data_run_preempts_a_prompt_mid_prefill_and_its_prefix_loads_exact() -> None:
@@ -78,13 +79,13 @@ def test_the_preempted_prefill_data_run_preempts_a_prompt_mid_prefill_and_its_pr
 
     session = Session(STORE, config_factory=fresh_namespace)
     result = data_run(session, PREEMPTED_PREFILL)
-    records = result.records
-    at = next(i for i, record in enumerate(records) if "a1" in record.preempted)
-    computed = sum(record.output.num_scheduled_tokens.get("a1", 0) for record in records[:at])
+    records, a1 = result.records, result.tag.engine_id("a1")
+    at = next(i for i, record in enumerate(records) if a1 in record.preempted)
+    computed = sum(record.output.num_scheduled_tokens.get(a1, 0) for record in records[:at])
     assert 16 <= computed < 64  # mid-prefill, a full block of it computed for the connector to save
-    resume = next(record for record in records[at:] if record.output.num_scheduled_tokens.get("a1"))
-    assert resume.loaded == {"a1": 32}  # what it saved before the preemption, loaded into its new table
-    start = resume.output.num_computed_tokens_by_request()["a1"]
-    assert (start + resume.output.num_scheduled_tokens["a1"]) % 16  # the resumed chunk ends mid-block
-    assert sum(record.loaded.get("b", 0) for record in records) == 64
+    resume = next(record for record in records[at:] if record.output.num_scheduled_tokens.get(a1))
+    assert resume.loaded == {a1: 32}  # what it saved before the preemption, loaded into its new table
+    start = resume.output.num_computed_tokens_by_request()[a1]
+    assert (start + resume.output.num_scheduled_tokens[a1]) % 16  # the resumed chunk ends mid-block
+    assert result.loaded("b") == 64
     assert result.tokens == expected_tokens(session, PREEMPTED_PREFILL, result.driver.shape)

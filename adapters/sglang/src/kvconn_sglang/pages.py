@@ -38,7 +38,12 @@ class PageViews:
                     regions.setdefault(t.data_ptr(), (t.data_ptr() + flat.nbytes, flat))
         if not regions:
             raise ValueError(f"{type(pool).__name__} keeps no contiguous host tensor kvconn can read pages from")
-        self._regions = sorted((start, end, flat) for start, (end, flat) in regions.items())
+        # A tensor inside another (``k_buffer`` and ``v_buffer``, views of ``kv_buffer``) adds no bytes: dropped,
+        # so that a pool with one host tensor takes the fast path of :meth:`pages`.
+        self._regions: list[tuple[int, int, memoryview]] = []
+        for start, (end, flat) in sorted(regions.items()):
+            if not self._regions or end > max(region[1] for region in self._regions):
+                self._regions.append((start, end, flat))
         probe = pool.get_page_buffer_meta(_page_indices(self.page_size))
         self.sizes = [int(size) for size in probe[1]]
         self.page_bytes = sum(self.sizes)
@@ -49,7 +54,12 @@ class PageViews:
         """Per page of ``host_indices`` (token slots, page-aligned), its pieces as views of the pool."""
         pointers, sizes = self.pool.get_page_buffer_meta(host_indices)
         per_page = len(self.sizes)
-        views = [self._view(int(ptr), int(size)) for ptr, size in zip(pointers, sizes, strict=True)]
+        start, end, flat = self._regions[0]
+        if len(self._regions) == 1 and pointers and min(pointers) >= start and max(pointers) + max(sizes) <= end:
+            # one host tensor holds every piece (each within it: the bounds above): slice it, nothing to search
+            views = [flat[ptr - start : ptr - start + size] for ptr, size in zip(pointers, sizes, strict=True)]
+        else:
+            views = [self._view(int(ptr), int(size)) for ptr, size in zip(pointers, sizes, strict=True)]
         return [views[i : i + per_page] for i in range(0, len(views), per_page)]
 
     def _view(self, ptr: int, size: int) -> memoryview:

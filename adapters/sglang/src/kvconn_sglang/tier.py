@@ -133,7 +133,7 @@ class PageTier:
         """Read, verify and land each page; per page, whether it landed (verified) in the pool."""
         assert self.views is not None
         keys, pages = self._paired(page_hashes, host_indices)
-        return self._get(keys, pages, self.views.digest)
+        return self._get(keys, pages, self.views.digest, self.views.page_bytes)
 
     def _paired(self, page_hashes: Sequence[str], host_indices: Any) -> tuple[list[bytes], list[list[memoryview]]]:
         """Each page's key and its views; ``ValueError`` (before any store call) when the slots hold fewer pages."""
@@ -155,14 +155,15 @@ class PageTier:
         """SGLang's generic ``batch_get`` into flat page tensors (contiguous host tensors, written in place)."""
         keys = [self.key(h) for h in page_hashes]
         pages = [[view] for view in flat_views(tensors)]
-        return self._get(keys, pages, self._generic_digest)
+        return self._get(keys, pages, self._generic_digest, None)
 
     # ------------------------------------------------------------ the two directions
 
     def _put(self, keys: list[bytes], pages: list[list[memoryview]], digest: bytes, size: int | None) -> list[bool]:
+        """``size``: every page's payload bytes when they share one (zero-copy pages), else ``None``."""
         if not keys:
             return []
-        values = seal_parts(self.integrity, keys, digest, pages)
+        values = seal_parts(self.integrity, keys, digest, pages, size)
         try:
             if self._kinds()[1]:
                 stored = list(self._call("put", lambda store: store.put_parts(keys, values)))  # type: ignore[attr-defined]
@@ -177,19 +178,23 @@ class PageTier:
             return [False] * len(keys)
         saved = sum(stored)
         self.stats.count("pages_saved", saved)
-        self.stats.count(
-            "bytes_saved", sum(sum(p.nbytes for p in page) for page, ok in zip(pages, stored, strict=True) if ok)
-        )
+        if size is not None:
+            self.stats.count("bytes_saved", saved * size)
+        else:
+            self.stats.count(
+                "bytes_saved", sum(sum(p.nbytes for p in page) for page, ok in zip(pages, stored, strict=True) if ok)
+            )
         self.stats.degraded("save_failed_refused", len(keys) - saved, "the store refused pages (full?)")
         return [bool(ok) for ok in stored]
 
-    def _get(self, keys: list[bytes], pages: list[list[memoryview]], digest: bytes) -> list[bool]:
+    def _get(self, keys: list[bytes], pages: list[list[memoryview]], digest: bytes, size: int | None) -> list[bool]:
+        """``size``: every page's payload bytes when they share one (zero-copy pages), else ``None``."""
         if not keys:
             return []
         if self.guard.inline and self._kinds()[2]:
-            verdicts = self._get_in_place(keys, pages, digest)
+            verdicts = self._get_in_place(keys, pages, digest, size)
         else:
-            verdicts = self._get_staged(keys, pages, digest)
+            verdicts = self._get_staged(keys, pages, digest, size)
         if verdicts is None:
             self.stats.degraded("load_failed_store_off", len(keys), "loads failed (the store is off, late or raised)")
             return [False] * len(keys)
@@ -200,7 +205,9 @@ class PageTier:
         self.stats.count("pages_loaded", sum(landed))
         return landed
 
-    def _get_staged(self, keys: list[bytes], pages: list[list[memoryview]], digest: bytes) -> list[str | None] | None:
+    def _get_staged(
+        self, keys: list[bytes], pages: list[list[memoryview]], digest: bytes, size: int | None
+    ) -> list[str | None] | None:
         """Read into staging of its own (dropped if the call is late), verify, copy verified pages in."""
         strides = [HEADER_BYTES + sum(p.nbytes for p in page) for page in pages]
         buffer = self._staging.take(sum(strides))
@@ -217,7 +224,7 @@ class PageTier:
             return None
         verdicts: list[str | None] = []
         for key, length, view, page in zip(keys, lengths, views, pages, strict=True):
-            verdict = judge(self.integrity, key, digest, length, view[:HEADER_BYTES], [view[HEADER_BYTES:]])
+            verdict = judge(self.integrity, key, digest, length, view[:HEADER_BYTES], [view[HEADER_BYTES:]], size)
             if verdict is None:
                 at = HEADER_BYTES
                 for part in page:
@@ -227,14 +234,17 @@ class PageTier:
         self._staging.give([buffer])
         return verdicts
 
-    def _get_in_place(self, keys: list[bytes], pages: list[list[memoryview]], digest: bytes) -> list[str | None] | None:
+    def _get_in_place(
+        self, keys: list[bytes], pages: list[list[memoryview]], digest: bytes, size: int | None
+    ) -> list[str | None] | None:
         """Read straight into the pages (a store called inline: no call outlives this one); zero each that fails.
 
-        What the store wrote is verified where it landed (the tag pass reads bytes the copy just wrote, from
-        cache); a call that raises or answers the wrong count leaves every page zeroed and none loaded.
+        What the store wrote is verified where it landed; a call that raises or answers the wrong count leaves
+        every page zeroed and none loaded.
         """
         headers = memoryview(bytearray(len(keys) * HEADER_BYTES))
-        parts = [[headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES], *page] for i, page in enumerate(pages)]
+        heads = [headers[at : at + HEADER_BYTES] for at in range(0, headers.nbytes, HEADER_BYTES)]
+        parts = [[head, *page] for head, page in zip(heads, pages, strict=True)]
         try:
             lengths = list(self._call("get", lambda store: store.get_parts(keys, parts)))  # type: ignore[attr-defined]
         except StoreUnavailable:
@@ -243,12 +253,14 @@ class PageTier:
             for page in pages:
                 _zero(page)
             return None
-        verdicts: list[str | None] = []
-        for key, length, value in zip(keys, lengths, parts, strict=True):
-            verdict = judge(self.integrity, key, digest, length, value[0], value[1:])
+        integrity = self.integrity
+        verdicts = [
+            judge(integrity, key, digest, length, head, page, size)
+            for key, length, head, page in zip(keys, lengths, heads, pages, strict=True)
+        ]
+        for verdict, page in zip(verdicts, pages, strict=True):
             if verdict is not None:
-                _zero(value[1:])
-            verdicts.append(verdict)
+                _zero(page)
         return verdicts
 
     def close(self) -> None:

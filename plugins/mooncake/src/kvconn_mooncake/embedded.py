@@ -45,6 +45,8 @@ class EmbeddedStore:
         self.used_bytes = 0
         self.evictions = 0
         self._values: OrderedDict[str, bytearray] = OrderedDict()
+        #: each value's address, taken once when stored (a value is never resized, so it stays put)
+        self._addresses: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -87,11 +89,12 @@ class EmbeddedStore:
         if total > self.capacity_bytes:
             return STORE_FULL
         while self.used_bytes + total > self.capacity_bytes:
-            _, evicted = self._values.popitem(last=False)
+            gone, evicted = self._values.popitem(last=False)
+            del self._addresses[gone]
             self.used_bytes -= len(evicted)
             self.evictions += 1
         value = bytearray(total)
-        offset = _address(value)
+        offset = self._addresses[key] = _address(value)
         for ptr, size in zip(ptrs, sizes, strict=True):
             ctypes.memmove(offset, ptr, size)
             offset += size
@@ -117,22 +120,24 @@ class EmbeddedStore:
         A repeated key fails, as in :meth:`batch_get_into`.
         """
         codes, seen = [], set()
+        values, addresses, memmove = self._values, self._addresses, ctypes.memmove  # locals: per part, per page
         with self._lock:
             for key, p, n in zip(keys, ptrs, sizes, strict=True):
-                value = None if key in seen else self._values.get(key)
+                value = None if key in seen else values.get(key)
                 if value is None:
                     codes.append(INVALID_PARAMS if key in seen else NOT_FOUND)
                     continue
                 seen.add(key)
-                if len(value) != sum(n):
-                    codes.append(INVALID_PARAMS if len(value) > sum(n) else TRANSFER_FAIL)
+                length, wanted = len(value), sum(n)
+                if length != wanted:
+                    codes.append(INVALID_PARAMS if length > wanted else TRANSFER_FAIL)
                     continue
-                self._values.move_to_end(key)
-                offset = _address(value)
+                values.move_to_end(key)
+                offset = addresses[key]
                 for ptr, size in zip(p, n, strict=True):
-                    ctypes.memmove(ptr, offset, size)
+                    memmove(ptr, offset, size)
                     offset += size
-                codes.append(len(value))
+                codes.append(length)
         return codes
 
     def _get(self, key: str, ptr: int, size: int) -> int:
@@ -142,7 +147,7 @@ class EmbeddedStore:
         if len(value) > size:
             return INVALID_PARAMS
         self._values.move_to_end(key)
-        ctypes.memmove(ptr, _address(value), len(value))
+        ctypes.memmove(ptr, self._addresses[key], len(value))
         return len(value)
 
     def close(self) -> None:

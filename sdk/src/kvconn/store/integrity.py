@@ -18,7 +18,7 @@ import functools
 import hashlib
 import hmac
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
@@ -50,21 +50,30 @@ class Integrity:
     """Seals values on save and verifies them on load."""
 
     def __init__(self, secret: str | None = None) -> None:
-        self._key = secret.encode() if secret is not None else None
         self._flags = _FLAG_MAC if secret is not None else 0
+        #: a running tag started over a head: chosen once, not per value (on the path of every page and block)
+        self._mac: Callable[[bytes], Any] = xxhash.xxh3_128
+        if secret is not None:
+            self._mac = functools.partial(hashlib.blake2b, key=secret.encode(), digest_size=_TAG)
 
-    def _tag(self, head: bytes | memoryview, payload: Sequence[memoryview]) -> bytes:
-        mac: Any = (
-            xxhash.xxh3_128(head) if self._key is None else hashlib.blake2b(head, key=self._key, digest_size=_TAG)
-        )
+    def _tag(self, head: bytes, payload: Sequence[memoryview]) -> bytes:
+        mac = self._mac(head)
         for part in payload:
             mac.update(part)
         return mac.digest()
 
-    def seal(self, key: bytes, layout: bytes, payload: memoryview | Sequence[memoryview]) -> bytes:
-        """The header of the value ``key`` stores, ``payload`` (one view, or parts in order) following it."""
+    def seal(
+        self, key: bytes, layout: bytes, payload: memoryview | Sequence[memoryview], payload_bytes: int | None = None
+    ) -> bytes:
+        """The header of the value ``key`` stores, ``payload`` (one view, or parts in order) following it.
+
+        ``payload_bytes``: the payload's total size when the caller knows it (saves summing the parts); a
+        wrong one seals a value that never verifies.
+        """
         parts = [payload] if isinstance(payload, memoryview) else payload
-        head = _head(self._flags, sum([part.nbytes for part in parts]), key, layout)
+        if payload_bytes is None:
+            payload_bytes = sum([part.nbytes for part in parts])
+        head = _head(self._flags, payload_bytes, key, layout)
         return head + self._tag(head, parts) + _PAD
 
     def verify(self, key: bytes, layout: bytes, value: memoryview) -> str | None:
@@ -73,13 +82,23 @@ class Integrity:
             return "short"
         return self.verify_parts(key, layout, value[:HEADER_BYTES], [value[HEADER_BYTES:]])
 
-    def verify_parts(self, key: bytes, layout: bytes, header: memoryview, payload: Sequence[memoryview]) -> str | None:
+    def verify_parts(
+        self,
+        key: bytes,
+        layout: bytes,
+        header: memoryview,
+        payload: Sequence[memoryview],
+        payload_bytes: int | None = None,
+    ) -> str | None:
         """As :meth:`verify`, for a value read as its ``HEADER_BYTES`` header and its payload in parts, in order.
 
         A value sealed for this key, layout and length starts with the very head :meth:`seal` wrote: one
         comparison with it settles every field; only a value that differs is taken apart to say why.
+        ``payload_bytes``: the parts' total size when the caller knows it (as for :meth:`seal`).
         """
-        head = _head(self._flags, sum([part.nbytes for part in payload]), key, layout)
+        if payload_bytes is None:
+            payload_bytes = sum([part.nbytes for part in payload])
+        head = _head(self._flags, payload_bytes, key, layout)
         if header[: _HEAD.size] != head:
             return self._mismatch(head, header)
         tag = self._tag(head, payload)

@@ -18,20 +18,27 @@ __all__ = ["explain", "judge", "seal_parts"]
 
 
 def seal_parts(
-    integrity: Integrity, keys: Sequence[bytes], digest: bytes, payloads: Sequence[Sequence[memoryview]]
+    integrity: Integrity,
+    keys: Sequence[bytes],
+    digest: bytes,
+    payloads: Sequence[Sequence[memoryview]],
+    payload_bytes: int | None = None,
 ) -> list[list[memoryview]]:
     """Per key, the parts of its value: a fresh header sealed over ``payloads[i]``, then those views.
 
     The headers live in memory of their own (a put past its deadline may still
     read them); the tags are taken now, so a payload that changes before a late
-    put reads it stores a value that fails :func:`judge`.
+    put reads it stores a value that fails :func:`judge`. ``payload_bytes``:
+    every payload's total size, when they share one (a page, a block).
     """
     headers = memoryview(bytearray(len(keys) * HEADER_BYTES))
     parts: list[list[memoryview]] = []
-    for i, (key, payload) in enumerate(zip(keys, payloads, strict=True)):
-        header = headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
-        header[:] = integrity.seal(key, digest, payload)
+    at = 0
+    for key, payload in zip(keys, payloads, strict=True):
+        header = headers[at : at + HEADER_BYTES]
+        header[:] = integrity.seal(key, digest, payload, payload_bytes)
         parts.append([header, *payload])
+        at += HEADER_BYTES
     return parts
 
 
@@ -42,16 +49,20 @@ def judge(
     length: int | None,
     header: memoryview,
     payload: Sequence[memoryview],
+    payload_bytes: int | None = None,
 ) -> str | None:
     """Why the value read under ``key`` (``length`` bytes, ``None``: missing) must not be used; ``None`` if it may.
 
-    ``"missing"``, or ``"integrity_<reason>"`` (see :meth:`Integrity.verify_parts`).
+    ``"missing"``, or ``"integrity_<reason>"`` (see :meth:`Integrity.verify_parts`). ``payload_bytes``: the
+    payload's total size when the caller knows it (a page, a block: on the path of every one loaded).
     """
     if length is None:
         return "missing"
-    if length != HEADER_BYTES + sum(part.nbytes for part in payload):
+    if payload_bytes is None:
+        payload_bytes = sum([part.nbytes for part in payload])
+    if length != HEADER_BYTES + payload_bytes:
         return "integrity_short"
-    reason = integrity.verify_parts(key, digest, header, payload)
+    reason = integrity.verify_parts(key, digest, header, payload, payload_bytes)
     return None if reason is None else f"integrity_{reason}"
 
 

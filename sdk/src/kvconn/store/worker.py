@@ -199,10 +199,10 @@ class StoreWorker(StoreSide):
             raise ValueError(f"the store returned {len(lengths)} answers for {len(keys)} keys")
         answers = iter(zip(lengths, values, strict=True))
         for group in load.groups:
-            digest = group.layout.digest
+            digest, size = group.layout.digest, group.layout.value_bytes
             for key in group.keys:
                 length, (header, payload) = next(answers)
-                group.verdicts.append(judge(self.integrity, key, digest, length, header, payload))
+                group.verdicts.append(judge(self.integrity, key, digest, length, header, payload, size))
 
     def _in_place_parts(self, load: _Load) -> tuple[list[bytes], list[list[memoryview]]]:
         """Per value of an in-place load: its key, and its parts (a header of its own, its block's row per layer)."""
@@ -323,7 +323,8 @@ class StoreWorker(StoreSide):
         for g, ids in by_group.items():
             layout = self._layouts[g]
             group_keys = self.keys.keys(g, ids)
-            parts += seal_parts(self.integrity, group_keys, layout.digest, [layout.parts(b) for b in ids.values()])
+            payloads = [layout.parts(b) for b in ids.values()]
+            parts += seal_parts(self.integrity, group_keys, layout.digest, payloads, layout.value_bytes)
             keys += group_keys
             sizes += [layout.value_bytes] * len(group_keys)
         self._put(lambda store: store.put_parts(keys, parts), sizes)  # type: ignore[attr-defined]

@@ -73,8 +73,9 @@ connector under test); :mod:`.driver_registry` (drivers by name);
 :mod:`.worker_process`; :mod:`.diagnose`; :mod:`.driver` (the protocol),
 :mod:`.loaded_kv` (what a load landed in the KV cache) and
 :mod:`.metadata_blocks` (what the metadata acts on); :mod:`.fault_injection`;
-:mod:`.convergence`; :mod:`.catalog` (the check registry), :mod:`.results` and
-:mod:`.waits` (the wall-clock bound on a run's waits).
+:mod:`.convergence`; :mod:`.catalog` (the check registry), :mod:`.results`,
+:mod:`.waits` (the wall-clock bound on a run's waits) and :mod:`.request_ids`
+(the request ids a run gives the engine, and their names in every message).
 Read by: ``kvconn validate``, the pytest plugin, the adapters' drivers. Public:
 ``__all__`` below. A new check updates ``docs/checks.md``; a new module takes
 its place in the contract.

@@ -31,6 +31,7 @@ from .diagnose import Diagnosis, capture_warnings, diagnose_error, stall
 from .driver import NO_KEYS, DataDriver, DriverSpec, RequestKeys, ScenarioUnsupported, StepRecord
 from .fault_injection import FailureMode
 from .reference_driver import ReferenceDriver
+from .request_ids import RunTag
 from .results import ScenarioBroken
 from .scenarios import MAX_STEPS, TWO_GROUPS, prompt
 from .session import Session
@@ -342,13 +343,23 @@ def _baseline(case: DataRun, shape: EngineShape) -> dict[str, list[int]]:
 
 @dataclass
 class DataResult:
-    """What a data run showed: the tokens, the engine's stats, every step's record."""
+    """What a data run showed: the tokens, the engine's stats, every step's record.
+
+    ``tokens`` are keyed by the run's request names (``'a'``), as :func:`expected_tokens` are; the records and
+    the driver carry the engine's ids (``tag``'s, see :mod:`.request_ids`).
+    """
 
     tokens: dict[str, list[int]]
     driver: DataDriver
     records: list[StepRecord]
+    tag: RunTag
     #: what was logged at WARNING or above while it ran (a connector's own store errors, say)
     warnings: list[str] = field(default_factory=list)
+
+    def loaded(self, name: str) -> int:
+        """The tokens the request named ``name`` loaded through the connector, over the run."""
+        engine_id = self.tag.engine_id(name)
+        return sum(record.loaded.get(engine_id, 0) for record in self.records)
 
 
 def data_run(
@@ -442,7 +453,9 @@ def _with_connector(
     """Play ``case``; with ``lose_blocks`` the phases after the first run on an engine whose worker side has
     a fresh (empty) store while its scheduler side still sees the first phase's; with ``worker_process`` too,
     that worker side runs in a process of its own (same config), where a store in process memory is empty.
-    A case with ``elsewhere_from`` runs its later phases on a second engine instance with the same config."""
+    A case with ``elsewhere_from`` runs its later phases on a second engine instance with the same config.
+    Its requests get the engine's ids of the session's next run (:mod:`.request_ids`)."""
+    tag = session.tags.next_run()
     spec = DriverSpec(session.connector, session.config_for(case.name), _shape(case))
     factory = data_driver(session)
     try:
@@ -472,7 +485,7 @@ def _with_connector(
 
     def add(req: Req, tokens: Sequence[int]) -> None:
         owner[req.req_id] = current()
-        current().add_request(req.req_id, tokens, req.max_tokens, req.keys)
+        current().add_request(tag.engine_id(req.req_id), tokens, req.max_tokens, req.keys)
 
     def next_phase() -> None:
         phase[0] += 1
@@ -496,8 +509,8 @@ def _with_connector(
             lambda what: stall(current(), what),
         )
         try:
-            tokens = _play(case, run, lambda r: owner[r].generated(r), spec.shape.block_size)
-            return DataResult(tokens, drivers[-1], records, warnings.messages)
+            tokens = _play(case, run, lambda r: owner[r].generated(tag.engine_id(r)), spec.shape.block_size)
+            return DataResult(tokens, drivers[-1], records, tag, warnings.messages)
         except ScenarioBroken as exc:  # the run stopped: the connector would keep the engine from finishing
             return Diagnosis(f"in data run {case.name!r}, {exc.observed}", exc.fix)
         except Exception as exc:

@@ -18,6 +18,7 @@ from ...context import KVCacheGroupSpec
 from ...reference.shape import EngineShape
 from .diagnose import Stalled, diagnose_error, stall
 from .driver import DriverFactory, DriverSpec, ScenarioUnsupported, SchedulerDriver, StepRecord
+from .request_ids import RequestTags, RunTag
 from .waits import IdleSteps, raise_hint
 
 __all__ = [
@@ -79,9 +80,14 @@ class Scenario:
 @dataclass
 class Trace:
     """What a scenario showed. ``error`` is set when it stopped early (the connector raised, or the run stalled):
-    what was observed; ``fix`` then the fix for that mechanism, when the diagnosis knows one."""
+    what was observed; ``fix`` then the fix for that mechanism, when the diagnosis knows one.
+
+    The records, ``finished_calls`` and ``error`` carry the engine's request ids (``tag``'s, see
+    :mod:`.request_ids`); :attr:`request_ids` are those ids too.
+    """
 
     scenario: Scenario
+    tag: RunTag
     records: list[StepRecord] = field(default_factory=list)
     error: str | None = None
     exception: Exception | None = None
@@ -100,7 +106,8 @@ class Trace:
 
     @property
     def request_ids(self) -> list[str]:
-        return [a.req_id for a in self.scenario.arrivals]
+        """The engine's ids of the scenario's requests, in arrival order."""
+        return [self.tag.engine_id(a.req_id) for a in self.scenario.arrivals]
 
     def where(self) -> str:
         return f"scenario {self.scenario.name!r}"
@@ -202,10 +209,20 @@ OFFERED_ONLY = Scenario(
 )
 
 
-def run_scenario(factory: DriverFactory, scenario: Scenario, connector: str, config: Mapping[str, Any] | None) -> Trace:
-    """Play ``scenario``; never raises for what the connector does (see ``Trace.error``)."""
+def run_scenario(
+    factory: DriverFactory,
+    scenario: Scenario,
+    connector: str,
+    config: Mapping[str, Any] | None,
+    tag: RunTag | None = None,
+) -> Trace:
+    """Play ``scenario``; never raises for what the connector does (see ``Trace.error``).
+
+    ``tag`` makes its request ids the engine's (a session's next one; ``None``: a tag of a session of its own).
+    """
     spec = scenario.spec(connector, config)
-    trace = Trace(scenario, block_size=spec.shape.block_size, num_blocks=spec.shape.num_blocks)
+    tag = tag if tag is not None else RequestTags().next_run()
+    trace = Trace(scenario, tag, block_size=spec.shape.block_size, num_blocks=spec.shape.num_blocks)
     try:
         driver = factory(spec)
     except ScenarioUnsupported as exc:
@@ -235,18 +252,20 @@ def run_scenario(factory: DriverFactory, scenario: Scenario, connector: str, con
 
 
 def _play(driver: SchedulerDriver, scenario: Scenario, trace: Trace) -> None:
+    """The script, its requests under the engine's ids (``trace.tag``)."""
     pending = sorted(scenario.arrivals, key=lambda a: a.at_step)
     aborts = sorted(scenario.aborts)
+    engine_id, withhold = trace.tag.engine_id, trace.tag.engine_ids(scenario.withhold)
     idle = IdleSteps()
     for step in range(MAX_STEPS):
         while pending and pending[0].at_step <= step:
             a = pending.pop(0)
-            driver.add_request(a.req_id, a.prompt, a.max_tokens)
+            driver.add_request(engine_id(a.req_id), a.prompt, a.max_tokens)
         while aborts and aborts[0][0] <= step:
-            driver.abort(aborts.pop(0)[1])
+            driver.abort(engine_id(aborts.pop(0)[1]))
         if not pending and not driver.has_unfinished():
             break
-        trace.records.append(driver.step(withhold=scenario.withhold))
+        trace.records.append(driver.step(withhold=withhold))
         if trace.records[-1].output.total_num_scheduled_tokens or pending:
             idle.busy()
         else:
@@ -257,7 +276,7 @@ def _play(driver: SchedulerDriver, scenario: Scenario, trace: Trace) -> None:
         raise stall(driver, f"requests still unfinished after {MAX_STEPS} steps")
     drain = IdleSteps()
     while driver.has_work() and not drain.exceeded(DRAIN_STEPS):
-        trace.records.append(driver.step(withhold=scenario.withhold))
+        trace.records.append(driver.step(withhold=withhold))
         drain.idle()
     trace.stuck = driver.has_work()
     if trace.stuck:

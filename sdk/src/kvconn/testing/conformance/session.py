@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import tempfile
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -16,6 +17,7 @@ from ...store import StoreConnector
 from .catalog import Check, get_check
 from .driver import DriverFactory
 from .driver_registry import get_driver
+from .request_ids import RequestTags
 from .results import NOT_RUN, CheckResult, CheckSkipped, ConformanceFailure, ScenarioBroken
 from .scenarios import STANDARD, Scenario, Trace, run_scenario
 
@@ -85,6 +87,9 @@ class Session:
     ``fresh_store_config`` (laid over ``config``) serves, when it declares one.
     ``config`` serves everything else. The run directories live in one
     temporary directory that :meth:`close` removes.
+
+    Every run gives the engine request ids of its own (``tags``: see
+    :mod:`.request_ids`); each result names requests as the scenarios do.
     """
 
     #: Whether every data run must load something (a kvconn plugin that saves and loads reuses any shared full
@@ -122,6 +127,7 @@ class Session:
             | ({"loads"} if getattr(self.cls, "loads", False) else set())
             | ({"store"} if isinstance(self.cls, type) and issubclass(self.cls, StoreConnector) else set())
         )
+        self.tags = RequestTags()
         self._memo: dict[str, Any] = {}
         self._results: dict[str, CheckResult] = {}
         self._root: Check | None = None  # the check that reported a connector error met in a scenario
@@ -170,7 +176,9 @@ class Session:
     def _play(self, scenario: Scenario) -> Trace:
         return self.memo(
             f"trace:{scenario.name}",
-            lambda: run_scenario(self.factory, scenario, self.connector, self.config_for(scenario.name)),
+            lambda: run_scenario(
+                self.factory, scenario, self.connector, self.config_for(scenario.name), self.tags.next_run()
+            ),
         )
 
     def trace(self, scenario: Scenario) -> Trace:
@@ -198,9 +206,14 @@ class Session:
         return traces
 
     def run(self, check: Check) -> CheckResult:
-        """Run one check (once: the result is kept); never raises (an unexpected exception is a failure)."""
+        """Run one check (once: the result is kept); never raises (an unexpected exception is a failure).
+
+        Its message names requests as the scenarios do: the one place where the engine's request ids, in
+        whatever observation, diagnosis or exception the message quotes, go back to their names.
+        """
         if check.id not in self._results:
-            self._results[check.id] = self._run(check)
+            result = self._run(check)
+            self._results[check.id] = replace(result, message=self.tags.untag(result.message))
         return self._results[check.id]
 
     def _run(self, check: Check) -> CheckResult:

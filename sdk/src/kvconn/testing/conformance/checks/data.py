@@ -227,7 +227,7 @@ def _worker_elsewhere(session: Session) -> None:
     """
     result = data_run(session, LOST_BLOCKS, lose_blocks=True, worker_process=True)
     assert isinstance(result.driver, ReferenceDriver)  # the other process runs the reference worker
-    claimed = sum(n for record in result.records for r, n in record.loaded.items() if r == "b")
+    claimed = result.loaded("b")
     there = "its worker side in another process (as vLLM's multiprocess engine runs it)"
     if (
         result.tokens != expected_tokens(session, LOST_BLOCKS, result.driver.shape)
@@ -261,7 +261,7 @@ def _lost_blocks(session: Session) -> None:
         result.tokens != expected_tokens(session, LOST_BLOCKS, result.driver.shape)
         and not result.driver.stats.failed_load_blocks
     ):
-        claimed = sum(n for record in result.records for r, n in record.loaded.items() if r == "b")
+        claimed = result.loaded("b")
         raise ConformanceFailure(
             f"in the {LOST_BLOCKS.name!r} data run the connector claimed {claimed} tokens for 'b', its worker's "
             "store (a fresh namespace) had none of them, it reported no block failed to load, and 'b' ran on wrong KV"
@@ -336,7 +336,7 @@ def preempted_mid_prefill(session: Session) -> None:
     and nothing was preempted (then the failure does not claim it).
     """
     result = data_run(session, PREEMPTED_PREFILL)
-    computed = computed_when_preempted(result.records, PREFILL_PREEMPTED)
+    computed = computed_when_preempted(result.records, result.tag.engine_id(PREFILL_PREEMPTED))
     if computed is None or not 0 < computed < PREFILL_PROMPT_LEN:
         _exact(session, PREEMPTED_PREFILL)
         return
@@ -348,7 +348,7 @@ def preempted_mid_prefill(session: Session) -> None:
 
 
 def computed_when_preempted(records: Sequence[StepRecord], req_id: str) -> int | None:
-    """The tokens ``req_id`` had computed when it was first preempted (``None``: it never was)."""
+    """The tokens ``req_id`` (the engine's id) had computed when it was first preempted (``None``: it never was)."""
     computed = 0
     for record in records:
         if req_id in record.preempted:
@@ -427,7 +427,7 @@ def isolation(session: Session) -> None:
     """
     result = data_run(session, ISOLATION)
     for req_id, source in ISOLATED.items():
-        loaded = sum(record.loaded.get(req_id, 0) for record in result.records)
+        loaded = result.loaded(req_id)
         if loaded:
             keys = next(r.keys for phase in ISOLATION.phases for r in phase if r.req_id == req_id)
             other = ("adapter", keys.adapter) if keys.adapter else ("cache_salt", keys.cache_salt)

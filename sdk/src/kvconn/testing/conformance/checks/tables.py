@@ -126,7 +126,7 @@ def _block_fill_lands(session: Session) -> bool:
 
 def _claimed(result: DataResult) -> int:
     """The tokens ``b`` loaded through the connector in a block-fill run."""
-    return sum(record.loaded.get("b", 0) for record in result.records)
+    return result.loaded("b")
 
 
 @check(
