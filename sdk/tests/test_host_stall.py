@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 import kvconn
 from kvconn import ConnectorHost, ConnectorRequest, KVConnectorOutput
-from kvconn.host import DEFAULT_STALL_S, DEFAULT_STALL_STEPS, HostOptions, SchedulerHost
+from kvconn.host import DEFAULT_STALL_S, HostOptions, SchedulerHost
 from kvconn.reference import Engine, Request
 from kvconn.testing import create_requests, hook_reference
 from kvconn.testing.conformance.waits import DEFAULT_WAIT_S
@@ -77,24 +78,44 @@ class PendingSave(hook_reference.HookReferenceConnector):
         return sent or None, recving
 
 
-def _engine(cls: type, clock: FakeClock, **options: Any) -> Engine:
-    """An engine with connector ``cls`` (a store of its own) whose scheduler host reads ``clock``."""
-    path = f"{__name__}:{cls.__name__}"
-    engine = Engine(path, {"store": f"{cls.__name__}-{id(clock)}"}, enable_prefix_caching=False, **options)
-    assert engine.scheduler_host is not None
-    engine.scheduler_host.clock = clock
-    return engine
+class Stalling:
+    """An engine with connector ``cls`` (a store of its own) under the bounds ``STALL_STEPS`` and ``STALL_S``, its
+    scheduler host on a fake clock that moves ``seconds_per_step`` before each step."""
+
+    def __init__(self, cls: type, seconds_per_step: float) -> None:
+        self.path = f"{__name__}:{cls.__name__}"
+        self.clock, self.seconds_per_step = FakeClock(), seconds_per_step
+        config = {"store": f"{cls.__name__}-{id(self)}"}
+        self.engine = Engine(self.path, config, enable_prefix_caching=False, stall_steps=STALL_STEPS, stall_s=STALL_S)
+        assert self.engine.scheduler_host is not None
+        self.host = self.engine.scheduler_host
+        self.host.clock = self.clock
+
+    def run(self) -> list[int]:
+        """Run a request of ``PROMPT`` until the engine has no work left (held blocks too); its tokens."""
+        request = self.engine.add_request(PROMPT, max_tokens=4)
+        for _ in range(MAX_STEPS):
+            if not self.engine.scheduler.has_work():
+                return list(request.output_token_ids)
+            self.clock.now += self.seconds_per_step
+            self.engine.step()
+        raise AssertionError(f"the engine still has work after {MAX_STEPS} steps")
 
 
-def _run(engine: Engine, clock: FakeClock, seconds_per_step: float) -> list[int]:
-    """Run a request of ``PROMPT`` until the engine has no work left; ``seconds_per_step`` pass before each step."""
-    request = engine.add_request(PROMPT, max_tokens=4)
-    for _ in range(MAX_STEPS):
-        if not engine.scheduler.has_work():
-            return list(request.output_token_ids)
-        clock.now += seconds_per_step
-        engine.step()
-    raise AssertionError(f"the engine still has work after {MAX_STEPS} steps")
+@pytest.fixture
+def stalling(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Stalling]]:
+    """``stalling(cls, seconds_per_step, pending=None)``: a :class:`Stalling`, ``cls.PENDING`` set to ``pending``."""
+    made: list[Stalling] = []
+
+    def make(cls: type, seconds_per_step: float, pending: int | None = None) -> Stalling:
+        if pending is not None:
+            monkeypatch.setattr(cls, "PENDING", pending)
+        made.append(Stalling(cls, seconds_per_step))
+        return made[-1]
+
+    yield make
+    for run in made:
+        run.engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -107,62 +128,50 @@ def expected() -> list[int]:
 # (10 s a step, stall_steps asks): past stall_s, not past the steps.
 @pytest.mark.parametrize(("seconds_per_step", "pending"), [(0.001, PendingLookup.PENDING), (10.0, STALL_STEPS)])
 def test_a_lookup_pending_past_one_bound_only_is_waited_for_and_its_load_lands(
-    seconds_per_step: float, pending: int, expected: list[int], monkeypatch: pytest.MonkeyPatch
+    seconds_per_step: float, pending: int, expected: list[int], stalling: Callable[..., Stalling]
 ) -> None:
-    monkeypatch.setattr(PendingLookup, "PENDING", pending)
-    clock = FakeClock()
-    with _engine(PendingLookup, clock, stall_steps=STALL_STEPS, stall_s=STALL_S) as engine:
-        assert _run(engine, clock, seconds_per_step) == expected  # saves the prompt's blocks
-        assert _run(engine, clock, seconds_per_step) == expected  # asks again `pending` times, then loads them
-        host = engine.scheduler_host
-        assert host is not None and host.degraded_events == 0, host.first_errors
-        assert engine.stats.prompt_tokens_loaded == 48  # the three full blocks before the last token
+    run = stalling(PendingLookup, seconds_per_step, pending)
+    assert run.run() == expected  # saves the prompt's blocks
+    assert run.run() == expected  # asks again `pending` times, then loads them
+    assert run.host.degraded_events == 0, run.host.first_errors
+    assert run.engine.stats.prompt_tokens_loaded == 48  # the three full blocks before the last token
 
 
 def test_a_lookup_pending_past_both_bounds_is_given_up_on_naming_both_and_the_request_is_computed(
-    expected: list[int],
+    expected: list[int], stalling: Callable[..., Stalling]
 ) -> None:
-    clock = FakeClock()
-    with _engine(PendingLookup, clock, stall_steps=STALL_STEPS, stall_s=STALL_S) as engine:
-        _run(engine, clock, 0.25)
-        assert _run(engine, clock, 0.25) == expected  # past 4 asks at the 5th, past 1 s at the 6th (1.25 s)
-        host = engine.scheduler_host
-        assert host is not None
-        path = f"{__name__}:PendingLookup"
-        assert host.error_counts == {(path, "get_num_new_matched_tokens"): 1}
-        message = host.first_errors[(path, "get_num_new_matched_tokens")]
-        assert message.startswith("BadHookAnswer: asked to be asked again about request ")
-        assert "6 times in a row, for more than 4 steps and 1 s (stall_steps, stall_s); the engine stops" in message
-        assert engine.stats.prompt_tokens_loaded == 0  # computed, not loaded
+    run = stalling(PendingLookup, 0.25)
+    run.run()
+    assert run.run() == expected  # past 4 asks at the 5th, past 1 s at the 6th (1.25 s)
+    assert run.host.error_counts == {(run.path, "get_num_new_matched_tokens"): 1}
+    message = run.host.first_errors[(run.path, "get_num_new_matched_tokens")]
+    assert message.startswith("BadHookAnswer: asked to be asked again about request ")
+    assert "6 times in a row, for more than 4 steps and 1 s (stall_steps, stall_s); the engine stops" in message
+    assert run.engine.stats.prompt_tokens_loaded == 0  # computed, not loaded
 
 
 # As for the lookup: past stall_steps only (reported 20 steps on), or past stall_s only (reported within the steps).
 @pytest.mark.parametrize(("seconds_per_step", "pending"), [(0.001, PendingSave.PENDING), (10.0, STALL_STEPS)])
 def test_a_delayed_free_reported_past_one_bound_only_is_held_until_reported(
-    seconds_per_step: float, pending: int, expected: list[int], monkeypatch: pytest.MonkeyPatch
+    seconds_per_step: float, pending: int, expected: list[int], stalling: Callable[..., Stalling]
 ) -> None:
-    monkeypatch.setattr(PendingSave, "PENDING", pending)
-    clock = FakeClock()
-    with _engine(PendingSave, clock, stall_steps=STALL_STEPS, stall_s=STALL_S) as engine:
-        assert _run(engine, clock, seconds_per_step) == expected  # runs until the free is reported and released
-        host = engine.scheduler_host
-        assert host is not None and host.degraded_events == 0, host.first_errors
-        assert not engine.scheduler.held_requests
-        worker = engine.worker_host
-        assert worker is not None and not worker.connectors[f"{__name__}:PendingSave"].sending  # reported, not given up
+    run = stalling(PendingSave, seconds_per_step, pending)
+    assert run.run() == expected  # runs until the free is reported and released
+    assert run.host.degraded_events == 0, run.host.first_errors
+    assert not run.engine.scheduler.held_requests
+    worker = run.engine.worker_host
+    assert worker is not None and not worker.connectors[run.path].sending  # reported, not given up on
 
 
-def test_a_delayed_free_unreported_past_both_bounds_is_released_naming_both(expected: list[int]) -> None:
-    clock = FakeClock()
-    with _engine(PendingSave, clock, stall_steps=STALL_STEPS, stall_s=STALL_S) as engine:
-        assert _run(engine, clock, 0.25) == expected  # released by the host before the worker's 20 steps
-        host = engine.scheduler_host
-        assert host is not None
-        path = f"{__name__}:PendingSave"
-        assert host.error_counts == {(path, "get_finished"): 1}
-        message = host.first_errors[(path, "get_finished")]
-        assert "in finished_sending within 4 steps and 1 s (stall_steps, stall_s); their blocks are released" in message
-        assert not engine.scheduler.held_requests
+def test_a_delayed_free_unreported_past_both_bounds_is_released_naming_both(
+    expected: list[int], stalling: Callable[..., Stalling]
+) -> None:
+    run = stalling(PendingSave, 0.25)
+    assert run.run() == expected  # released by the host before the worker's 20 steps
+    assert run.host.error_counts == {(run.path, "get_finished"): 1}
+    message = run.host.first_errors[(run.path, "get_finished")]
+    assert "in finished_sending within 4 steps and 1 s (stall_steps, stall_s); their blocks are released" in message
+    assert not run.engine.scheduler.held_requests
 
 
 class AsyncLoader(hook_reference.HookReferenceConnector):
@@ -217,8 +226,6 @@ def test_a_stall_s_that_is_not_a_finite_number_of_seconds_at_least_zero_is_refus
         Engine("dummy", stall_s=bad)
 
 
-def test_the_default_time_bound_outlasts_the_conformance_wait_so_validate_reports_a_stall_first() -> None:
-    """A connector slow enough to be degraded by a host with the defaults fails ``kvconn validate``'s wait first."""
-    assert DEFAULT_STALL_S > DEFAULT_WAIT_S
-    assert HostOptions() == HostOptions(stall_steps=DEFAULT_STALL_STEPS, stall_s=DEFAULT_STALL_S)
-    assert ConnectorHost({}, role="scheduler").stall_s == DEFAULT_STALL_S
+def test_a_host_s_default_time_bound_outlasts_validates_wait_so_a_store_it_would_degrade_fails_validate_first() -> None:
+    """A store slow enough to be degraded by a host on the defaults fails ``kvconn validate``'s own wait first."""
+    assert ConnectorHost({}, role="scheduler").stall_s == DEFAULT_STALL_S > DEFAULT_WAIT_S
