@@ -20,20 +20,20 @@ given, so that it can
   not checked (they are the hot path);
 * bound what a connector can stall: a request it keeps asking to be asked
   again about, or a free it delays, for more than ``stall_steps`` steps and
-  more than ``stall_s`` seconds, is failed as above (both bounds, because an
-  engine waiting on transfers spins through empty steps: steps alone are no
-  measure of how long a remote store has had), and a hook call longer than ``hook_budget_s`` is warned
-  about once per (connector, hook) and counted. A connector whose calls of
-  one hook overrun the budget ``max_slow_calls`` times in a row is degraded
-  for the rest of the run: the host calls it no more, so later steps do not
-  wait on it (a worker side sits out every step, its loads recompute). One
-  call that blocks cannot be cut short: Python cannot interrupt a running
-  function, and abandoning a worker call that may still write into the KV
-  cache could put wrong KV in front of a request; a connector bounds its own
-  blocking work (kvconn-mooncake puts a deadline on every store call). An
-  async load it never reports is not bounded either: its worker may still be
-  writing into those blocks, so handing them to another request could put
-  wrong KV in front of it.
+  more than ``stall_s`` seconds, is failed as above (both: an engine waiting
+  on transfers spins through empty steps, so steps alone are no measure of
+  how long a remote store has had), and a hook call longer than
+  ``hook_budget_s`` is warned about once per (connector, hook) and counted.
+  A connector whose calls of one hook overrun the budget ``max_slow_calls``
+  times in a row is degraded for the rest of the run: the host calls it no
+  more, so later steps do not wait on it (a worker side sits out every step,
+  its loads recompute). One call that blocks cannot be cut short: Python
+  cannot interrupt a running function, and abandoning a worker call that may
+  still write into the KV cache could put wrong KV in front of a request; a
+  connector bounds its own blocking work (kvconn-mooncake puts a deadline on
+  every store call). An async load it never reports is not bounded either:
+  its worker may still be writing into those blocks, so handing them to
+  another request could put wrong KV in front of it.
 
 ``ConnectorHost(connectors, role=...)`` builds the host of that role, a
 :class:`~.scheduler_host.SchedulerHost` or a :class:`~.worker_host.WorkerHost`

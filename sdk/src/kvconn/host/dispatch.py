@@ -75,9 +75,9 @@ DEFAULT_STALL_STEPS = 128
 #: steps (well under a millisecond each) while it waits on KV transfers, so 128 of them can pass
 #: while a correct connector's remote lookup or save takes 100 ms. 30 s is far above what a working
 #: store needs for one lookup or save (milliseconds to a few seconds on a loaded network), and above
-#: ``kvconn validate``'s default wait (10 s, ``testing.conformance.waits.DEFAULT_WAIT_S``): a
-#: connector slow enough to be degraded here fails validate first, by validate's own message, which
-#: names the scenario and the fix. Still bounded: blocks a stuck connector holds return to the engine.
+#: ``kvconn validate``'s default wait (10 s, ``testing.conformance.waits.DEFAULT_WAIT_S``): a store
+#: slow enough to be degraded by a host on these defaults fails validate too, before a launch, with a
+#: message naming the scenario and the fix. Still bounded: blocks a stuck connector holds come back.
 DEFAULT_STALL_S = 30.0
 #: Seconds one hook call may take before the host warns (once per connector and hook) and counts it.
 DEFAULT_HOOK_BUDGET_S = 1.0
