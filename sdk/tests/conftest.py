@@ -11,7 +11,8 @@ from kvconn.testing.conformance.waits import WAIT_ENV
 
 #: The wait bound of the suite's runs: a broken connector's stall waits all of it (``kvconn validate``: 10 s).
 #: Under 1.98 s, the least time the host's 128 idle steps (``stall_steps``) take (32 sleeps of 2 ms, then 20 ms),
-#: so a scenario's stall is reported before the host degrades the connector, whatever the machine's load.
+#: so a scenario's stall is reported before the host degrades the connector, whatever the machine's load (the
+#: conformance drivers' hosts bound stalls by those steps alone: ``stall_s=0``).
 SUITE_WAIT_S = "1"
 
 

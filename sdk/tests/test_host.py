@@ -124,7 +124,7 @@ def test_failed_worker_side_fails_its_loads_and_releases_its_delayed_frees() -> 
     host.build_connector_meta(
         kvconn.SchedulerOutput(0, [], kvconn.CachedRequestData(), {}, 0), kvconn.KVConnectorBlockState(set(), dict)
     )
-    host._sending["done"] = {"a"}
+    host._sending["done"], host._send_steps["done"] = {"a"}, (0, 0.0)
     update = host.update_connector_output({"a": KVConnectorOutput(failed=True)})
     assert update.invalid_block_ids == {5}
     assert update.finished_sending == {"done"}
@@ -145,7 +145,7 @@ def test_a_step_without_reports_is_counted_quietly_only_when_nothing_waits_on_on
     assert scheduler_host(a=sched()).count_quiet_step()
     listening = Listens(role="scheduler")
     assert not scheduler_host(a=listening).count_quiet_step()  # a connector told every step needs the update
-    host = ConnectorHost({"a": DelaysFrees(role="scheduler")}, role="scheduler", stall_steps=2)
+    host = ConnectorHost({"a": DelaysFrees(role="scheduler")}, role="scheduler", stall_steps=2, stall_s=0)
     (request,) = create_requests(1, 40)
     assert host.count_quiet_step()  # counted: the stall bound below starts from this step
     assert host.request_finished(request, ([1, 2],))
@@ -302,7 +302,7 @@ def test_loads_of_the_step_built_last_leave_out_a_sync_load_of_a_step_built_befo
 def test_a_bad_report_keeps_the_delayed_frees_its_worker_may_still_be_reading() -> None:
     """Only a worker that raised has lost its sends; one that answered badly may still read the blocks."""
     host = scheduler_host(a=sched())
-    host._sending["done"] = {"a"}
+    host._sending["done"], host._send_steps["done"] = {"a"}, (0, 0.0)
     update = host.update_connector_output({"a": KVConnectorOutput(finished_recving={"nobody"})})
     assert host.degraded_events == 1 and update.finished_sending == set() and host._sending == {"done": {"a"}}
 

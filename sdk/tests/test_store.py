@@ -268,7 +268,7 @@ def test_saves_of_a_finished_request_that_never_went_out_are_never_sent_later(mo
     with Engine(enable_prefix_caching=False) as plain:
         expected = plain.generate([first], max_tokens=4)[0]
     path = f"{__name__}:MetadataLostConnector"
-    with Engine(path, num_blocks=16, enable_prefix_caching=False, stall_steps=4) as engine:
+    with Engine(path, num_blocks=16, enable_prefix_caching=False, stall_steps=4, stall_s=0) as engine:
         monkeypatch.setattr(MetadataLost, "down", True)
         assert engine.generate([first], max_tokens=4)[0] == expected  # held, then released by the host
         connector = engine.scheduler_host.connectors[path]  # type: ignore[union-attr]

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from kvconn import NULL_BLOCK_ID
+from kvconn.host import DEFAULT_STALL_S
 from kvconn_vllm.testing import harness
 from kvconn_vllm.testing.harness import VllmLoop, make_request, make_scheduler
 
@@ -598,11 +599,60 @@ def test_the_hosts_bounds_are_set_from_vllms_extra_config() -> None:
     from kvconn_vllm import KVConnVllmConnector
 
     scheduler = make_scheduler("dummy")
-    scheduler.vllm_config.kv_transfer_config.kv_connector_extra_config.update(
-        {"kvconn_stall_steps": 7, "kvconn_hook_budget_s": 0.5, "kvconn_max_slow_calls": 5}
+    extra = scheduler.vllm_config.kv_transfer_config.kv_connector_extra_config
+    extra.update(
+        {"kvconn_stall_steps": 7, "kvconn_stall_s": 2.5, "kvconn_hook_budget_s": 0.5, "kvconn_max_slow_calls": 5}
     )
     adapter = KVConnVllmConnector(scheduler.vllm_config, KVConnectorRole.SCHEDULER, scheduler.kv_cache_config)
-    assert (adapter.host.stall_steps, adapter.host.hook_budget_s, adapter.host.max_slow_calls) == (7, 0.5, 5)
+    host = adapter.host
+    assert (host.stall_steps, host.stall_s, host.hook_budget_s, host.max_slow_calls) == (7, 2.5, 0.5, 5)
+    del extra["kvconn_stall_s"]  # the harness's own 0 too: the host's default
+    adapter = KVConnVllmConnector(scheduler.vllm_config, KVConnectorRole.SCHEDULER, scheduler.kv_cache_config)
+    assert adapter.host.stall_s == DEFAULT_STALL_S > 0
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("kvconn_stall_s", -1, "kvconn_stall_s must be a number of seconds >= 0 (0: bound stalls by stall_steps "
+         "alone), got -1"),
+        ("kvconn_stall_s", "30", "kvconn_stall_s must be a number of seconds >= 0"),
+        ("kvconn_stall_steps", 0, "kvconn_stall_steps must be >= 1, got 0"),
+        ("kvconn_on_error", "ignore", "kvconn_on_error must be 'degrade' or 'raise', not 'ignore'"),
+    ],
+)  # fmt: skip
+def test_a_bad_host_option_is_refused_before_launch_naming_its_key(key: str, value: Any, message: str) -> None:
+    from kvconn import ConnectorConfigError
+    from kvconn_vllm.config import check_extra_config
+
+    with pytest.raises(ConnectorConfigError) as err:
+        check_extra_config({"kvconn_connector": "dummy", key: value})
+    assert str(err.value).startswith(message)
+
+
+@pytest.mark.usefixtures("runner")
+@pytest.mark.parametrize(("seconds_per_step", "degraded"), [(0.001, False), (1.0, True)])
+def test_a_save_in_flight_past_the_step_bound_is_a_stall_only_past_the_time_bound_too(
+    test_connectors: str, seconds_per_step: float, degraded: bool
+) -> None:
+    """vLLM spins through empty steps while a save is in flight: 20 of them at 1 ms each are no stall."""
+    now = [0.0]  # the host's clock, moved before each step
+    scheduler = make_scheduler(f"{test_connectors}:HandoffConnector", {"send_steps": 20}, on_error="degrade")
+    host = scheduler.connector.host
+    host.stall_steps, host.stall_s, host.clock = 3, 5.0, lambda: now[0]
+    scheduler.add_request(make_request("r0", PROMPT_47, max_tokens=2))
+    loop = VllmLoop(scheduler)
+    for _ in range(60):
+        if not scheduler.has_requests():
+            break
+        now[0] += seconds_per_step
+        loop.step()
+    assert not scheduler.has_requests()  # the free was reported (1 ms a step), or released by the host (1 s)
+    assert host.degraded_events == degraded, host.first_errors
+    if degraded:
+        (message,) = host.first_errors.values()
+        assert "in finished_sending within 3 steps and 5 s (stall_steps, stall_s); their blocks are released" in message
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == scheduler.kv_cache_config.num_blocks - 1
 
 
 def test_a_synchronous_hit_on_the_whole_prompt_leaves_vllm_a_token_to_compute(test_connectors: str) -> None:

@@ -22,7 +22,7 @@ from kvconn import load_connector_class
 from kvconn.connector import KVConnectorRole
 from kvconn.context import ConnectorContext
 from kvconn.errors import ConnectorConfigError, ConnectorNotFoundError, KVConnError
-from kvconn.host import ConnectorHost
+from kvconn.host import ConnectorHost, HostOptions
 from kvconn.introspection import build_config
 
 from .registration import EXTRA_CONFIG_KEYS, route_logs_to_vllm
@@ -35,7 +35,8 @@ def _host_options(extra: dict[str, Any]) -> tuple[str | list[str], Any, dict[str
     """The connector name(s), their config, and the host's own options (``kvconn_on_error`` ...).
 
     A ``kvconn_`` key the adapter does not read is an error: a misspelt one
-    would otherwise leave the engine on defaults without a word.
+    would otherwise leave the engine on defaults without a word. So is a bad
+    value of a host option, named by its key (checked by :class:`~kvconn.host.HostOptions`).
     """
     unknown = sorted(k for k in extra if k.startswith("kvconn_") and k not in EXTRA_CONFIG_KEYS)
     if unknown:
@@ -57,8 +58,10 @@ def _host_options(extra: dict[str, Any]) -> tuple[str | list[str], Any, dict[str
             f"got kvconn_connector={names!r} (see `kvconn list` for the installed ones)"
         )
     options = {key.removeprefix("kvconn_"): extra[key] for key in EXTRA_CONFIG_KEYS[2:] if key in extra}
-    if options.get("on_error", "degrade") not in ("degrade", "raise"):
-        raise ConnectorConfigError(f"kvconn_on_error must be 'degrade' or 'raise', not {options['on_error']!r}")
+    try:
+        HostOptions(**options)
+    except ValueError as exc:  # its message begins with the option's name: the key without its prefix
+        raise ConnectorConfigError(f"kvconn_{exc}") from None
     return names, extra.get("kvconn_config"), options
 
 

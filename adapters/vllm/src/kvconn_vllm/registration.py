@@ -24,6 +24,7 @@ EXTRA_CONFIG_KEYS = (
     "kvconn_config",
     "kvconn_on_error",
     "kvconn_stall_steps",
+    "kvconn_stall_s",
     "kvconn_hook_budget_s",
     "kvconn_max_slow_calls",
 )

@@ -27,7 +27,14 @@ from __future__ import annotations
 
 from .answers import BadHookAnswer
 from .connector_host import ConnectorHost
-from .dispatch import DEFAULT_HOOK_BUDGET_S, DEFAULT_MAX_SLOW_CALLS, DEFAULT_STALL_STEPS, HostOptions, OnError
+from .dispatch import (
+    DEFAULT_HOOK_BUDGET_S,
+    DEFAULT_MAX_SLOW_CALLS,
+    DEFAULT_STALL_S,
+    DEFAULT_STALL_STEPS,
+    HostOptions,
+    OnError,
+)
 from .monitors import MONITORED_CALLS, STEP_CALLS, CallOutcome, MonitorAfter, MonitorBefore
 from .scheduler_host import NO_LOAD, LoadPlan, LoadSpec, SchedulerHost, StepUpdate
 from .worker_host import WorkerHost
@@ -35,6 +42,7 @@ from .worker_host import WorkerHost
 __all__ = [
     "DEFAULT_HOOK_BUDGET_S",
     "DEFAULT_MAX_SLOW_CALLS",
+    "DEFAULT_STALL_S",
     "DEFAULT_STALL_STEPS",
     "MONITORED_CALLS",
     "NO_LOAD",

@@ -19,19 +19,21 @@ given, so that it can
   connector, the hook and the value. The per-layer hooks return nothing and are
   not checked (they are the hot path);
 * bound what a connector can stall: a request it keeps asking to be asked
-  again about, or a free it delays, for more than ``stall_steps`` steps, is
-  failed as above, and a hook call longer than ``hook_budget_s`` is warned
-  about once per (connector, hook) and counted. A connector whose calls of
-  one hook overrun the budget ``max_slow_calls`` times in a row is degraded
-  for the rest of the run: the host calls it no more, so later steps do not
-  wait on it (a worker side sits out every step, its loads recompute). One
-  call that blocks cannot be cut short: Python cannot interrupt a running
-  function, and abandoning a worker call that may still write into the KV
-  cache could put wrong KV in front of a request; a connector bounds its own
-  blocking work (kvconn-mooncake puts a deadline on every store call). An
-  async load it never reports is not bounded either: its worker may still be
-  writing into those blocks, so handing them to another request could put
-  wrong KV in front of it.
+  again about, or a free it delays, for more than ``stall_steps`` steps and
+  more than ``stall_s`` seconds, is failed as above (both: an engine waiting
+  on transfers spins through empty steps, so steps alone are no measure of
+  how long a remote store has had), and a hook call longer than
+  ``hook_budget_s`` is warned about once per (connector, hook) and counted.
+  A connector whose calls of one hook overrun the budget ``max_slow_calls``
+  times in a row is degraded for the rest of the run: the host calls it no
+  more, so later steps do not wait on it (a worker side sits out every step,
+  its loads recompute). One call that blocks cannot be cut short: Python
+  cannot interrupt a running function, and abandoning a worker call that may
+  still write into the KV cache could put wrong KV in front of a request; a
+  connector bounds its own blocking work (kvconn-mooncake puts a deadline on
+  every store call). An async load it never reports is not bounded either:
+  its worker may still be writing into those blocks, so handing them to
+  another request could put wrong KV in front of it.
 
 ``ConnectorHost(connectors, role=...)`` builds the host of that role, a
 :class:`~.scheduler_host.SchedulerHost` or a :class:`~.worker_host.WorkerHost`
@@ -44,7 +46,8 @@ class itself. What both roles share lives beside them: :mod:`.dispatch`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from time import monotonic
 from typing import Any, ClassVar, Self
 
 from .._plugins.registry import connector_roles, instantiate_connector, load_connector_class
@@ -68,6 +71,10 @@ class ConnectorHost(HostCore, Monitored):
         context: the engine facts (block size is used to map loads to blocks).
         on_error: ``"degrade"`` (default) or ``"raise"``.
         stall_steps: steps without progress a connector may cause (see the module docstring).
+        stall_s: seconds without progress a connector may cause, beside ``stall_steps``: a
+            stall counts only past both (default :data:`~kvconn.host.DEFAULT_STALL_S`, which says
+            why); ``0``: ``stall_steps`` alone.
+        clock: the monotonic clock ``stall_s`` is measured on (a test passes a fake one).
         hook_budget_s: seconds a hook call may take before it is warned about and
             counted in :attr:`slow_calls`; ``None``: no budget.
         max_slow_calls: calls of one hook in a row over ``hook_budget_s`` after which
@@ -97,11 +104,19 @@ class ConnectorHost(HostCore, Monitored):
         # The defaults are HostOptions' own: its fields hold them as class attributes.
         on_error: OnError = HostOptions.on_error,
         stall_steps: int = HostOptions.stall_steps,
+        stall_s: float = HostOptions.stall_s,
         hook_budget_s: float | None = HostOptions.hook_budget_s,
         max_slow_calls: int | None = HostOptions.max_slow_calls,
+        clock: Callable[[], float] = monotonic,
     ) -> None:
-        options = HostOptions(on_error, stall_steps, hook_budget_s, max_slow_calls)
-        super().__init__(connectors, role=self._role(role), context=context, options=options)
+        options = HostOptions(
+            on_error=on_error,
+            stall_steps=stall_steps,
+            stall_s=stall_s,
+            hook_budget_s=hook_budget_s,
+            max_slow_calls=max_slow_calls,
+        )
+        super().__init__(connectors, role=self._role(role), context=context, options=options, clock=clock)
         self._monitors: list[_Monitor] = []
         self._init_role()
 
@@ -137,7 +152,7 @@ class ConnectorHost(HostCore, Monitored):
     ) -> Self:
         """Load connectors by name (or ``"pkg.mod:Class"``) and host them.
 
-        ``options`` are the host's (``on_error``, ``stall_steps``, ...), as for
+        ``options`` are the host's (``on_error``, ``stall_steps``, ``stall_s``, ...), as for
         :class:`ConnectorHost`. With one name, ``config`` is that connector's config; with several, it
         maps each name to its config. Connectors that do not serve ``role``
         (a scheduler-only connector on a worker) are left out. ``role`` may

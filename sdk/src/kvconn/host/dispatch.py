@@ -41,7 +41,7 @@ import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from time import perf_counter
+from time import monotonic, perf_counter
 from typing import Any, ClassVar, Literal
 
 import pluggy
@@ -54,7 +54,8 @@ from ..metadata import KVConnectorMetadata
 from .answers import BadHookAnswer
 
 __all__ = [
-    "DEFAULT_HOOK_BUDGET_S", "DEFAULT_MAX_SLOW_CALLS", "DEFAULT_STALL_STEPS", "HostCore", "HostOptions", "OnError",
+    "DEFAULT_HOOK_BUDGET_S", "DEFAULT_MAX_SLOW_CALLS", "DEFAULT_STALL_S", "DEFAULT_STALL_STEPS", "HostCore",
+    "HostOptions", "OnError",
 ]  # fmt: skip
 
 logger = logging.getLogger("kvconn.host")
@@ -66,8 +67,18 @@ _Impl = tuple[str, Callable[..., Any]]
 Args = tuple[Any, ...] | Callable[[str], tuple[Any, ...]]
 
 #: Steps a connector may keep a request waiting on it (asking to be asked again, a
-#: delayed free) before the host gives up on it and degrades the connector.
+#: delayed free) before the host gives up on it and degrades the connector, once
+#: :data:`DEFAULT_STALL_S` has passed too.
 DEFAULT_STALL_STEPS = 128
+#: Seconds a connector may keep a request waiting on it, beside :data:`DEFAULT_STALL_STEPS`: a stall
+#: counts only past both. Steps alone are no measure of time: a real engine core spins through empty
+#: steps (well under a millisecond each) while it waits on KV transfers, so 128 of them can pass
+#: while a correct connector's remote lookup or save takes 100 ms. 30 s is far above what a working
+#: store needs for one lookup or save (milliseconds to a few seconds on a loaded network), and above
+#: ``kvconn validate``'s default wait (10 s, ``testing.conformance.waits.DEFAULT_WAIT_S``): a store
+#: slow enough to be degraded by a host on these defaults fails validate too, before a launch, with a
+#: message naming the scenario and the fix. Still bounded: blocks a stuck connector holds come back.
+DEFAULT_STALL_S = 30.0
 #: Seconds one hook call may take before the host warns (once per connector and hook) and counts it.
 DEFAULT_HOOK_BUDGET_S = 1.0
 #: Calls of one hook in a row over the budget after which a connector is degraded for the rest of the run:
@@ -81,13 +92,14 @@ _FAILED = object()  # what _call returns for a call that raised
 class HostOptions:
     """How a host treats its connectors' failures and stalls: the one place these options and their defaults live.
 
-    ``on_error``, ``stall_steps``, ``hook_budget_s`` and ``max_slow_calls`` as
+    ``on_error``, ``stall_steps``, ``stall_s``, ``hook_budget_s`` and ``max_slow_calls`` as
     :class:`~kvconn.ConnectorHost` documents them; a bad value is refused here,
     naming the option and what it accepts.
     """
 
     on_error: OnError = "degrade"
     stall_steps: int = DEFAULT_STALL_STEPS
+    stall_s: float = DEFAULT_STALL_S
     hook_budget_s: float | None = DEFAULT_HOOK_BUDGET_S
     max_slow_calls: int | None = DEFAULT_MAX_SLOW_CALLS
 
@@ -96,6 +108,10 @@ class HostOptions:
             raise ValueError(f"on_error must be 'degrade' or 'raise', not {self.on_error!r}")
         if self.stall_steps < 1:
             raise ValueError(f"stall_steps must be >= 1, got {self.stall_steps}")
+        if not (isinstance(self.stall_s, (int, float)) and self.stall_s >= 0 and math.isfinite(self.stall_s)):
+            raise ValueError(
+                f"stall_s must be a number of seconds >= 0 (0: bound stalls by stall_steps alone), got {self.stall_s!r}"
+            )
         if self.max_slow_calls is not None and self.max_slow_calls < 1:
             raise ValueError(
                 f"max_slow_calls must be >= 1 (or None: never degrade a slow connector), got {self.max_slow_calls}"
@@ -139,10 +155,14 @@ class HostCore:
         role: KVConnectorRole | str,
         context: ConnectorContext | None,
         options: HostOptions,
+        clock: Callable[[], float] = monotonic,
     ) -> None:
         self.options = options
         # Read on every call: plain attributes, a missing bound as infinity.
         self.stall_steps = options.stall_steps
+        self.stall_s = options.stall_s
+        #: seconds, for ``stall_s``: monotonic, and read only once a wait has lasted ``stall_steps`` steps
+        self.clock = clock
         self.hook_budget_s = math.inf if options.hook_budget_s is None else options.hook_budget_s
         self.max_slow_calls = math.inf if options.max_slow_calls is None else options.max_slow_calls
         items = list(connectors.items() if isinstance(connectors, Mapping) else connectors)
@@ -202,6 +222,20 @@ class HostCore:
     # from a role's own loop, except the per-layer loops (layers x connectors a step), which guard each call and
     # time the layer as a whole. Either way: one ``try`` per connector, arguments positional in spec order, a
     # call's time booked by _book.
+
+    def _stalled(self, steps: int, since: float) -> bool:
+        """Whether a wait that began at ``clock()`` time ``since`` and has lasted ``steps`` steps is a stall.
+
+        Past both bounds: more than ``stall_steps`` steps and more than ``stall_s``
+        seconds (``stall_s=0``: the steps alone). The clock is read only past the steps.
+        """
+        return steps > self.stall_steps and (not self.stall_s or self.clock() - since > self.stall_s)
+
+    def _stall_bounds(self) -> str:
+        """The bounds, for a message that reports a stall."""
+        if not self.stall_s:
+            return f"{self.stall_steps} steps (stall_steps; stall_s=0)"
+        return f"{self.stall_steps} steps and {self.stall_s:g} s (stall_steps, stall_s)"
 
     def _fail(self, name: str, hook: str, exc: Exception) -> None:
         """Account for connector ``name`` failing in ``hook``: it loses its work for this step (or it raises)."""

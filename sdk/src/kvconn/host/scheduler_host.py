@@ -7,8 +7,8 @@ workers must later report on: loads in flight per connector (sync ones end
 with their step, async ones when reported), async loads failed while in
 flight (so a late report of one is not taken for a stray), delayed frees
 (released once every connector that delayed them is done), and "ask me
-again" answers in a row. Each bounded by ``stall_steps``: see
-:mod:`.connector_host`.
+again" answers in a row. Each bounded by ``stall_steps`` and ``stall_s``
+(a wait is a stall past both): see :mod:`.connector_host`.
 """
 
 from __future__ import annotations
@@ -105,11 +105,13 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
         ]
         self._step = 0  # update_connector_output calls: the scheduler's step count
         self._builds = 0  # build_connector_meta calls
-        self._asks: dict[tuple[str, str], int] = {}  # (connector, request) -> "ask again" answers in a row
-        self._send_steps: dict[str, int] = {}  # delayed free -> the step it began
+        #: (connector, request) -> "ask again" answers in a row and the clock() time of the first; -1: given up on
+        self._asks: dict[tuple[str, str], tuple[int, float]] = {}
+        self._send_steps: dict[str, tuple[int, float]] = {}  # delayed free -> the step and clock() time it began
         self._loads: dict[str, dict[str, _Load]] = {name: {} for name in self.connectors}  # in flight
-        #: per connector, async loads failed while in flight (request id -> step): a later report of one is no stray
-        self._abandoned: dict[str, dict[str, int]] = {name: {} for name in self.connectors}
+        #: per connector, async loads failed while in flight (request id -> the step and clock() time it was failed):
+        #: a later report of one is no stray
+        self._abandoned: dict[str, dict[str, tuple[int, float]]] = {name: {} for name in self.connectors}
         self._sending: dict[str, set[str]] = {}  # delayed free -> the connectors delaying it
 
     @property
@@ -131,8 +133,8 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
 
         A bad answer (see :func:`.answers.match`) counts as no hit. A connector
         that asks to be asked again about one request more than
-        ``stall_steps`` times in a row is failed once, then counts as having
-        no hit for that request.
+        ``stall_steps`` times in a row, over more than ``stall_s`` seconds, is
+        failed once, then counts as having no hit for that request.
         """
         req_id = request.request_id
         num_tokens: int | None
@@ -148,18 +150,22 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
                     self._fail(name, "get_num_new_matched_tokens", exc)
                     continue
             if num_tokens is None:
-                asks = self._asks[name, req_id] = self._asks.get((name, req_id), 0) + 1
-                if asks <= self.stall_steps:
+                asks, since = self._asks.get((name, req_id)) or (0, self.clock())
+                if asks < 0:
+                    continue  # given up on (failed once): no hit
+                asks += 1
+                if not self._stalled(asks, since):
+                    self._asks[name, req_id] = (asks, since)
                     return LoadPlan(None, False, name)
-                if asks == self.stall_steps + 1:
-                    self._fail(
-                        name,
-                        "get_num_new_matched_tokens",
-                        BadHookAnswer(
-                            f"asked to be asked again about request {req_id!r} {self.stall_steps} times in a row "
-                            "(stall_steps); the engine stops waiting for it and computes the request"
-                        ),
-                    )
+                self._asks[name, req_id] = (-1, since)
+                self._fail(
+                    name,
+                    "get_num_new_matched_tokens",
+                    BadHookAnswer(
+                        f"asked to be asked again about request {req_id!r} {asks} times in a row, for more than "
+                        f"{self._stall_bounds()}; the engine stops waiting for it and computes the request"
+                    ),
+                )
                 continue
             if self._asks:
                 self._asks.pop((name, req_id), None)
@@ -238,7 +244,7 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
                 self._asks.pop((name, req_id), None)
         if delayed:
             self._sending[req_id] = delayed
-            self._send_steps[req_id] = self._step
+            self._send_steps[req_id] = (self._step, self.clock())
         return bool(delayed)
 
     def update_connector_output(self, outputs: Mapping[str, KVConnectorOutput]) -> StepUpdate:
@@ -290,7 +296,7 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
         late = out.finished_recving & abandoned.keys()
         for req_id in late:  # a load already failed (a step it raised in): its worker finished it after all
             del abandoned[req_id]
-        for req_id in [r for r, step in abandoned.items() if self._step - step > self.stall_steps]:
+        for req_id in [r for r, (step, since) in abandoned.items() if self._stalled(self._step - step, since)]:
             del abandoned[req_id]  # never reported: forget it
         stray: list[Any] = sorted(r for r in out.finished_recving - late if r not in loads or not loads[r].is_async)
         if stray:
@@ -316,7 +322,7 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
             if failed or not load.sent:
                 update.invalid_block_ids.update(load.block_ids)
                 if load.is_async and load.sent:  # its worker may still report it: not a stray report then
-                    self._abandoned[name][req_id] = self._step
+                    self._abandoned[name][req_id] = (self._step, self.clock())
             elif load.is_async and req_id not in out.finished_recving:
                 continue  # still loading
             del loads[req_id]
@@ -328,7 +334,7 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
 
         A worker side that raised is presumed to have lost its transfers: the
         frees it was delaying are released rather than leaked. So are those
-        it has not reported within ``stall_steps`` steps (and it is failed):
+        it has not reported within ``stall_steps`` steps and ``stall_s`` seconds (and it is failed):
         held blocks would otherwise starve the engine for good. A report of a
         send it never delayed is ignored with a warning (an abort may have
         given up on it).
@@ -340,9 +346,11 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
         for req_id, waiting in list(self._sending.items()):
             if failed or req_id in out.finished_sending:
                 waiting.discard(name)
-            elif name in waiting and self._step - self._send_steps.get(req_id, self._step) > self.stall_steps:
-                waiting.discard(name)
-                stalled.append(req_id)
+            elif name in waiting:
+                step, since = self._send_steps[req_id]
+                if self._stalled(self._step - step, since):
+                    waiting.discard(name)
+                    stalled.append(req_id)
             if not waiting:
                 del self._sending[req_id]
                 self._send_steps.pop(req_id, None)
@@ -353,7 +361,7 @@ class SchedulerHost(ConnectorHost, role=KVConnectorRole.SCHEDULER):
                 "get_finished",
                 BadHookAnswer(
                     f"did not report the delayed frees of {stalled[:8]} in finished_sending within "
-                    f"{self.stall_steps} steps (stall_steps); their blocks are released"
+                    f"{self._stall_bounds()}; their blocks are released"
                 ),
             )
 

@@ -16,6 +16,7 @@ from ..context import ConnectorContext
 from ..host import (
     DEFAULT_HOOK_BUDGET_S,
     DEFAULT_MAX_SLOW_CALLS,
+    DEFAULT_STALL_S,
     DEFAULT_STALL_STEPS,
     ConnectorHost,
     OnError,
@@ -51,8 +52,10 @@ class Engine:
         worker_config: the worker side's config where it differs from ``config``
             (a test giving the worker a fresh store namespace, say).
         on_error: the hosts' error policy (``"degrade"`` or ``"raise"``).
-        stall_steps, hook_budget_s, max_slow_calls: the hosts' bounds on a stalling
-            or slow connector (:class:`~kvconn.ConnectorHost`).
+        stall_steps, stall_s, hook_budget_s, max_slow_calls: the hosts' bounds on a stalling
+            or slow connector (:class:`~kvconn.ConnectorHost`). The engine's steps take
+            microseconds, as a real engine's empty steps do, so a stall counts only past
+            ``stall_s`` seconds too; ``stall_s=0`` bounds it by ``stall_steps`` alone.
         model, dtype: engine facts connectors may namespace keys with.
         tp_size: tensor-parallel ranks to run (default: ``shape.tp_size``), each a worker with its shard
             of the heads and a connector worker side whose context names its rank (:mod:`.ranks`).
@@ -71,6 +74,7 @@ class Engine:
         worker_config: Mapping[str, Any] | None = None,
         on_error: OnError = "degrade",
         stall_steps: int = DEFAULT_STALL_STEPS,
+        stall_s: float = DEFAULT_STALL_S,
         hook_budget_s: float | None = DEFAULT_HOOK_BUDGET_S,
         max_slow_calls: int | None = DEFAULT_MAX_SLOW_CALLS,
         model: str = "kvconn-reference",
@@ -111,6 +115,7 @@ class Engine:
                 context=context,
                 on_error=on_error,
                 stall_steps=stall_steps,
+                stall_s=stall_s,
                 hook_budget_s=hook_budget_s,
                 max_slow_calls=max_slow_calls,
             )

@@ -147,9 +147,14 @@ def _init_hashing() -> None:
 def kvconn_transfer_config(
     connector: str | Sequence[str], config: Any = None, *, on_error: str = "raise", short_name: bool = False
 ) -> dict[str, Any]:
-    """``KVTransferConfig`` fields that load kvconn ``connector`` through the adapter."""
+    """``KVTransferConfig`` fields that load kvconn ``connector`` through the adapter.
+
+    The host's stall bound is in steps alone (``kvconn_stall_s=0``): the harness's steps are a test's, and the
+    conformance drivers built on it bound their own waits in wall time (:mod:`kvconn.testing.conformance.waits`),
+    relying on the host's steps to release frees never reported, as the reference driver does.
+    """
     names = connector if isinstance(connector, str) else list(connector)
-    extra: dict[str, Any] = {"kvconn_connector": names, "kvconn_on_error": on_error}
+    extra: dict[str, Any] = {"kvconn_connector": names, "kvconn_on_error": on_error, "kvconn_stall_s": 0}
     if config is not None:
         extra["kvconn_config"] = config
     fields: dict[str, Any] = {"kv_connector": CONNECTOR_CLASS, "kv_connector_extra_config": extra}
