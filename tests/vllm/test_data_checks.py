@@ -53,6 +53,33 @@ def test_the_data_driver_runs_vllms_scheduler_and_gets_the_reference_engines_tok
     driver.close()
 
 
+def test_the_preempted_prefill_data_run_preempts_a_prompt_mid_prefill_under_both_runners(runner: str) -> None:
+    """KV043's second run through vLLM's scheduler, read from its step records: 'a1' is preempted with its first
+    full blocks computed and saved, comes back as the runner expects (V1: in resumed_req_ids with its whole new
+    table; V2: a new request), loads them and computes the rest in a chunk ending mid-block; 'b' loads all four of
+    its blocks; every token is the connector-less run's."""
+    from kvconn.testing.conformance import Session
+    from kvconn.testing.conformance.runs import PREEMPTED_PREFILL, data_run, expected_tokens
+
+    session = Session("offload", driver="vllm")
+    result = data_run(session, PREEMPTED_PREFILL)
+    records, a1 = result.records, result.tag.engine_id("a1")
+    at = next(i for i, record in enumerate(records) if a1 in record.preempted)
+    computed = sum(record.output.num_scheduled_tokens.get(a1, 0) for record in records[:at])
+    assert 16 <= computed < 64  # mid-prefill, a full block of it computed for the connector to save
+    resume = next(i for i, record in enumerate(records) if i > at and record.output.num_scheduled_tokens.get(a1))
+    assert records[resume].loaded == {a1: 32}  # what it saved before the preemption, into its new table
+    scheduled = result.driver.loop.outputs[resume]  # vLLM's own SchedulerOutput of that step
+    if runner == "v1":
+        assert a1 in scheduled.scheduled_cached_reqs.resumed_req_ids
+    else:
+        assert [new.req_id for new in scheduled.scheduled_new_reqs] == [a1]
+    start = records[resume].output.num_computed_tokens_by_request()[a1]
+    assert (start + records[resume].output.num_scheduled_tokens[a1]) % 16  # the resumed chunk ends mid-block
+    assert result.loaded("b") == 64
+    assert result.tokens == expected_tokens(session, PREEMPTED_PREFILL, result.driver.shape)
+
+
 @pytest.mark.usefixtures("fixtures")
 def test_a_connector_whose_server_outlives_every_run_never_meets_a_request_id_twice_under_vllm() -> None:
     """A server keyed by request id (LMCache's multi-process one), across two validate invocations through vLLM."""
@@ -89,6 +116,9 @@ def test_a_load_into_the_wrong_layer_changes_the_tokens_under_vllm() -> None:
         # two ranks, each a worker-side connector of its own with its tp rank, share one store per run
         ("RankBlindKeys", "KV048", "on tensor-parallel rank 0, block 4 (position 0, layer 'layer.0') holds rank 1's "
          "shard of it: rank 1's value under rank 0's key (the store key misses the rank)"),
+        # a count of tokens kept across preemption: a prompt resumed mid-prefill saves blocks it has not recomputed
+        ("KeepsCountAcrossPreemption", "KV043", "in the 'preempted-prefill-reuse' data run ('a1' was preempted "
+         "mid-prefill with 40 of its 64 prompt tokens computed, then resumed), request 'b' generated"),
     ],
 )  # fmt: skip
 def test_a_broken_connector_fails_its_check_under_vllm(connector: str, check_id: str, observed: str) -> None:

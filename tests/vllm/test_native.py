@@ -291,6 +291,35 @@ def test_a_vllm_connector_appending_a_resumed_requests_table_fails_preempted_sav
     assert "in the 'preempted-saves' data run, request 'b" in failed["KV043"] and "ran on wrong KV" in failed["KV043"]
 
 
+@pytest.mark.parametrize("connector", ["HashedBlocksConnector", "AppendsAfterPreemptionConnector"])
+def test_a_prompt_preempted_mid_prefill_catches_the_appended_table_under_both_runners(
+    fixtures: str, runner: str, connector: str
+) -> None:
+    """KV043's mid-prefill run on its own: 'a1' is preempted with part of its prompt computed (read from the run's
+    steps) and comes back (V1: resumed_req_ids; V2: a new request); the request-tracker pattern then saves other
+    blocks' bytes under its hashes, and 'b' runs on them. The same connector reading vLLM's live table passes."""
+    from kvconn.testing.conformance.checks.data import RESUMED_PREFILL_FIX, preempted_mid_prefill
+    from kvconn.testing.conformance.results import ConformanceFailure
+    from kvconn.testing.conformance.runs import PREEMPTED_PREFILL, data_run
+
+    session = NativeSession(native_target(f"{fixtures}:{connector}"), {"store": uuid.uuid4().hex})
+    result = data_run(session, PREEMPTED_PREFILL)
+    records, a1 = result.records, result.tag.engine_id("a1")
+    at = next(i for i, record in enumerate(records) if a1 in record.preempted)
+    assert 16 <= sum(record.output.num_scheduled_tokens.get(a1, 0) for record in records[:at]) < 64
+    if connector == "HashedBlocksConnector":
+        preempted_mid_prefill(session)
+        return
+    with pytest.raises(ConformanceFailure) as failure:
+        preempted_mid_prefill(session)
+    assert failure.value.observed.startswith(
+        "in the 'preempted-prefill-reuse' data run ('a1' was preempted mid-prefill with 40 of its 64 prompt tokens "
+        "computed, then resumed), request 'b' generated "
+    )
+    assert "it ran on wrong KV: the load of 'b' at step " in session.tags.untag(failure.value.observed)
+    assert failure.value.fix is not None and failure.value.fix.startswith(RESUMED_PREFILL_FIX)
+
+
 def test_request_finished_all_groups_calling_request_finished_is_one_call(fixtures: str) -> None:
     """vLLM calls request_finished_all_groups or request_finished, never both: KV030 counts vLLM's call."""
     report = run_native_conformance(

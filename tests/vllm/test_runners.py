@@ -74,3 +74,18 @@ def test_a_table_appended_across_preemption_goes_wrong_under_v1_only(
     report = run_conformance("kvconn_conformance_fixtures.broken:AccumulatedTables", driver="vllm", select="KV012")
     (result,) = report.results
     assert result.status == "failed" and result.message.startswith(f"observed in scenario {scenario!r}"), result
+
+
+def test_the_worker_lets_the_connector_handle_preemptions_on_every_step_as_the_runner_does(
+    runner: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """V1's ``GPUModelRunner.execute_model`` and V2's ``pre_forward`` (``no_forward`` goes through it) call
+    ``handle_preemptions`` on every step, before the forward: a connector finishing a preempted request's stores
+    there reads its blocks before the step can reuse them (the data drivers keep their bytes until the step ends)."""
+    from kvconn_vllm.connector import KVConnVllmConnector
+
+    calls: list[Any] = []
+    monkeypatch.setattr(KVConnVllmConnector, "handle_preemptions", lambda self, metadata: calls.append(metadata))
+    _, loop = _preempting("dummy")
+    loop.run()
+    assert len(calls) == len(loop.outputs) and all(calls)  # each step's metadata, as the worker got it

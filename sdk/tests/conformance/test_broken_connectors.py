@@ -19,8 +19,9 @@ from kvconn_conformance_fixtures import broken
 
 from kvconn.testing.conformance import ConnectorReport, Session, list_checks, run_conformance
 from kvconn.testing.conformance.catalog import get_check
-from kvconn.testing.conformance.results import NOT_RUN
-from kvconn.testing.conformance.runs import DataRun, Follow, Req, data_run
+from kvconn.testing.conformance.checks.data import RESUMED_PREFILL_FIX, compare_tokens, preempted_mid_prefill
+from kvconn.testing.conformance.results import NOT_RUN, ConformanceFailure
+from kvconn.testing.conformance.runs import PREEMPTED_SAVES, DataRun, Follow, Req, data_run
 from kvconn.testing.conformance.scenarios import prompt
 from kvconn.testing.conformance.session import METADATA_FIX
 from kvconn.testing.conformance.waits import raise_hint
@@ -50,6 +51,7 @@ SPECIFIC_FIXES = {
     "KeepsFirstTableUnnamed": "read the table each step with block_state.get_block_ids(req_id): a request resumed "
     "after preemption has a new table",
     "DeferredSaver": "read a save's bytes out of the KV cache by the end of its step (by wait_for_save)",
+    "KeepsCountAcrossPreemption": RESUMED_PREFILL_FIX,
 }
 
 
@@ -91,6 +93,8 @@ SPECIFIC_FIXES = {
          "more tokens than it holds"),
         ("SavesTouchedBlocks", "KV042", "in the 'mid-block-chunks' data run, request 'b0' generated"),
         ("KeepsFirstTableUnnamed", "KV043", "in the 'preempted-saves' data run, request 'b3' generated"),
+        ("KeepsCountAcrossPreemption", "KV043", "in the 'preempted-prefill-reuse' data run ('a1' was preempted "
+         "mid-prefill with 40 of its 64 prompt tokens computed, then resumed), request 'b' generated"),
         # a prompt preempted mid-prefill comes back with another table: the scenario shows it before any data run
         ("KeepsFirstTable", "KV012", "in scenario 'preempted-prefill', step 7: the metadata pairs block 6 with the "
          "hash of block 2 of r1, but position 2 of its live table ([6, 5, 3, 4],) holds [3]"),
@@ -244,6 +248,38 @@ def test_two_async_loads_of_a_resumed_request_are_reported_once_each() -> None:
     )
     loads = Counter(r for rec in result.records for r, n in rec.loaded.items() if n)
     assert reports == loads and max(reports.values()) >= 2, (reports, loads)
+
+
+@pytest.mark.parametrize(
+    ("connector", "decodes_exact", "observed"),
+    [
+        # its count runs ahead only of blocks a request resumed while decoding has no hash for yet
+        ("KeepsCountAcrossPreemption", True, "'b' at step 11: block 3 (position 3, layer 'layer.0') holds the right "
+         "KV for its first 8 tokens only: it was saved before it was full"),
+        ("KeepsFirstTableUnnamed", False, "'b' loaded block 6 (position 2, layer 'layer.0') holding the KV of "
+         "position 0: the save at step 7 (metadata.saves[0]) stored block 5, at position 0 of 'a1''s live table, "
+         "under the hash of its block 2: a table kept from before 'a1''s preemption (a stale table)"),
+    ],
+)  # fmt: skip
+def test_a_prompt_preempted_mid_prefill_shows_what_a_connector_keeps_across_the_preemption(
+    connector: str, decodes_exact: bool, observed: str
+) -> None:
+    """KV043's mid-prefill run on its own: a count of tokens kept across preemption (with the live table) and a
+    table kept with new_block_ids appended (LMCache's request tracker) each fail it, naming the preemption; the
+    count goes unseen where only decodes are preempted (they recompute in one step)."""
+    session = Session(BROKEN + connector, config_factory=_fresh_namespaces())
+    with _quiet():
+        if decodes_exact:
+            compare_tokens(session, PREEMPTED_SAVES, data_run(session, PREEMPTED_SAVES))
+        with pytest.raises(ConformanceFailure) as failure:
+            preempted_mid_prefill(session)
+    seen = session.tags.untag(failure.value.observed)  # as the report says it (Session.run untags)
+    assert seen.startswith(
+        "in the 'preempted-prefill-reuse' data run ('a1' was preempted mid-prefill with 40 of its 64 prompt tokens "
+        "computed, then resumed), request 'b' generated "
+    )
+    assert observed in seen
+    assert failure.value.fix is not None and failure.value.fix.startswith(RESUMED_PREFILL_FIX)
 
 
 @pytest.mark.parametrize(

@@ -67,3 +67,25 @@ def test_the_preempted_prefill_scenario_preempts_a_prompt_mid_prefill_and_it_fin
     resumed = trace.records.index(record) + 1
     assert any(r.output.num_scheduled_tokens.get(r1) for r in trace.records[resumed:])
     assert trace.finished_calls.get(r1) == 1  # it finished (request_finished ran once)
+
+
+def test_the_preempted_prefill_data_run_preempts_a_prompt_mid_prefill_and_its_prefix_loads_exact() -> None:
+    """What KV043's second run claims to play, on the reference engine, read from its step records: 'a1' is
+    preempted with its first full blocks computed (and saved), resumes, loads them back and computes the rest in a
+    chunk ending mid-block; 'b' loads all four of its blocks; every token is the connector-less run's."""
+    from kvconn.testing.conformance import Session
+    from kvconn.testing.conformance.runs import PREEMPTED_PREFILL, data_run, expected_tokens
+    from kvconn.testing.memory_connector import fresh_namespace
+
+    session = Session(STORE, config_factory=fresh_namespace)
+    result = data_run(session, PREEMPTED_PREFILL)
+    records, a1 = result.records, result.tag.engine_id("a1")
+    at = next(i for i, record in enumerate(records) if a1 in record.preempted)
+    computed = sum(record.output.num_scheduled_tokens.get(a1, 0) for record in records[:at])
+    assert 16 <= computed < 64  # mid-prefill, a full block of it computed for the connector to save
+    resume = next(record for record in records[at:] if record.output.num_scheduled_tokens.get(a1))
+    assert resume.loaded == {a1: 32}  # what it saved before the preemption, loaded into its new table
+    start = resume.output.num_computed_tokens_by_request()[a1]
+    assert (start + resume.output.num_scheduled_tokens[a1]) % 16  # the resumed chunk ends mid-block
+    assert result.loaded("b") == 64
+    assert result.tokens == expected_tokens(session, PREEMPTED_PREFILL, result.driver.shape)

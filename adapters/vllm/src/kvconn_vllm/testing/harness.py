@@ -668,6 +668,7 @@ class VllmLoop:
         so ``start_load_kv`` gets no per-request keyword arguments (kvconn's
         adapter reads none). Under V1, vLLM's ``KVConnectorModelRunnerMixin``
         binds the metadata and calls
+        ``handle_preemptions`` first (as ``GPUModelRunner.execute_model``), then
         ``start_load_kv`` (before the forward only when the step has sync
         loads, else after it), ``wait_for_save``, ``get_transfer_results`` and
         the rest; each layer runs through vLLM's ``maybe_transfer_kv_layer``
@@ -690,6 +691,9 @@ class VllmLoop:
                         self._attention(layer)
                 rank.active.finish_forward()
                 return rank.active.post_forward(output.finished_req_ids)
+            # GPUModelRunner.execute_model lets the connector finish with preempted requests' blocks first (V2's
+            # pre_forward does the same): this step's forward may reuse them
+            rank.worker.handle_preemptions(output.kv_connector_metadata)
             if not output.total_num_scheduled_tokens:
                 return Runner.kv_connector_no_forward(output, config).kv_connector_output
             with (

@@ -11,7 +11,8 @@ lands is compared with the KV the model computes (:meth:`ModelLoop.audit`, with
 reference engine. Freed blocks
 are overwritten between vLLM's calls when asked (``scrub_freed``: a block whose reference count is 0 after
 ``schedule()`` and after ``update_from_output``), as a busy GPU cache reuses them: vLLM's block pool has no free
-callback, and it is not patched.
+callback, and it is not patched. A block that ``schedule()`` itself freed (a preemption) keeps its bytes until the
+step ends: vLLM's worker lets the connector finish with it (``handle_preemptions``) before the step's forward.
 
 Read by the data drivers (:mod:`.data_driver`, :mod:`.native_data`); a change to what the model writes or reads
 must keep its tokens the reference engine's (``tests/vllm/test_data_checks.py`` compares them).
@@ -95,6 +96,7 @@ class ModelLoop(VllmLoop):
             for model in self.models
         ]
         self._scrub_freed = scrub_freed
+        self._held: set[int] = set()  # the blocks held when the last step ended
         self._hashes: dict[str, list[int]] = {}
         self._inputs: Any = None  # this step's KV inputs, and per group where they go
         self._targets: list[tuple[Any, Any]] = []
@@ -111,7 +113,7 @@ class ModelLoop(VllmLoop):
     def _writes(self, output: Any) -> list[list[tuple[int, int, float]]]:
         """Plan the step from the scheduler's live requests and tables, before the step advances them."""
         torch = self.model.torch
-        self.scrub()
+        self.scrub(keep=self._held)  # not what this schedule() freed by preemption: see the module docstring
         for req_id in output.finished_req_ids:
             self._hashes.pop(req_id, None)
         hashes: list[int] = []
@@ -211,15 +213,17 @@ class ModelLoop(VllmLoop):
 
     def step(self, *, eos_req_ids: Iterable[str] = (), inspect: Any = None) -> tuple[Any, Any]:
         result = super().step(eos_req_ids=eos_req_ids, inspect=inspect)
-        self.scrub()  # blocks update_from_output freed (finished requests)
+        self.scrub()  # blocks update_from_output freed (finished requests), and those preempted this step
+        self._held = {b.block_id for b in self.scheduler.kv_cache_manager.block_pool.blocks[1:] if b.ref_cnt}
         return result
 
-    def scrub(self) -> None:
-        """Overwrite every block vLLM's pool holds free (reference count 0; the null block is left alone)."""
+    def scrub(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        """Overwrite every block vLLM's pool holds free (reference count 0; the null block is left alone) but
+        ``keep``."""
         if not self._scrub_freed:
             return
         pool = self.scheduler.kv_cache_manager.block_pool
-        free = [b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0]
+        free = [b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0 and b.block_id not in keep]
         if free:
             for kv in (kv for rank in self.ranks for kv in rank.kv_caches.values()):
                 kv[free] = FREED

@@ -53,7 +53,10 @@ __all__ = [
     "MID_BLOCK_CHUNKS",
     "PERSISTENT_FAILURE",
     "PERSISTENT_FAILURE_TWO_GROUPS",
+    "PREEMPTED_PREFILL",
     "PREEMPTED_SAVES",
+    "PREFILL_PREEMPTED",
+    "PREFILL_PROMPT_LEN",
     "ROUND_TRIPS",
     "DataResult",
     "DataRun",
@@ -178,6 +181,23 @@ PREEMPTED_SAVES = DataRun(
         tuple(Req(f"b{i}", Follow(f"a{i}", 4, 5), 3) for i in range(4)),
     ),
     20,
+)
+#: In :data:`PREEMPTED_PREFILL`, the request preempted mid-prefill, and the length of its prompt.
+PREFILL_PREEMPTED, PREFILL_PROMPT_LEN = "a1", 64
+#: ``a1``'s block-aligned 64-token prompt, chunked beside ``a0`` under a 24-token budget in a 6-block pool (17
+#: tokens, then 23), is preempted mid-prefill (40 tokens computed: two blocks full, which the connector may have
+#: saved) when both need another block, then resumes (vLLM's V1 runner: ``resumed_req_ids`` with a whole new table;
+#: V2: a new request), loads what the connector holds and computes the rest in chunks that end mid-block; ``b`` then
+#: loads all four of its blocks. The liveness scenario ``preempted-prefill``'s situation, judged on the tokens, with
+#: prompts of its own.
+PREEMPTED_PREFILL = DataRun(
+    "preempted-prefill-reuse",
+    {"num_blocks": 7, "max_num_batched_tokens": 24},
+    (
+        (Req("a0", prompt(31, 72), 6), Req(PREFILL_PREEMPTED, prompt(PREFILL_PROMPT_LEN, 73), 3)),
+        (Req("b", Follow(PREFILL_PREEMPTED, PREFILL_PROMPT_LEN // 16, 5), 3),),
+    ),
+    70,
 )
 FILL_STEP_ENDS = DataRun(
     "fill-step-saves",
@@ -386,6 +406,7 @@ def data_runs(session: Session) -> list[tuple[DataRun, DataResult]]:
             *ROUND_TRIPS,
             MID_BLOCK_CHUNKS,
             PREEMPTED_SAVES,
+            PREEMPTED_PREFILL,
             FILL_STEP_ENDS,
             ISOLATION,
             TENSOR_PARALLEL,

@@ -7,11 +7,12 @@ the loads, by what landed where.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ..catalog import IMPORTED, check
 from ..diagnose import RANK_KEY_FIX, Diagnosis, explain_wrong_kv, lost_saves, store_refusals, store_trouble
-from ..driver import ScenarioUnsupported
+from ..driver import ScenarioUnsupported, StepRecord
 from ..reference_driver import ReferenceDriver
 from ..results import CheckSkipped, ConformanceFailure, nothing_preempted
 from ..runs import (
@@ -22,7 +23,10 @@ from ..runs import (
     ISOLATION,
     LOST_BLOCKS,
     MID_BLOCK_CHUNKS,
+    PREEMPTED_PREFILL,
     PREEMPTED_SAVES,
+    PREFILL_PREEMPTED,
+    PREFILL_PROMPT_LEN,
     ROUND_TRIPS,
     TENSOR_PARALLEL,
     DataResult,
@@ -37,13 +41,20 @@ from ..session import Session
 DATA_CHECK: dict[str, Any] = {"requires": ("scheduler", "worker", "saves", "loads"), "after": (*IMPORTED, "KV006")}
 #: The data checks beyond the plain round trip: not run when that fails already (one root cause, not five).
 UNTIDY_DATA_CHECK: dict[str, Any] = {**DATA_CHECK, "after": (*IMPORTED, "KV006", "KV040")}
-#: KV043 runs after KV012 (the table positions it saves from) and KV044 (a save reading freed blocks goes wrong
-#: after preemption as well): each says why more precisely.
-PREEMPTED_DATA_CHECK: dict[str, Any] = {**DATA_CHECK, "after": (*UNTIDY_DATA_CHECK["after"], "KV012", "KV044")}
+#: KV043 runs after KV012 (the table positions it saves from), KV042 (a prompt resumed mid-prefill computes in
+#: chunks that end mid-block) and KV044 (a save reading freed blocks goes wrong after preemption as well): each
+#: says why more precisely.
+PREEMPTED_DATA_CHECK: dict[str, Any] = {
+    **DATA_CHECK,
+    "after": (*UNTIDY_DATA_CHECK["after"], "KV012", "KV042", "KV044"),
+}
 
 
-def compare_tokens(session: Session, case: DataRun, result: DataResult, when: str = "") -> None:
-    """Every request of ``result`` generated the tokens it does without the connector (``when``: the run's setting)."""
+def compare_tokens(session: Session, case: DataRun, result: DataResult, when: str = "", fix: str | None = None) -> None:
+    """Every request of ``result`` generated the tokens it does without the connector (``when``: the run's setting).
+
+    ``fix``: what to do where the run's setting is the cause, put before the fix for the mechanism diagnosed.
+    """
     want = expected_tokens(session, case, result.driver.shape)
     for req_id, tokens in want.items():
         if result.tokens[req_id] != tokens:
@@ -52,7 +63,10 @@ def compare_tokens(session: Session, case: DataRun, result: DataResult, when: st
                 f"but {tokens} without the connector: it ran on wrong KV"
             )
             why = _why_wrong(result)
-            raise ConformanceFailure(seen) if why is None else ConformanceFailure(f"{seen}: {why.observed}", why.fix)
+            if why is None:
+                raise ConformanceFailure(seen, fix)
+            fixes = [f for f in (fix, why.fix) if f]
+            raise ConformanceFailure(f"{seen}: {why.observed}", "; ".join(fixes) if fixes else None)
 
 
 def _why_wrong(result: DataResult) -> Diagnosis | None:
@@ -70,11 +84,11 @@ def _why_wrong(result: DataResult) -> Diagnosis | None:
     return explain_wrong_kv(driver.wrong_loads, groups, result.records, hashes, driver.freed_at)
 
 
-def _exact(session: Session, case: DataRun) -> bool:
+def _exact(session: Session, case: DataRun, when: str = "", fix: str | None = None) -> bool:
     """The run loaded something, reported no failed load (none was injected), and every token is exact.
 
     Returns whether it loaded; without ``session.every_data_run_loads`` a run that loaded nothing is judged
-    on its tokens alone.
+    on its tokens alone. ``when`` and ``fix``: see :func:`compare_tokens`.
     """
     result = data_run(session, case)
     stats = result.driver.stats
@@ -94,7 +108,7 @@ def _exact(session: Session, case: DataRun) -> bool:
         )
         why = store_trouble(result.records, stats.degraded_events, result.warnings) or lost_saves(result.records)
         raise ConformanceFailure(seen) if why is None else ConformanceFailure(f"{seen}; {why.observed}", why.fix)
-    compare_tokens(session, case, result)
+    compare_tokens(session, case, result, when, fix)
     return stats.prompt_tokens_loaded > 0
 
 
@@ -273,6 +287,14 @@ def mid_block_chunks(session: Session) -> None:
     _exact(session, MID_BLOCK_CHUNKS)
 
 
+#: KV043's fix when a request preempted mid-prefill went wrong: what changes at its resume.
+RESUMED_PREFILL_FIX = (
+    "a request preempted mid-prefill resumes with a new table and computes its prompt again, in chunks, from "
+    "num_computed_tokens (0, or the tokens loaded for it): read its table (get_block_ids) and num_computed_tokens "
+    "afresh each step, never a table, an offset or a count of tokens kept from before the preemption"
+)
+
+
 @check(
     "KV043",
     "preempted-saves",
@@ -288,11 +310,53 @@ def preempted_saves(session: Session) -> None:
     blocks. Catches connectors that keep the table they saw when a request
     was first scheduled and append ``new_block_ids``: after the resume they
     save blocks at the wrong positions, or blocks that were freed.
+
+    Then a prompt is preempted mid-prefill, once the connector saw (and may
+    have saved) its first chunks, resumes, and a later request loads its
+    prefix (:func:`preempted_mid_prefill`).
     """
     result = data_run(session, PREEMPTED_SAVES)
     if not any(record.preempted for record in result.records):
         raise nothing_preempted(f"the {PREEMPTED_SAVES.name!r} data run")
     _exact(session, PREEMPTED_SAVES)
+    preempted_mid_prefill(session)
+
+
+def preempted_mid_prefill(session: Session) -> None:
+    """KV043's second part: a prompt preempted mid-prefill and resumed is saved right; its prefix loads exact.
+
+    ``a1``'s prompt is preempted with two of its blocks computed, resumes
+    with a new table and computes the rest again in chunks that end
+    mid-block; ``b`` loads its prefix. Catches what a decode preempted and
+    resumed in one step cannot show: a count of the request's tokens, or an
+    offset, kept across the preemption (LMCache's request tracker), by which
+    blocks the resumed request has not computed again look full and are
+    saved; and the stale tables :data:`PREEMPTED_SAVES` catches. Judged on
+    the tokens even when the connector's timing admitted the requests apart
+    and nothing was preempted (then the failure does not claim it).
+    """
+    result = data_run(session, PREEMPTED_PREFILL)
+    computed = computed_when_preempted(result.records, result.tag.engine_id(PREFILL_PREEMPTED))
+    if computed is None or not 0 < computed < PREFILL_PROMPT_LEN:
+        _exact(session, PREEMPTED_PREFILL)
+        return
+    when = (
+        f" ({PREFILL_PREEMPTED!r} was preempted mid-prefill with {computed} of its {PREFILL_PROMPT_LEN} prompt "
+        "tokens computed, then resumed)"
+    )
+    _exact(session, PREEMPTED_PREFILL, when, RESUMED_PREFILL_FIX)
+
+
+def computed_when_preempted(records: Sequence[StepRecord], req_id: str) -> int | None:
+    """The tokens ``req_id`` (the engine's id) had computed when it was first preempted (``None``: it never was)."""
+    computed = 0
+    for record in records:
+        if req_id in record.preempted:
+            return computed
+        scheduled = record.output.num_scheduled_tokens.get(req_id)
+        if scheduled:
+            computed = record.output.num_computed_tokens_by_request()[req_id] + scheduled
+    return None
 
 
 @check(
