@@ -194,6 +194,11 @@ def test_a_subclass_misnaming_or_disabling_an_inherited_hook_fails_hook_names(
          "engine's layout (context.kv_layout)"),
         ("ReversesSlots", ("it ran on wrong KV: the load of 'b' at step ", "holds the right bytes in the wrong "
          "places: its token slots in another order"), "copy token slot j of a saved block into slot j"),
+        # its count runs ahead of a prompt preempted mid-prefill: the scenario shows the block acted on too early
+        ("KeepsCountAcrossPreemption", "in scenario 'preempted-prefill', step 8: r1's block 4 filled, and the metadata "
+         "had paired it with its hash to save at step 7 already, before its tokens were all "
+         "computed", "act on a block only once the "
+         "request's num_computed_tokens"),
     ],
 )  # fmt: skip
 def test_the_first_failure_names_the_mechanism_and_its_fix(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ....context import NULL_BLOCK_ID
 from ....hashing import hash_blocks
 from ..catalog import SCHEDULER_CHECK, check, get_check
 from ..diagnose import shifted_pairing, transfer_kind
@@ -83,6 +84,15 @@ def block_fill(session: Session) -> None:
             for req_id in sorted(view.fill):
                 refs = view.refs.get(req_id)
                 if refs is None and req_id in tracked:
+                    early = _saved_early(trace, view.index, req_id)
+                    if early:
+                        block, step = early
+                        raise ConformanceFailure(
+                            f"in {trace.where()}, step {record.step}: {req_id}'s block {block} filled, and the "
+                            f"metadata had paired it with its hash to save at step {step} already, before its "
+                            "tokens were all computed",
+                            EARLY_BLOCK_FIX,
+                        )
                     raise ConformanceFailure(
                         f"in {trace.where()}, step {record.step}: {req_id} filled a block without allocating one, "
                         "and the metadata carries nothing for it, while it does on the steps its table grows"
@@ -99,6 +109,43 @@ def block_fill(session: Session) -> None:
             "ids in its metadata (so its tables cannot): a connector that moves KV is judged by a later request "
             "loading what it saved"
         )
+
+
+#: KV011's fix when the block a step fills had been acted on before that step: a count that ran ahead.
+EARLY_BLOCK_FIX = (
+    "act on a block only once the request's num_computed_tokens (at the step's start) plus its scheduled tokens "
+    "cover it, counted afresh each step: a count of tokens kept from before a preemption runs ahead of a request "
+    "that computes its prompt again"
+)
+
+
+def _saved_early(trace: Trace, upto: int, req_id: str) -> tuple[int, int] | None:
+    """The block ``req_id`` fills on record ``upto``, and the earlier step whose metadata saved it, if one did.
+
+    A (block, hash) pair outside a load is a save of that block (a block's
+    hash is known from the prompt before the block is computed). Counted from
+    the request's last scheduling with a new table (new, or resumed after
+    preemption).
+    """
+    saved: dict[int, int] = {}
+    for record in trace.records[:upto]:
+        cached = record.output.scheduled_cached_reqs
+        if req_id in {new.req_id for new in record.output.scheduled_new_reqs} or any(
+            r == req_id and resumed for r, resumed in zip(cached.req_ids, cached.resumed_from_preemption, strict=True)
+        ):
+            saved.clear()
+        for pair in hashed_blocks(record.metadata, [req_id]) if record.metadata is not None else ():
+            if transfer_kind(pair.path) != "load":
+                saved.setdefault(pair.block_id, record.step)
+    output = trace.records[upto].output
+    position = (
+        output.num_computed_tokens_by_request()[req_id] + output.num_scheduled_tokens[req_id]
+    ) // trace.block_size
+    for group in trace.records[upto].tables.get(req_id) or ():
+        block = group[position - 1] if 0 < position <= len(group) else NULL_BLOCK_ID
+        if block != NULL_BLOCK_ID and block in saved:
+            return block, saved[block]
+    return None
 
 
 def _block_fill_lands(session: Session) -> bool:
