@@ -68,6 +68,22 @@ def test_load_errors_are_reports_not_exceptions(connector: str, expected: str) -
     assert report.to_dict()["load_error"] == report.load_error
 
 
+def test_a_connector_class_is_checked_by_the_name_it_is_importable_from() -> None:
+    from kvconn_conformance_fixtures.broken import NewBlocksOnly
+
+    by_class = run_conformance(NewBlocksOnly, select="KV011")
+    by_name = run_conformance("kvconn_conformance_fixtures.broken:NewBlocksOnly", select="KV011")
+    assert by_class.name == by_name.name == "kvconn_conformance_fixtures.broken:NewBlocksOnly"
+    assert [(r.id, r.status) for r in by_class.results] == [("KV011", "failed")]
+
+
+def test_a_connector_that_is_neither_a_name_nor_a_class_is_a_load_error_saying_what_to_pass() -> None:
+    report = run_conformance(42)  # type: ignore[arg-type]
+    assert report.load_error == (
+        "connector must be an installed connector's name, 'package.module:Class' or a class, not int 42"
+    )
+
+
 def test_bad_user_config_is_a_load_error() -> None:
     report = run_conformance("dummy", config={"record_calls": "yes please"})
     assert report.load_error == "invalid config for connector 'dummy': field 'record_calls': expected bool, got str"

@@ -10,7 +10,7 @@ from .catalog import Check, list_checks
 from .results import CheckResult, ConnectorReport
 from .session import ConfigFactory, Session
 
-__all__ = ["matches", "open_session", "run_conformance", "run_session"]
+__all__ = ["connector_name", "matches", "open_session", "run_conformance", "run_session"]
 
 
 def matches(check: Check, pattern: str | None) -> bool:
@@ -21,21 +21,37 @@ def matches(check: Check, pattern: str | None) -> bool:
     return fnmatchcase(check.id.lower(), pattern) or fnmatchcase(check.name.lower(), pattern)
 
 
+def connector_name(connector: str | type) -> str:
+    """``connector`` as the name a session loads: a class becomes ``"package.module:Class"``.
+
+    The checks load a connector by name, as engines do (a worker process
+    imports it anew), so a class is named by where it is importable from.
+    """
+    if isinstance(connector, str):
+        return connector
+    if isinstance(connector, type):
+        return f"{connector.__module__}:{connector.__qualname__}"
+    raise TypeError(
+        f"connector must be an installed connector's name, 'package.module:Class' or a class, "
+        f"not {type(connector).__name__} {connector!r}"
+    )
+
+
 def open_session(
-    connector: str,
+    connector: str | type,
     config: Mapping[str, Any] | None = None,
     driver: str = "reference",
     config_factory: ConfigFactory | None = None,
 ) -> Session | str:
     """A session, or the one-line reason the connector (or driver) could not be loaded."""
     try:
-        return Session(connector, config, driver, config_factory)
+        return Session(connector_name(connector), config, driver, config_factory)
     except (Exception, SystemExit) as exc:  # every load failure becomes a report, never a crash (nor an exit)
         return str(exc) or type(exc).__name__
 
 
 def run_conformance(
-    connector: str,
+    connector: str | type,
     *,
     config: Mapping[str, Any] | None = None,
     select: str | None = None,
@@ -46,7 +62,8 @@ def run_conformance(
     """Run the conformance checks against ``connector``.
 
     Args:
-        connector: an installed connector name or ``"package.module:Class"``.
+        connector: an installed connector name, ``"package.module:Class"``, or the class itself
+            (importable from its module: the checks load it by name, as engines do).
         config: the connector's config (its defaults when ``None``).
         select: an fnmatch pattern matched against check ids and names
             (``"KV01*"``, ``"*fill*"``); every check when ``None``.
@@ -66,7 +83,7 @@ def run_conformance(
     """
     session = open_session(connector, config, driver, config_factory)
     if isinstance(session, str):
-        return ConnectorReport(connector, [], load_error=session)
+        return ConnectorReport(connector if isinstance(connector, str) else repr(connector), [], load_error=session)
     try:
         return run_session(session, select=select, on_result=on_result)
     finally:
