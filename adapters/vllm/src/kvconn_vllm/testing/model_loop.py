@@ -214,7 +214,8 @@ class ModelLoop(VllmLoop):
     def step(self, *, eos_req_ids: Iterable[str] = (), inspect: Any = None) -> tuple[Any, Any]:
         result = super().step(eos_req_ids=eos_req_ids, inspect=inspect)
         self.scrub()  # blocks update_from_output freed (finished requests), and those preempted this step
-        self._held = {b.block_id for b in self.scheduler.kv_cache_manager.block_pool.blocks[1:] if b.ref_cnt}
+        if self._scrub_freed:  # what the next schedule() may free by preemption, kept until that step ends
+            self._held = {b.block_id for b in self.scheduler.kv_cache_manager.block_pool.blocks[1:] if b.ref_cnt}
         return result
 
     def scrub(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
