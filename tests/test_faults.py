@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from kvconn import ConnectorError, ConnectorHost, KVConnectorOutput
+from kvconn import ConnectorError, ConnectorHost, HookOverBudget, KVConnectorOutput
 from kvconn.hookspecs import SCHEDULER_HOOKS, WORKER_HOOKS
 from kvconn.reference import Engine, RequestStatus
 from kvconn.testing import assert_scheduler_empty, create_requests
@@ -259,6 +259,23 @@ def test_a_connector_over_the_budget_in_calls_in_a_row_is_degraded_for_the_rest_
     assert path in line and hook in line and "3 calls in a row took longer than the hook budget of 0.01 s" in line
     assert engine.stats.degraded_events > 0
     assert_scheduler_empty(engine.scheduler, connectors=False)
+
+
+def test_a_connector_over_the_budget_under_on_error_raise_raises_naming_the_hook_and_the_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a run that must stop (the conformance suite's) gets: the host's own verdict, typed, from the hook."""
+    monkeypatch.setattr(Overruns, "hook", "wait_for_save")
+    path = f"{__name__}:Overruns"
+    with (
+        Engine(path, enable_prefix_caching=False, hook_budget_s=0.01, max_slow_calls=3, on_error="raise") as engine,
+        pytest.raises(ConnectorError, match="3 calls in a row took longer than the hook budget") as raised,
+    ):
+        run_sequential(engine)
+    assert raised.value.connector == path and raised.value.hook == "wait_for_save"
+    cause = raised.value.__cause__
+    assert isinstance(cause, HookOverBudget) and isinstance(cause, TimeoutError)
+    assert (cause.hook, cause.calls, cause.budget_s) == ("wait_for_save", 3, 0.01) and cause.seconds > 0.01
 
 
 class SometimesSlow(hook_reference.HookReferenceConnector):

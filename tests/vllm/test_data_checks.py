@@ -143,6 +143,18 @@ def test_the_livelocking_store_fails_under_vllm_and_its_correct_version_passes(
 
 
 @pytest.mark.usefixtures("fixtures")
+def test_a_connector_blocking_every_vllm_step_on_a_slow_save_is_told_the_hook_budget() -> None:
+    """The adapter's host stops calling a ``wait_for_save`` that takes 1.1 s three steps in a row, as the reference
+    engine's does: the check names the hook and the budget, and the fix for that, not its own."""
+    from kvconn.testing.conformance.diagnose import HOOK_BUDGET_FIX
+
+    (result,) = run_conformance(LIVELOCK + "SlowSaves", driver="vllm", select="KV040").results
+    assert result.status == "failed"
+    assert "3 calls of wait_for_save in a row took longer than its hook budget of 1 s" in result.message
+    assert result.message.endswith(f"; fix: {HOOK_BUDGET_FIX.format(hook='wait_for_save')}")
+
+
+@pytest.mark.usefixtures("fixtures")
 @pytest.mark.parametrize(("connector", "failed"), [("ClaimsFailedBlocks", {"KV046"}), ("RemembersFailedLoads", set())])
 def test_a_sync_store_claiming_a_failed_block_livelocks_vllm_with_two_groups_and_its_correct_version_passes(
     connector: str, failed: set[str]

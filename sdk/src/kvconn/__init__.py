@@ -32,6 +32,7 @@ from .errors import (
     ConnectorError,
     ConnectorLoadError,
     ConnectorNotFoundError,
+    HookOverBudget,
     KVConnError,
     WireError,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "ConnectorNotFoundError",
     "ConnectorRequest",
     "FilledBlocks",
+    "HookOverBudget",
     "KVCacheGroupSpec",
     "KVConnError",
     "KVConnector",

@@ -14,6 +14,7 @@ __all__ = [
     "ConnectorError",
     "ConnectorLoadError",
     "ConnectorNotFoundError",
+    "HookOverBudget",
     "KVConnError",
     "WireError",
 ]
@@ -46,6 +47,25 @@ class ConnectorError(KVConnError, RuntimeError):
         super().__init__(f"connector {connector!r} failed in {hook}: {type(exc).__name__}: {exc}")
         self.connector = connector
         self.hook = hook
+
+
+class HookOverBudget(KVConnError, TimeoutError):
+    """A connector's calls of one hook ran over the host's time budget ``calls`` times in a row.
+
+    The host raises it (chained under :class:`ConnectorError`, or logged as the
+    first error of a degraded connector) when it stops calling a connector that
+    keeps stalling the engine's steps: every hook runs on the engine's step.
+    """
+
+    def __init__(self, hook: str, calls: int, budget_s: float, seconds: float) -> None:
+        super().__init__(
+            f"{calls} calls in a row took longer than the hook budget of {budget_s:g} s "
+            f"(the last {seconds:.3f} s): degraded for the rest of the run, the engine no longer calls it"
+        )
+        self.hook = hook
+        self.calls = calls
+        self.budget_s = budget_s
+        self.seconds = seconds
 
 
 class BlockStateSerializationError(KVConnError, TypeError):

@@ -9,6 +9,7 @@ from kvconn.reference import EngineShape
 from kvconn.testing.conformance import DriverSpec, ReferenceDriver, run_conformance
 from kvconn.testing.conformance.catalog import get_check
 from kvconn.testing.conformance.convergence import LIVELOCK_FIX, LOAD_FIX, LOAD_STEPS, REPEATS, NotConverging
+from kvconn.testing.conformance.diagnose import HOOK_BUDGET_FIX
 from kvconn.testing.conformance.waits import DEFAULT_WAIT_S, WAIT_ENV, wait_seconds
 from kvconn.testing.memory_connector import fresh_namespace
 
@@ -102,6 +103,18 @@ def test_a_load_slower_than_the_wall_clock_bound_fails_naming_the_bound_and_how_
     assert result.status == "failed"
     assert "request 'b' never finishes: its async load of 4 block(s)" in result.message
     assert "the wait bound is 1 s: for a store that is merely slow, raise it with --wait-s" in result.message
+
+
+def test_a_connector_blocking_every_step_on_a_slow_save_is_told_the_hook_budget_not_the_checks_fix() -> None:
+    """The host stops calling a connector whose ``wait_for_save`` takes 1.1 s three steps in a row; the check says
+    so, and how to fix it, instead of blaming the mechanism it was about to judge (here KV040's)."""
+    report = run_conformance(LIVELOCK + "SlowSaves", select="KV040")
+    (result,) = report.results
+    assert result.status == "failed"
+    assert result.message.startswith("observed the host stopped calling the connector in data run ")
+    assert "3 calls of wait_for_save in a row took longer than its hook budget of 1 s (the last 1.1" in result.message
+    assert result.message.endswith(f"; fix: {HOOK_BUDGET_FIX.format(hook='wait_for_save')}")
+    assert get_check("KV040").fix not in result.message
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "soon", "nan", "inf"])

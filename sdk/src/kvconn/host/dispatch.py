@@ -49,7 +49,7 @@ import pluggy
 from .._plugins.manager import KVConnPluginManager, check_side
 from ..connector import KVConnectorRole
 from ..context import ConnectorContext
-from ..errors import ConnectorError, ConnectorLoadError
+from ..errors import ConnectorError, ConnectorLoadError, HookOverBudget
 from ..metadata import KVConnectorMetadata
 from .answers import BadHookAnswer
 
@@ -268,14 +268,7 @@ class HostCore:
         in_a_row = self._slow_in_a_row[key] = self._slow_in_a_row.get(key, 0) + 1
         if in_a_row >= self.max_slow_calls and name not in self._disabled:
             self._disabled.add(name)
-            self._fail(
-                name,
-                hook,
-                TimeoutError(
-                    f"{in_a_row} calls in a row took longer than the hook budget of {self.hook_budget_s:g} s "
-                    f"(the last {seconds:.3f} s): degraded for the rest of the run, the engine no longer calls it"
-                ),
-            )
+            self._fail(name, hook, HookOverBudget(hook, in_a_row, self.hook_budget_s, seconds))
 
     def _book(self, name: str, hook: str, seconds: float) -> None:
         """Book one call's time: a slow call, or one within the budget that may end a run of slow ones.

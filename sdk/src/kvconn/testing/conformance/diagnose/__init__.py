@@ -18,11 +18,12 @@ reads a run's records, it never drives one.
 from __future__ import annotations
 
 from .diagnosis import Diagnosis
-from .errors import Awaited, Stalled, WaitsReporter, connector_frame, diagnose_error, stall
+from .errors import HOOK_BUDGET_FIX, Awaited, Stalled, WaitsReporter, connector_frame, diagnose_error, stall
 from .store import WarningLog, capture_warnings, lost_saves, store_refusals, store_trouble
 from .wrong_kv import RANK_KEY_FIX, explain_wrong_kv, shifted_pairing, transfer_kind
 
 __all__ = [
+    "HOOK_BUDGET_FIX",
     "RANK_KEY_FIX",
     "Awaited",
     "Diagnosis",

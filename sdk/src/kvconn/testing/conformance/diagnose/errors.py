@@ -9,9 +9,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvconn.errors import HookOverBudget
+
 from .diagnosis import Diagnosis
 
-__all__ = ["Awaited", "Stalled", "WaitsReporter", "connector_frame", "diagnose_error", "engine_failure", "stall"]
+__all__ = [
+    "HOOK_BUDGET_FIX",
+    "Awaited",
+    "Stalled",
+    "WaitsReporter",
+    "connector_frame",
+    "diagnose_error",
+    "engine_failure",
+    "stall",
+]
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,23 @@ def connector_frame(exc: BaseException) -> str | None:
     return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
 
 
+#: The fix for a connector the host stopped calling because one hook kept running over its time budget.
+HOOK_BUDGET_FIX = (
+    "take the store I/O out of {hook}, which the engine waits for on every step: start it there and let it "
+    "finish in the background (an async load: get_num_new_matched_tokens answers load_async=True and get_finished "
+    "reports it; an async save: request_finished returns True until get_finished reports it), or give each call "
+    "a deadline under the budget; only if this engine can afford to wait that long every step, raise the host's "
+    "hook_budget_s (vLLM: kvconn_hook_budget_s in kv_connector_extra_config)"
+)
+
+
+def _over_budget(exc: BaseException | None) -> HookOverBudget | None:
+    """The host's :class:`~kvconn.errors.HookOverBudget` that ``exc`` is or was raised from, if any."""
+    while exc is not None and not isinstance(exc, HookOverBudget):
+        exc = exc.__cause__
+    return exc
+
+
 def _ask(driver: object, method: str) -> list[Any]:
     """``driver.method()`` when the driver offers it (:class:`WaitsReporter`), else nothing."""
     answer = getattr(driver, method, None)
@@ -128,6 +156,14 @@ def diagnose_error(exc: BaseException, driver: object, where: str, setting: str)
     """
     if isinstance(exc, Stalled):
         return Diagnosis(f"{where}: {exc}", exc.fix)
+    slow = _over_budget(exc)
+    if slow is not None:  # the host's own doing: no frame of the connector raised, its hooks were too slow
+        return Diagnosis(
+            f"the host stopped calling the connector in {where}: {slow.calls} calls of {slow.hook} in a row took "
+            f"longer than its hook budget of {slow.budget_s:g} s (the last {slow.seconds:.3f} s), and the engine "
+            "waits for every hook before its step goes on",
+            HOOK_BUDGET_FIX.format(hook=slow.hook),
+        )
     observed = f"the connector raised in {where}: {type(exc).__name__}: {exc}"
     engine = engine_failure(exc, where)
     if engine is not None:
