@@ -130,7 +130,8 @@ HOOK_BUDGET_FIX = (
     "take the store I/O out of {hook}, which the engine waits for on every step: start it there and let it "
     "finish in the background (an async load: get_num_new_matched_tokens answers load_async=True and get_finished "
     "reports it; an async save: request_finished returns True until get_finished reports it), or give each call "
-    "a deadline under the budget; only if this engine can afford to wait that long every step, raise the host's "
+    "a deadline under the budget (a kvconn store connector: timeout_s below it, so that its store is taken off "
+    "and probed instead); only if this engine can afford to wait that long every step, raise the host's "
     "hook_budget_s (vLLM: kvconn_hook_budget_s in kv_connector_extra_config)"
 )
 
