@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvconn.reference import EngineShape
 from kvconn.testing.conformance import DriverSpec, ReferenceDriver
+from kvconn.testing.conformance.waits import WAIT_ENV
 
 STORE = "kvconn.testing.memory_connector:MemoryConnector"
+SLOW_FREES = "kvconn_conformance_fixtures.livelock:SlowFrees"
 
 
 def test_step_record_offers_every_scheduled_request_and_counts_resolves() -> None:
@@ -89,3 +93,36 @@ def test_the_preempted_prefill_data_run_preempts_a_prompt_mid_prefill_and_its_pr
     assert (start + resume.output.num_scheduled_tokens[a1]) % 16  # the resumed chunk ends mid-block
     assert result.loaded("b") == 64
     assert result.tokens == expected_tokens(session, PREEMPTED_PREFILL, result.driver.shape)
+
+
+def test_a_free_reported_late_is_waited_for_by_the_suites_wall_bound_not_its_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """'a' ends at once; its free is reported 1 s later, while 'b' keeps the engine stepping (hundreds of steps).
+
+    A host bounding stalls by steps alone (128) failed this correct connector, whatever ``--wait-s`` said.
+    """
+    monkeypatch.setenv(WAIT_ENV, "5")
+    driver = ReferenceDriver(DriverSpec(SLOW_FREES, {"free_delay_s": 1.0}, EngineShape(num_blocks=128)))
+    driver.add_request("a", list(range(10_000, 10_020)), 1)
+    driver.add_request("b", list(range(20_000, 20_020)), 1_000)
+    scheduler, steps = driver.engine.scheduler, 0
+    while "a" in scheduler.requests or "a" in scheduler.held_requests:  # raises, under a bound in steps alone
+        driver.step()
+        steps += 1
+    assert steps > 128
+    driver.close()
+
+
+def test_the_worker_hears_of_a_request_aborted_before_it_was_scheduled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As vLLM's ``Scheduler._free_request``: every finished request goes to the workers' ``finished_req_ids``, so
+    a connector that delays the free of a request aborted while waiting can report it when the worker hears."""
+    driver = ReferenceDriver(DriverSpec(SLOW_FREES, {"free_delay_s": 0.0}))
+    driver.add_request("a", list(range(10_000, 10_020)), 4)
+    driver.abort("a")
+    assert driver.engine.scheduler.held_requests == {"a"}  # request_finished delayed its free
+    record = driver.step()
+    assert "a" in record.output.finished_req_ids
+    driver.step()
+    assert not driver.engine.scheduler.held_requests and not driver.has_work()
+    driver.close()

@@ -146,8 +146,10 @@ class SchedulerUpdate:
         request.status = status
         del self.requests[request.request_id]
         self.stats.requests_finished += 1
-        if self._tokens_on_worker.pop(request.request_id, None) is not None:
-            self._finished_for_workers.add(request.request_id)
+        self._tokens_on_worker.pop(request.request_id, None)
+        # Every finished request, scheduled or not, as vLLM's Scheduler._free_request: a worker side that reports
+        # a delayed free when it hears a request ended hears of one aborted while it waited too.
+        self._finished_for_workers.add(request.request_id)
         table = self.kv_cache_manager.get_block_ids(request.request_id)
         delay = self.host.request_finished(request, table) if self.host else False
         reasons = {"send"} if delay else set()

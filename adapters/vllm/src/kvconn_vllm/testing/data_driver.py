@@ -27,6 +27,7 @@ from typing import Any
 from kvconn.host import CallOutcome
 from kvconn.testing.conformance.driver import DriverSpec
 from kvconn.testing.conformance.fault_injection import FailureMode, watch_data_run
+from kvconn.testing.conformance.waits import wait_seconds
 
 from .data_run import VllmDataRunDriver
 from .harness import make_scheduler
@@ -56,7 +57,7 @@ class VllmDataDriver(VllmDataRunDriver):
         import vllm
 
         shape = vllm_shape(spec.shape)
-        scheduler = make_scheduler(spec.connector, spec.config, shape=shape)
+        scheduler = make_scheduler(spec.connector, spec.config, shape=shape, stall_s=wait_seconds())
         loop = ModelLoop(scheduler, scrub_freed=scrub_freed, worker_config=worker_config)
         super().__init__(spec, shape, loop, HostObserver(spec.connector, scheduler.connector))
         self.name = spec.connector

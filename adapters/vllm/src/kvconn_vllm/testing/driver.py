@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvconn.testing.conformance.driver import DriverFactory, DriverSpec
+from kvconn.testing.conformance.waits import wait_seconds
 
 from .data_driver import VllmDataDriver
 from .harness import VllmLoop, make_scheduler, require_vllm
@@ -39,7 +40,7 @@ class VllmDriver(VllmSchedulerDriver):
 
     def __init__(self, spec: DriverSpec) -> None:
         shape = vllm_shape(spec.shape)
-        scheduler = make_scheduler(spec.connector, spec.config, shape=shape)
+        scheduler = make_scheduler(spec.connector, spec.config, shape=shape, stall_s=wait_seconds())
         super().__init__(spec, shape, VllmLoop(scheduler), HostObserver(spec.connector, scheduler.connector))
 
     @staticmethod

@@ -145,16 +145,22 @@ def _init_hashing() -> None:
 
 
 def kvconn_transfer_config(
-    connector: str | Sequence[str], config: Any = None, *, on_error: str = "raise", short_name: bool = False
+    connector: str | Sequence[str],
+    config: Any = None,
+    *,
+    on_error: str = "raise",
+    short_name: bool = False,
+    stall_s: float = 0,
 ) -> dict[str, Any]:
     """``KVTransferConfig`` fields that load kvconn ``connector`` through the adapter.
 
-    The host's stall bound is in steps alone (``kvconn_stall_s=0``): the harness's steps are a test's, and the
-    conformance drivers built on it bound their own waits in wall time (:mod:`kvconn.testing.conformance.waits`),
-    relying on the host's steps to release frees never reported, as the reference driver does.
+    ``stall_s``: the host's stall bound in wall time beside its steps; by default ``0``, the steps alone (a
+    test's steps are its measure). The conformance drivers pass the suite's wait bound
+    (:func:`~kvconn.testing.conformance.waits.wait_seconds`), as the reference driver does: a delayed free
+    reported half a second later is in time however many busy steps pass meanwhile.
     """
     names = connector if isinstance(connector, str) else list(connector)
-    extra: dict[str, Any] = {"kvconn_connector": names, "kvconn_on_error": on_error, "kvconn_stall_s": 0}
+    extra: dict[str, Any] = {"kvconn_connector": names, "kvconn_on_error": on_error, "kvconn_stall_s": stall_s}
     if config is not None:
         extra["kvconn_config"] = config
     fields: dict[str, Any] = {"kv_connector": CONNECTOR_CLASS, "kv_connector_extra_config": extra}
@@ -176,13 +182,15 @@ def make_scheduler(
     shape: EngineShape | None = None,
     runner: str | None = None,
     transfer_fields: dict[str, Any] | None = None,
+    stall_s: float = 0,
     **shape_options: Any,
 ) -> Any:
     """vLLM's ``Scheduler`` with kvconn ``connector`` (``None``: none) on its scheduler side (``scheduler.connector``).
 
     ``transfer_fields``, instead of ``connector``, are the ``KVTransferConfig``
     fields of any vLLM connector (``kv_connector``, ``kv_connector_module_path``,
-    ``kv_connector_extra_config``).
+    ``kv_connector_extra_config``). ``stall_s``: the kvconn host's stall bound in wall time
+    (:func:`kvconn_transfer_config`).
 
     ``shape`` (default :data:`VLLM_TEST_SHAPE`) and ``shape_options``
     (``num_blocks=``... any :class:`~kvconn.reference.EngineShape` field) size
@@ -250,7 +258,7 @@ def make_scheduler(
                 kv_role="kv_both",
                 kv_load_failure_policy=kv_load_failure_policy,
                 **(
-                    kvconn_transfer_config(connector, config, on_error=on_error, short_name=short_name)
+                    kvconn_transfer_config(connector, config, on_error=on_error, short_name=short_name, stall_s=stall_s)
                     if connector is not None
                     else transfer_fields or {}
                 ),

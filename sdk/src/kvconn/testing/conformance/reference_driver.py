@@ -37,6 +37,7 @@ from .driver import (
 )
 from .fault_injection import FailureMode, watch_data_run
 from .loaded_kv import LoadedBlock, audit_load, freed_value
+from .waits import wait_seconds
 from .worker_process import WorkerProcess
 
 __all__ = ["ReferenceDriver"]
@@ -109,10 +110,15 @@ class ReferenceDriver:
         self.block_size = spec.shape.block_size
         self.num_blocks = spec.shape.num_blocks
         self.name = spec.connector
-        # stall_s=0: the host's stall bound in steps alone, as the suite's waits (.waits) assume: they bound
-        # their own waits in wall time, and a data run relies on the host's steps to release frees never reported.
+        # The host's stall bound in wall time is the suite's (--wait-s): a delayed free reported half a second
+        # later is in time however many busy steps pass meanwhile; one never reported is released past both bounds.
         self.engine = Engine(
-            spec.connector, spec.config, worker_config=worker_config, on_error="raise", stall_s=0, shape=spec.shape
+            spec.connector,
+            spec.config,
+            worker_config=worker_config,
+            on_error="raise",
+            stall_s=wait_seconds(),
+            shape=spec.shape,
         )
         self.scheduler, self.worker = self.engine.scheduler, self.engine.worker
         self._process: WorkerProcess | None = None
