@@ -16,8 +16,8 @@ any machine, and a load in flight starts no later than the idle steps it causes.
 Steps and seconds both, because an idle step takes microseconds: a store behind
 a socket on a loaded machine may need far more than :data:`LOAD_STEPS` of them
 to finish a load that is merely slow.
-(Frees never reported are bounded by the host's stall bound: the drivers' hosts run with ``stall_steps`` and
-``stall_s`` set to the same wall-clock wait bound, so a free reported late but in time is no stall.)
+(Frees never reported are bounded by the host's stall bound: its ``stall_steps`` and, as ``stall_s``, the
+suite's wall-clock wait bound, so a free reported late but within that bound is no stall.)
 """
 
 from __future__ import annotations
