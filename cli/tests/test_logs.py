@@ -101,3 +101,24 @@ def test_a_summary_names_the_checks_a_warning_was_logged_under(
     assert capsys.readouterr().err == (
         "kvconn: WARNING kvconn.store: a block was gone when loaded (3 times, while KV041, KV045 ran)\n"
     )
+
+
+def test_a_summary_names_requests_as_the_scenarios_do_not_by_the_engines_tagged_ids(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each run gives the engine ``name + tag`` (kvconn.testing.conformance.request_ids); the summary, like the
+    report, says ``'b1'``, and the same warning from two runs or two sessions is one."""
+    from kvconn.testing.conformance.request_ids import RequestTags
+
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    summary = WarningSummary().install()
+    store = logging.getLogger("kvconn.store")
+    for session in (RequestTags(), RequestTags()):
+        for _ in range(2):
+            store.warning("the load of %r failed", session.next_run().engine_id("b1"))
+    store.warning("a key 'blk-0a1b2c' stays as it is")  # no run's tag: six hex digits, but no '.N' after them
+    summary.report()
+    assert capsys.readouterr().err.splitlines() == [
+        "kvconn: WARNING kvconn.store: the load of 'b1' failed (4 times)",
+        "kvconn: WARNING kvconn.store: a key 'blk-0a1b2c' stays as it is",
+    ]

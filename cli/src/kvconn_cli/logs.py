@@ -92,6 +92,10 @@ class WarningSummary(logging.Handler):
         self.checks: dict[tuple[str, int, str], dict[str, None]] = collections.defaultdict(dict)
         self._pending: list[tuple[str, int, str]] = []
         self._replaced: list[logging.Handler] = []
+        from kvconn.testing.conformance.request_ids import untag_any  # the suite's, as the report's messages
+
+        #: request ids as the scenarios name them ('b1', not the engine's 'b1-3f9c1e.4')
+        self._untag = untag_any
 
     def install(self) -> WarningSummary:
         """Take the root logger's place of its handlers until :meth:`report`."""
@@ -104,9 +108,9 @@ class WarningSummary(logging.Handler):
         if record.levelno < logging.ERROR and record.name.partition(".")[0] in ENGINE_LOGGERS:
             self.hidden += 1
             return
-        key = (record.name, record.levelno, _NUMBER.sub("#", record.getMessage()))
+        key = (record.name, record.levelno, _NUMBER.sub("#", self._untag(record.getMessage())))
         if key not in self.first:
-            self.first[key] = self.format(record)
+            self.first[key] = self._untag(self.format(record))
         self.counts[key] += 1
         self._pending.append(key)
 

@@ -107,6 +107,8 @@ SPECIFIC_FIXES = {
          "on another engine instance sharing its store), request 'b1' generated"),
         ("RankBlindKeys", "KV048", "on tensor-parallel rank 0, block 5 (position 0, layer 'layer.0') holds rank 1's "
          "shard of it: rank 1's value under rank 0's key (the store key misses the rank)"),
+        ("LoadsOncePerRequest", "KV049", "in the 'preempted-loads' data run ('b1' loaded 48 tokens, was preempted, and "
+         "resumed with a new table to load again), request 'b1' generated"),
     ],
 )  # fmt: skip
 def test_broken_connector_fails_its_check(connector: str, check_id: str, observed: str) -> None:

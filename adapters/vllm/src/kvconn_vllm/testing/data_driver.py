@@ -1,4 +1,4 @@
-"""The data checks (KV040-KV048) through vLLM: its real scheduler, its model-runner code, a model that reads KV.
+"""The data checks (KV040-KV049) through vLLM: its real scheduler, its model-runner code, a model that reads KV.
 
 :class:`VllmDataDriver` is the ``vllm`` driver's ``data_driver``: vLLM's v1
 ``Scheduler`` (``kv_load_failure_policy="recompute"``) with the connector

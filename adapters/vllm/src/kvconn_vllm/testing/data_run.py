@@ -1,4 +1,4 @@
-"""What the data checks (KV040-KV048) read of a run through vLLM, beyond a scheduler driver's.
+"""What the data checks (KV040-KV049) read of a run through vLLM, beyond a scheduler driver's.
 
 :class:`VllmDataRunDriver` is a :class:`~.scheduler_driver.VllmSchedulerDriver` whose loop is a
 :class:`~.model_loop.ModelLoop` (a model that reads KV): it keeps the requests for their tokens, counts the loads

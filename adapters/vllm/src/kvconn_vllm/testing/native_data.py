@@ -1,4 +1,4 @@
-"""The data checks (KV040-KV048) for vLLM's own connectors: their worker, vLLM's scheduler, a model that reads KV.
+"""The data checks (KV040-KV049) for vLLM's own connectors: their worker, vLLM's scheduler, a model that reads KV.
 
 :class:`NativeDataDriver` is a :class:`~.data_run.VllmDataRunDriver` over the native drivers' engine
 (:func:`~.native_observer.native_engine`) with the data drivers' model (:class:`~.model_loop.ModelLoop`): the

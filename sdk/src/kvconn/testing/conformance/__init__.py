@@ -48,7 +48,7 @@ in the ``kvconn.conformance_drivers`` entry-point group, and is then used with
 ``run_conformance(..., driver="vllm")``. A new driver records ``offered``
 and ``resolved`` with :func:`~.driver.observe_block_state` and answers
 ``num_tracked_requests`` with :func:`~.driver.tracked_by_role`.
-The data checks (KV040-KV048) need a worker side and a model: they play data
+The data checks (KV040-KV049) need a worker side and a model: they play data
 runs (:mod:`.runs`, phases of requests judged on their tokens) on
 the factory's ``data_driver`` (a :class:`~.driver.DataDriver`; the reference
 engine for a factory without one), with every freed block overwritten.

@@ -150,7 +150,7 @@ DriverFactory = Callable[[DriverSpec], SchedulerDriver]
 
 
 class DataDriver(SchedulerDriver, Protocol):
-    """What the data checks (KV040-KV048) run on: an engine with the connector's worker side and a model.
+    """What the data checks (KV040-KV049) run on: an engine with the connector's worker side and a model.
 
     Built as ``factory.data_driver(spec, fail_loads=None, scrub_freed=False,
     worker_config=None)`` by a driver factory that has one (the reference

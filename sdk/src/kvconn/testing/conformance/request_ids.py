@@ -28,7 +28,10 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["RequestTags", "RunTag"]
+__all__ = ["RequestTags", "RunTag", "untag_any"]
+
+#: Any session's tag (:meth:`RequestTags.next_run`): ``-``, the token (3 random bytes in hex), ``.``, the run.
+_ANY_TAG = re.compile(r"-[0-9a-f]{6}\.\d+")
 
 
 @dataclass(frozen=True)
@@ -61,3 +64,14 @@ class RequestTags:
     def untag(self, text: str) -> str:
         """``text`` with each request id of this session's runs back to its name (``'a-3f9c1e.4'`` -> ``'a'``)."""
         return self._tag.sub("", text)
+
+
+def untag_any(text: str) -> str:
+    """``text`` with the request ids of any session's runs back to their names.
+
+    For text gathered across sessions, where no one session's tags apply: the
+    CLI's summary of what connectors and engines logged (one ``kvconn validate
+    --all`` runs a session per connector). A report's own messages use
+    :meth:`RequestTags.untag`, which takes out only its session's tags.
+    """
+    return _ANY_TAG.sub("", text)

@@ -53,6 +53,7 @@ __all__ = [
     "MID_BLOCK_CHUNKS",
     "PERSISTENT_FAILURE",
     "PERSISTENT_FAILURE_TWO_GROUPS",
+    "PREEMPTED_LOADS",
     "PREEMPTED_PREFILL",
     "PREEMPTED_SAVES",
     "PREFILL_PREEMPTED",
@@ -198,6 +199,22 @@ PREEMPTED_PREFILL = DataRun(
         (Req("b", Follow(PREFILL_PREEMPTED, PREFILL_PROMPT_LEN // 16, 5), 3),),
     ),
     70,
+)
+#: The requests of :data:`PREEMPTED_LOADS` that load a prefix and grow until one of them is preempted.
+RELOADING = ("b0", "b1")
+#: ``a0`` and ``a1`` compute 50-token prompts (three full blocks each); then ``b0`` and ``b1`` load those three
+#: blocks and generate 40 tokens each in a 10-block pool. Both need a sixth block at once: one is preempted with
+#: its loaded prefix and the blocks it filled since, and resumes with a new table once the other ends. vLLM asks the
+#: connector again for a resumed request (``get_num_new_matched_tokens`` from 0 computed tokens), so it loads a
+#: second time, into blocks that freed garbage filled (an async load is reported in ``finished_recving`` again).
+PREEMPTED_LOADS = DataRun(
+    "preempted-loads",
+    {"num_blocks": 11},
+    (
+        (Req("a0", prompt(50, 80), 3), Req("a1", prompt(50, 81), 3)),
+        tuple(Req(name, Follow(f"a{i}", 3, 5), 40) for i, name in enumerate(RELOADING)),
+    ),
+    80,
 )
 FILL_STEP_ENDS = DataRun(
     "fill-step-saves",
@@ -407,6 +424,7 @@ def data_runs(session: Session) -> list[tuple[DataRun, DataResult]]:
             MID_BLOCK_CHUNKS,
             PREEMPTED_SAVES,
             PREEMPTED_PREFILL,
+            PREEMPTED_LOADS,
             FILL_STEP_ENDS,
             ISOLATION,
             TENSOR_PARALLEL,

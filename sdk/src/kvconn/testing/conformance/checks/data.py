@@ -23,10 +23,12 @@ from ..runs import (
     ISOLATION,
     LOST_BLOCKS,
     MID_BLOCK_CHUNKS,
+    PREEMPTED_LOADS,
     PREEMPTED_PREFILL,
     PREEMPTED_SAVES,
     PREFILL_PREEMPTED,
     PREFILL_PROMPT_LEN,
+    RELOADING,
     ROUND_TRIPS,
     TENSOR_PARALLEL,
     DataResult,
@@ -357,6 +359,55 @@ def computed_when_preempted(records: Sequence[StepRecord], req_id: str) -> int |
         if scheduled:
             computed = record.output.num_computed_tokens_by_request()[req_id] + scheduled
     return None
+
+
+#: KV049's fix: what a resumed request's second load needs.
+RELOAD_FIX = (
+    "a request preempted and resumed is asked again (get_num_new_matched_tokens, from 0 computed tokens) and loads "
+    "again, into its new table: carry out every load the metadata names, and keep no per-request mark ('loaded', "
+    "'done') past the load it was for (forget it once the load is reported): the same request id loads twice"
+)
+
+
+def reloaded_after_preemption(result: DataResult) -> tuple[str, int] | None:
+    """The first request of :data:`~..runs.RELOADING` preempted after a load, and the tokens it had loaded then."""
+    for name in RELOADING:
+        engine_id, loaded = result.tag.engine_id(name), 0
+        for record in result.records:
+            if engine_id in record.preempted and loaded:
+                return name, loaded
+            loaded += record.loaded.get(engine_id, 0)
+    return None
+
+
+@check(
+    "KV049",
+    "preempted-loads",
+    fix=RELOAD_FIX,
+    **{**PREEMPTED_DATA_CHECK, "after": (*PREEMPTED_DATA_CHECK["after"], "KV043")},
+)
+def preempted_loads(session: Session) -> None:
+    """A request preempted after loading its prefix loads it again at its resume, into its new table; tokens exact.
+
+    Two requests load three blocks each and grow in a small pool until one is
+    preempted; it resumes with a new table once the other ends, and the engine
+    asks the connector again. Catches a worker that marks a request as loaded
+    (to skip a load its metadata repeats, or to report it once) and never
+    forgets the mark: the second load is skipped or reported done unread, and
+    the resumed request reads whatever its new blocks held.
+    """
+    result = data_run(session, PREEMPTED_LOADS)
+    if not any(record.preempted for record in result.records):
+        raise nothing_preempted(f"the {PREEMPTED_LOADS.name!r} data run")
+    reloaded = reloaded_after_preemption(result)
+    when = (
+        ""
+        if reloaded is None
+        else (
+            f" ({reloaded[0]!r} loaded {reloaded[1]} tokens, was preempted, and resumed with a new table to load again)"
+        )
+    )
+    _exact(session, PREEMPTED_LOADS, when, RELOAD_FIX if reloaded else None)
 
 
 @check(
