@@ -145,6 +145,29 @@ def test_the_livelocking_store_fails_under_vllm_and_its_correct_version_passes(
 
 
 @pytest.mark.usefixtures("fixtures")
+def test_vllm_holds_the_blocks_of_a_request_aborted_while_loading_until_the_worker_reports_the_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM 0.33's ``Scheduler.finish_requests`` keeps a request aborted in ``WAITING_FOR_REMOTE_KVS`` (and its
+    blocks) until ``finished_recving`` reports its load: a worker that drops that report leaks them for ever, and
+    the diagnosis says so as on the reference engine. Its correct version passes."""
+    from kvconn.testing.conformance.waits import WAIT_ENV
+
+    monkeypatch.setenv(WAIT_ENV, "1")
+    config = {"load_delay_s": 0.3}
+    report = run_conformance(LIVELOCK + "ForgetsAbortedLoads", driver="vllm", config=config, select="KV03[01]")
+    assert [(r.id, r.status) for r in report.results] == [("KV030", "failed"), ("KV031", "passed")]
+    message = report.result("KV030").message
+    assert "in scenario 'abort-while-loading'" in message and (
+        "request 'r1' waits for finished_recving since step 6, when its async load was in flight (it waited in "
+        "WAITING_FOR_REMOTE_KVS): then it was aborted, and its blocks stay held until finished_recving reports the "
+        "load" in message
+    ), message
+    correct = run_conformance(LIVELOCK + "SlowLoads", driver="vllm", config=config, select="KV03[01]")
+    assert [r.status for r in correct.results] == ["passed", "passed"], correct.results
+
+
+@pytest.mark.usefixtures("fixtures")
 def test_a_connector_blocking_every_vllm_step_on_a_slow_save_is_told_the_hook_budget() -> None:
     """The adapter's host stops calling a ``wait_for_save`` that takes 1.1 s three steps in a row, as the reference
     engine's does: the check names the hook and the budget, and the fix for that, not its own."""

@@ -124,3 +124,27 @@ def test_a_wait_bound_that_is_not_a_positive_number_of_seconds_is_refused_naming
     monkeypatch.setenv(WAIT_ENV, value)
     with pytest.raises(ValueError, match=f"{WAIT_ENV}={value!r} is not a positive number of seconds"):
         wait_seconds()
+
+
+def test_a_worker_dropping_the_load_of_a_request_aborted_meanwhile_fails_request_finished(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine holds the blocks of a request aborted while its async load is in flight until the load is
+    reported (vLLM's ``Scheduler.finish_requests``): a worker that drops that report because the request ended
+    holds them for ever (vllm-ascend issue 16662). Its correct version passes."""
+    monkeypatch.setenv(WAIT_ENV, "1")
+    config = {"load_delay_s": 0.3}  # in flight when the scenario aborts it, a step later
+    report = run_conformance(LIVELOCK + "ForgetsAbortedLoads", config=config, select="KV03[01]")
+    assert [(r.id, r.status) for r in report.results] == [("KV030", "failed"), ("KV031", "passed")]
+    message = report.result("KV030").message
+    assert (
+        "in scenario 'abort-while-loading': after every request ended, for " in message
+        and "request 'r1' waits for finished_recving since step 5, when get_num_new_matched_tokens returned (64, True) "
+        "for it (an async load): then it was aborted, and its blocks stay held until finished_recving reports the "
+        "load (the worker may still be writing into them), and get_finished never reported it; fix: report 'r1' in "
+        "get_finished's finished_recving (once) when the async load started for it"
+        in message
+    ), message
+    assert "also when the request ended meanwhile (finished_req_ids)" in message
+    correct = run_conformance(LIVELOCK + "SlowLoads", config=config, select="KV03[01]")
+    assert [r.status for r in correct.results] == ["passed", "passed"], correct.results

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from kvconn.block_state import BlockIds
 from kvconn.reference.shape import EngineShape
+from kvconn.testing.conformance.diagnose import Awaited
 from kvconn.testing.conformance.driver import NO_KEYS, DriverSpec, RequestKeys, StepRecord
 
 from .harness import VLLM_TEST_SHAPE, VllmLoop, check_ranks, make_request
@@ -75,6 +76,8 @@ class VllmSchedulerDriver:
         self.loop = loop
         self.scheduler = loop.scheduler
         self.observer = observer
+        #: requests aborted while their async load was in flight, and the step before which each was aborted
+        self._aborted_loading: dict[str, int] = {}
 
     def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int, keys: RequestKeys = NO_KEYS) -> None:
         self.scheduler.add_request(make_request(req_id, prompt, max_tokens, self.block_size, **keys._asdict()))
@@ -82,7 +85,25 @@ class VllmSchedulerDriver:
     def abort(self, req_id: str) -> None:
         from vllm.v1.request import RequestStatus
 
+        request = self.scheduler.requests.get(req_id)
+        if (
+            request is not None
+            and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            and req_id not in self.scheduler.finished_recving_kv_req_ids
+        ):
+            self._aborted_loading[req_id] = len(self.loop.outputs)
         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def awaited(self) -> list[Awaited]:
+        """The loads of aborted requests whose blocks vLLM still holds (see :func:`~kvconn.testing.conformance.
+        diagnose.stall`): ``Scheduler.finish_requests`` keeps them until ``finished_recving`` reports the load."""
+        answer = "its async load was in flight (it waited in WAITING_FOR_REMOTE_KVS)"
+        held = self.scheduler.requests
+        return [
+            Awaited(req_id, "finished_recving", step, answer, ended=True)
+            for req_id, step in self._aborted_loading.items()
+            if req_id in held
+        ]
 
     def step(self, *, withhold: Collection[str] = ()) -> StepRecord:
         """Run one step, withholding ``withhold`` from the block state; the observer records it."""

@@ -296,7 +296,7 @@ class ReferenceDriver:
     def awaited(self) -> list[Awaited]:
         """The reports the engine still waits for, oldest first (see :func:`~.diagnose.stall`)."""
         waits = [
-            Awaited(req_id, kind, step, answer)
+            Awaited(req_id, kind, step, answer, ended=req_id not in self.scheduler.requests)
             for kind, awaiting in self._awaiting.items()
             for req_id, (step, answer) in awaiting.items()
         ]

@@ -149,6 +149,15 @@ STANDARD: tuple[Scenario, ...] = (
         aborts=((0, "r1"), (3, "r0")),
     ),
     Scenario(
+        "abort-while-loading",
+        "r1 repeats r0's 70-token prompt (prefix caching off) and is aborted on the step after the connector was "
+        "asked to load it: the engine holds the blocks of a request aborted while its async load is in flight "
+        "until finished_recving reports that load",
+        (Arrival("r0", prompt(70, 680), 3), Arrival("r1", prompt(70, 680), 3, at_step=5)),
+        aborts=((6, "r1"),),
+        options={"enable_prefix_caching": False},
+    ),
+    Scenario(
         "fill-step-ends",
         "r0 finishes on the step that fills its last block; r1 is aborted right after its block-fill step",
         (Arrival("r0", prompt(13, 450), 4), Arrival("r1", prompt(30, 451), 30), Arrival("r2", prompt(20, 452), 12)),

@@ -34,6 +34,8 @@ class Awaited:
     kind: str
     step: int
     answer: str
+    #: the request ended (aborted) while the engine waited: only its blocks are still held
+    ended: bool = False
 
 
 class WaitsReporter(Protocol):
@@ -55,12 +57,19 @@ _FIXES = {
     "request_finished return True no longer reads its blocks; return False from request_finished when no save "
     "of the request is pending",
     "finished_recving": "report {ids} in get_finished's finished_recving (once) when the async load started for "
-    "it (get_num_new_matched_tokens returned load_async=True) has landed; a load that cannot complete is "
-    "reported too, with its blocks in get_block_ids_with_load_errors",
+    "it (get_num_new_matched_tokens returned load_async=True) has landed, also when the request ended meanwhile "
+    "(finished_req_ids): the engine holds an aborted request's blocks until its load is reported; a load that "
+    "cannot complete is reported too, with its blocks in get_block_ids_with_load_errors",
 }
 _WAITS_FOR = {
     "finished_sending": "its blocks stay held until finished_sending reports it",
     "finished_recving": "it cannot be scheduled until finished_recving reports it",
+}
+#: What an aborted request still waits for, per report kind: its blocks, which the worker may still be writing.
+_ENDED_WAITS_FOR = {
+    "finished_sending": _WAITS_FOR["finished_sending"],
+    "finished_recving": "then it was aborted, and its blocks stay held until finished_recving reports the load (the "
+    "worker may still be writing into them)",
 }
 
 
@@ -89,7 +98,8 @@ def stall(driver: object, what: str) -> Stalled:
     others = f" (and {len(same)} more the same way: {', '.join(map(repr, same))})" if same else ""
     waits = (
         f"request {first.req_id!r} waits for {first.kind} since step {first.step}, when {first.answer}: "
-        f"{_WAITS_FOR[first.kind]}, and get_finished never reported it{others}"
+        f"{(_ENDED_WAITS_FOR if first.ended else _WAITS_FOR)[first.kind]}, and get_finished never reported "
+        f"it{others}"
     )
     ids = ", ".join(repr(r) for r in [first.req_id, *same])
     return Stalled(f"{what}: {waits}", _FIXES[first.kind].format(ids=ids))
