@@ -131,6 +131,8 @@ class Session:
         self._memo: dict[str, Any] = {}
         self._results: dict[str, CheckResult] = {}
         self._root: Check | None = None  # the check that reported a connector error met in a scenario
+        #: the failed check each check not run was not run for: a check after it names that root, not it
+        self._not_run_for: dict[str, Check] = {}
 
     def memo(self, key: str, compute: Callable[[], T]) -> T:
         """``compute()`` once per session under ``key``."""
@@ -230,12 +232,12 @@ class Session:
         for dependency in map(get_check, check.after):
             result = self.run(dependency)
             if result.status == "failed" or result.message.startswith(NOT_RUN):
-                return _not_run(check, dependency)
+                return self._not_run(check, self._not_run_for.get(dependency.id, dependency))
         try:
             check.function(self)
         except ScenarioBroken as exc:
             if self._root is not None:
-                return _not_run(check, self._root)
+                return self._not_run(check, self._root)
             self._root = check
             return CheckResult(check.id, check.name, "failed", exc.report(check.fix))
         except ConformanceFailure as exc:
@@ -246,8 +248,9 @@ class Session:
             return CheckResult(check.id, check.name, "failed", f"{type(exc).__name__}: {exc}")
         return CheckResult(check.id, check.name, "passed")
 
-
-def _not_run(check: Check, cause: Check) -> CheckResult:
-    return CheckResult(
-        check.id, check.name, "skipped", f"{NOT_RUN}{cause.id} {cause.name} failed first (the root cause): fix it"
-    )
+    def _not_run(self, check: Check, cause: Check) -> CheckResult:
+        """``check`` skipped for ``cause``, the failed check at the root (remembered for the checks after it)."""
+        self._not_run_for[check.id] = cause
+        return CheckResult(
+            check.id, check.name, "skipped", f"{NOT_RUN}{cause.id} {cause.name} failed first (the root cause): fix it"
+        )
