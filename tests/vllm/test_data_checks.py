@@ -144,7 +144,7 @@ def test_the_livelocking_store_fails_under_vllm_and_its_correct_version_passes(
         assert "fix: stop claiming a block whose load failed" in result.message
 
 
-@pytest.mark.usefixtures("fixtures")
+@pytest.mark.usefixtures("fixtures", "runner")
 def test_vllm_holds_the_blocks_of_a_request_aborted_while_loading_until_the_worker_reports_the_load(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -400,14 +400,12 @@ def preempted_loads(session: Session) -> None:
     if not any(record.preempted for record in result.records):
         raise nothing_preempted(f"the {PREEMPTED_LOADS.name!r} data run")
     reloaded = reloaded_after_preemption(result)
-    when = (
-        ""
-        if reloaded is None
-        else (
-            f" ({reloaded[0]!r} loaded {reloaded[1]} tokens, was preempted, and resumed with a new table to load again)"
-        )
-    )
-    _exact(session, PREEMPTED_LOADS, when, RELOAD_FIX if reloaded else None)
+    if reloaded is None:  # preempted before it loaded anything: judged on its tokens alone
+        _exact(session, PREEMPTED_LOADS)
+        return
+    name, loaded = reloaded
+    when = f" ({name!r} loaded {loaded} tokens, was preempted, and resumed with a new table to load again)"
+    _exact(session, PREEMPTED_LOADS, when, RELOAD_FIX)
 
 
 @check(
