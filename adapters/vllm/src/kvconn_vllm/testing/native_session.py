@@ -18,7 +18,6 @@ from typing import Any
 from kvconn.testing.conformance.catalog import Check
 from kvconn.testing.conformance.checks.data import failed_load_recomputed
 from kvconn.testing.conformance.driver import DriverSpec
-from kvconn.testing.conformance.request_ids import RequestTags
 from kvconn.testing.conformance.results import CheckResult, Violation
 from kvconn.testing.conformance.session import Session
 
@@ -82,10 +81,7 @@ class NativeSession(Session):
         self.every_data_run_loads = False  # see Session.every_data_run_loads
         moves_kv = self.stand_in is None or self.stand_in.moves_kv
         self.capabilities = frozenset({"scheduler", "worker", *(("saves", "loads") if moves_kv else ())})
-        self.tags = RequestTags()
-        self._memo = {}
-        self._results = {}
-        self._root = None
+        self._start()
 
     def _run(self, check: Check) -> CheckResult:
         reason = NOT_APPLICABLE.get(check.id)

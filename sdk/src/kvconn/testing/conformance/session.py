@@ -127,6 +127,10 @@ class Session:
             | ({"loads"} if getattr(self.cls, "loads", False) else set())
             | ({"store"} if isinstance(self.cls, type) and issubclass(self.cls, StoreConnector) else set())
         )
+        self._start()
+
+    def _start(self) -> None:
+        """What a session keeps while its checks run, empty (a subclass that sets itself up calls it too)."""
         self.tags = RequestTags()
         self._memo: dict[str, Any] = {}
         self._results: dict[str, CheckResult] = {}
