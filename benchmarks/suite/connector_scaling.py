@@ -23,8 +23,10 @@ filled block (every ``block_size`` steps), the eager pattern one per step.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import inspect
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -73,6 +75,7 @@ def _template_class() -> type:
     from kvconn_cli.scaffold import Scaffold, plan
 
     root = Path(tempfile.mkdtemp(prefix="kvconn-bench-template-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)  # imported from it until the process ends
     for path, text in plan(Scaffold.for_name("bench"), root).items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
